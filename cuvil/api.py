@@ -1,0 +1,46 @@
+"""The public entry points: ``cuvil.jit`` and ``cuvil.load``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cuvil.runtime.model import CompiledModel
+from cuvil.runtime.model import load as load_artifact
+
+
+def jit(
+    model: torch.nn.Module,
+    example_inputs: Any,
+    *,
+    target: str = "cpu",
+    precision: str = "fp32",
+    dynamic_shapes: Any = None,
+    name: str | None = None,
+    dump_dir: str | Path | None = None,
+    on_stage: Callable[[str], None] | None = None,
+) -> CompiledModel:
+    """Compile ``model`` for ``target``; ``dynamic_shapes`` is what torch.export.export takes.
+
+    ``example_inputs`` is a tensor, a tuple of positional inputs, or a dict of keyword inputs.
+    The result is verified against eager PyTorch on the examples before it is returned
+    (``compiled.report["verification"]``).
+    """
+    from cuvil.pipeline import CompileOptions, compile_model
+
+    options = CompileOptions(
+        target=target,
+        precision=precision,
+        name=name,
+        dump_dir=Path(dump_dir) if dump_dir is not None else None,
+        on_stage=on_stage,
+    )
+    return compile_model(model, example_inputs, dynamic_shapes, options)
+
+
+def load(path: str | Path) -> CompiledModel:
+    """Load a saved artifact (file or directory) in any process; no model code is needed."""
+    return load_artifact(path)

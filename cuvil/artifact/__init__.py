@@ -1,0 +1,1 @@
+"""Cuvil artifacts: files on disk, and (later) OCI push/pull."""

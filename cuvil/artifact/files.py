@@ -1,0 +1,162 @@
+"""Artifact files on disk: a directory form and a single-file (tar) form of the same content.
+
+An artifact is data, never code: ``config.json`` (signature, target, report, and the sha256 of
+every other file), ``graph.json`` (the planned IR), ``weights.safetensors``, and optionally
+``golden.safetensors`` (inputs and eager outputs for start-up checks) and ``kernels.tar``.
+Reading checks every file against the digest in the config before parsing it; nothing is
+unpickled, imported or evaluated.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import tarfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+from cuvil.artifact import media_types as mt
+from cuvil.ir import Graph
+from cuvil.ir_json import graph_from_json, graph_to_json
+from cuvil.ir_verify import verify_graph
+
+CONFIG_FORMAT = "cuvil.config.v1"
+MAX_MEMBER_BYTES = 64 * 2**30
+
+
+class ArtifactError(ValueError):
+    """The artifact is malformed, incomplete or fails a digest check."""
+
+
+@dataclass
+class ArtifactContents:
+    config: dict[str, Any]
+    graph: Graph
+    weights: dict[str, torch.Tensor]
+    golden: dict[str, torch.Tensor] = field(default_factory=dict)
+    kernels: bytes | None = None
+
+
+def sha256_digest(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def _tensors_bytes(tensors: Mapping[str, torch.Tensor]) -> bytes:
+    """safetensors bytes; shared or non-contiguous storage is copied (the format wants that)."""
+    seen: set[int] = set()
+    plain: dict[str, torch.Tensor] = {}
+    for key in sorted(tensors):
+        tensor = tensors[key].detach().cpu()
+        pointer = tensor.untyped_storage().data_ptr() if tensor.numel() else -1
+        if pointer in seen or not tensor.is_contiguous():
+            tensor = tensor.clone(memory_format=torch.contiguous_format)
+        seen.add(pointer)
+        plain[key] = tensor
+    return save_safetensors(plain)
+
+
+def encode_files(contents: ArtifactContents) -> dict[str, bytes]:
+    """All files of the artifact as bytes, config last (it records the others' digests)."""
+    files: dict[str, bytes] = {
+        mt.GRAPH_FILE: json.dumps(graph_to_json(contents.graph), sort_keys=True).encode(),
+        mt.WEIGHTS_FILE: _tensors_bytes(contents.weights),
+    }
+    if contents.golden:
+        files[mt.GOLDEN_FILE] = _tensors_bytes(contents.golden)
+    if contents.kernels is not None:
+        files[mt.KERNELS_FILE] = contents.kernels
+    config = dict(contents.config)
+    config["format"] = CONFIG_FORMAT
+    config["files"] = {
+        name: {"mediaType": mt.FILE_MEDIA_TYPES[name], "digest": sha256_digest(data), "size": len(data)}
+        for name, data in files.items()
+    }
+    files[mt.CONFIG_FILE] = json.dumps(config, indent=2, sort_keys=True).encode()
+    return files
+
+
+def write_artifact(contents: ArtifactContents, path: str | Path, *, directory: bool = False) -> Path:
+    """Write the tar form (default) or the directory form; returns the path written."""
+    path = Path(path)
+    files = encode_files(contents)
+    if directory:
+        path.mkdir(parents=True, exist_ok=True)
+        for name, data in files.items():
+            (path / name).write_bytes(data)
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(path.name + ".partial")
+    with tarfile.open(temporary, "w", format=tarfile.PAX_FORMAT) as tar:
+        for name in [mt.CONFIG_FILE, *sorted(n for n in files if n != mt.CONFIG_FILE)]:
+            info = tarfile.TarInfo(name)
+            info.size, info.mtime, info.mode = len(files[name]), 0, 0o644
+            tar.addfile(info, io.BytesIO(files[name]))
+    temporary.replace(path)
+    return path
+
+
+def read_files(path: str | Path) -> dict[str, bytes]:
+    """The raw files of a directory or tar artifact (known names only)."""
+    path = Path(path)
+    known = {mt.CONFIG_FILE, *mt.FILE_MEDIA_TYPES}
+    if path.is_dir():
+        return {name: (path / name).read_bytes() for name in known if (path / name).is_file()}
+    if not path.is_file():
+        raise ArtifactError(f"no artifact at {path}")
+    files: dict[str, bytes] = {}
+    try:
+        with tarfile.open(path, "r:") as tar:
+            for member in tar:
+                if member.name not in known:
+                    raise ArtifactError(f"{path}: unexpected member {member.name!r}")
+                if not member.isfile() or member.size > MAX_MEMBER_BYTES:
+                    raise ArtifactError(f"{path}: member {member.name!r} is not a plain file")
+                extracted = tar.extractfile(member)
+                assert extracted is not None
+                files[member.name] = extracted.read()
+    except tarfile.TarError as error:
+        raise ArtifactError(f"{path} is not a Cuvil artifact: {error}") from None
+    return files
+
+
+def decode_files(files: Mapping[str, bytes], origin: str = "artifact") -> ArtifactContents:
+    """Check every file against the config's digests, then parse; refuse anything that differs."""
+    if mt.CONFIG_FILE not in files:
+        raise ArtifactError(f"{origin}: missing {mt.CONFIG_FILE}")
+    try:
+        config = json.loads(files[mt.CONFIG_FILE])
+    except json.JSONDecodeError as error:
+        raise ArtifactError(f"{origin}: {mt.CONFIG_FILE} is not JSON: {error}") from None
+    if config.get("format") != CONFIG_FORMAT:
+        raise ArtifactError(f"{origin}: config format {config.get('format')!r} is not {CONFIG_FORMAT}")
+    recorded = config.get("files", {})
+    for name in (mt.GRAPH_FILE, mt.WEIGHTS_FILE):
+        if name not in recorded:
+            raise ArtifactError(f"{origin}: config does not list {name}")
+    for name, entry in recorded.items():
+        if name not in files:
+            raise ArtifactError(f"{origin}: missing {name}")
+        actual = sha256_digest(files[name])
+        if actual != entry.get("digest"):
+            raise ArtifactError(
+                f"{origin}: {name} has digest {actual}, the config records {entry.get('digest')}: "
+                "refusing a modified or corrupt artifact"
+            )
+    try:
+        graph = verify_graph(graph_from_json(json.loads(files[mt.GRAPH_FILE])))
+        weights = dict(load_safetensors(files[mt.WEIGHTS_FILE]))
+        golden = dict(load_safetensors(files[mt.GOLDEN_FILE])) if mt.GOLDEN_FILE in recorded else {}
+    except ValueError as error:
+        raise ArtifactError(f"{origin}: {error}") from None
+    return ArtifactContents(config, graph, weights, golden, files.get(mt.KERNELS_FILE))
+
+
+def read_artifact(path: str | Path) -> ArtifactContents:
+    return decode_files(read_files(path), origin=str(path))

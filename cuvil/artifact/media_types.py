@@ -1,0 +1,29 @@
+"""Media types and file names of a Cuvil artifact.
+
+The OCI side follows the image-spec's artifact guidance
+(https://github.com/opencontainers/image-spec/blob/main/manifest.md#guidelines-for-artifact-usage):
+a manifest with ``artifactType`` ARTIFACT_TYPE, a config of CONFIG and one layer per file below.
+On disk, the same files sit in a directory or a tar; FILE_MEDIA_TYPES ties the two forms together.
+"""
+
+ARTIFACT_TYPE = "application/vnd.cuvil.artifact.v1"
+CONFIG = "application/vnd.cuvil.config.v1+json"
+GRAPH = "application/vnd.cuvil.graph.v1+json"
+WEIGHTS = "application/vnd.cuvil.weights.v1+safetensors"
+GOLDEN = "application/vnd.cuvil.golden.v1+safetensors"
+KERNELS = "application/vnd.cuvil.kernels.v1.tar"
+REPORT = "application/vnd.cuvil.report.v1+json"
+
+CONFIG_FILE = "config.json"
+GRAPH_FILE = "graph.json"
+WEIGHTS_FILE = "weights.safetensors"
+GOLDEN_FILE = "golden.safetensors"
+KERNELS_FILE = "kernels.tar"
+
+# Layer files (everything but the config), in the order they are written and pushed.
+FILE_MEDIA_TYPES: dict[str, str] = {
+    GRAPH_FILE: GRAPH,
+    WEIGHTS_FILE: WEIGHTS,
+    GOLDEN_FILE: GOLDEN,
+    KERNELS_FILE: KERNELS,
+}

@@ -1,0 +1,101 @@
+"""Shape symbols: from torch.export's ShapeEnv (s0, s70, …) to Cuvil's named symbols.
+
+torch names its symbols after allocation order; Cuvil names them after the user's ``Dim``s, so
+that signatures, IR text and error messages speak the user's language ("batch", "seq").
+Expressions built with torch's own sympy functions (FloorDiv, Mod, …) are rewritten into plain
+sympy, so that the IR text can be parsed back without torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import sympy
+import torch
+
+from cuvil.ir import Symbol, make_symbol
+
+
+class UnsupportedShapeError(ValueError):
+    pass
+
+
+def _floor_div(a: sympy.Expr, b: sympy.Expr) -> sympy.Expr:
+    return sympy.floor(a / b)
+
+
+def _ceil_div(a: sympy.Expr, b: sympy.Expr) -> sympy.Expr:
+    return sympy.ceiling(a / b)
+
+
+def _true_div(a: sympy.Expr, b: sympy.Expr) -> sympy.Expr:
+    return a / b
+
+
+# torch.utils._sympy function name -> plain sympy equivalent (for non-negative integer operands).
+TORCH_SYMPY_FUNCTIONS: dict[str, Callable[..., sympy.Expr]] = {
+    "FloorDiv": _floor_div,
+    "CeilDiv": _ceil_div,
+    "CleanDiv": _true_div,
+    "IntTrueDiv": _true_div,
+    "Mod": sympy.Mod,
+    "PythonMod": sympy.Mod,
+    "Max": sympy.Max,
+    "Min": sympy.Min,
+    "floor": sympy.floor,
+    "ceiling": sympy.ceiling,
+    "FloorToInt": sympy.floor,
+    "CeilToInt": sympy.ceiling,
+}
+
+
+def to_cuvil_expr(expr: sympy.Expr, names: Mapping[sympy.Symbol, sympy.Symbol]) -> sympy.Expr:
+    """Rewrite a torch shape expression over Cuvil's named symbols."""
+    if isinstance(expr, sympy.Symbol):
+        if expr not in names:
+            kind = "data-dependent size" if str(expr).startswith("u") else "unnamed symbol"
+            raise UnsupportedShapeError(f"{kind} {expr} in a shape")
+        return names[expr]
+    if expr.is_Number:
+        return expr
+    args = [to_cuvil_expr(arg, names) for arg in expr.args]
+    if isinstance(expr, sympy.Add | sympy.Mul | sympy.Pow):
+        return type(expr)(*args)
+    rewrite = TORCH_SYMPY_FUNCTIONS.get(type(expr).__name__)
+    if rewrite is None:
+        raise UnsupportedShapeError(f"shape expression {expr} uses {type(expr).__name__}")
+    return rewrite(*args)
+
+
+def shape_symbol_names(
+    ep: torch.export.ExportedProgram, dim_names: Mapping[tuple[str, int], str]
+) -> tuple[dict[sympy.Symbol, sympy.Symbol], tuple[Symbol, ...]]:
+    """Name torch's symbols from the user inputs' dims; return the map and the bounded symbols.
+
+    ``dim_names`` maps (input name, dim index) to the user's Dim name; a dynamic dim the user did
+    not name (Dim.AUTO) gets ``<input>_<dim>``.
+    """
+    names: dict[sympy.Symbol, sympy.Symbol] = {}
+    for node in ep.graph.nodes:
+        if node.op != "placeholder" or node.name not in ep.graph_signature.user_inputs:
+            continue
+        val = node.meta.get("val")
+        for index, size in enumerate(getattr(val, "shape", ())):
+            if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
+                torch_symbol = size.node.expr
+                if torch_symbol not in names:
+                    name = dim_names.get((node.name, index), f"{node.name}_{index}")
+                    names[torch_symbol] = make_symbol(_identifier(name))
+    symbols = []
+    for torch_symbol, symbol in names.items():
+        bounds = ep.range_constraints.get(torch_symbol)
+        lower = int(bounds.lower) if bounds is not None else 0
+        upper = bounds.upper if bounds is not None else None
+        finite = upper is not None and upper.is_finite and int(upper) < 2**62
+        symbols.append(Symbol(symbol.name, lower, int(upper) if finite else None))
+    return names, tuple(symbols)
+
+
+def _identifier(name: str) -> str:
+    cleaned = "".join(char if char.isalnum() or char == "_" else "_" for char in name)
+    return cleaned if cleaned and not cleaned[0].isdigit() else f"d_{cleaned}"

@@ -1,0 +1,90 @@
+"""The IR verifier: the structural rules every Graph obeys between pipeline stages.
+
+Runs after the frontend, after every pass in tests, and on every graph loaded from an artifact,
+so that a malformed or tampered graph is refused before anything executes it.
+"""
+
+from __future__ import annotations
+
+import sympy
+
+from cuvil.ir import DTYPES, LAYOUTS, Graph, Node, free_symbols
+
+
+class IRVerificationError(ValueError):
+    pass
+
+
+def verify_graph(graph: Graph) -> Graph:
+    """Return ``graph`` unchanged if it is well formed; raise IRVerificationError naming the fault."""
+    problems = list(_problems(graph))
+    if problems:
+        shown = "\n  ".join(problems[:20])
+        more = f"\n  … and {len(problems) - 20} more" if len(problems) > 20 else ""
+        raise IRVerificationError(f"graph @{graph.name} is malformed:\n  {shown}{more}")
+    return graph
+
+
+def _problems(graph: Graph):  # type: ignore[no-untyped-def]
+    declared = {symbol.name for symbol in graph.symbols}
+    for symbol in graph.symbols:
+        if symbol.min < 0 or (symbol.max is not None and symbol.max < symbol.min):
+            yield f"symbol {symbol.name} has empty or negative range [{symbol.min}, {symbol.max}]"
+    if len(declared) != len(graph.symbols):
+        yield "a symbol is declared twice"
+
+    seen: dict[str, Node] = {}
+    for node in graph.nodes:
+        yield from _node_problems(node, seen, declared)
+        if node.name in seen:
+            yield f"%{node.name} is defined twice"
+        seen[node.name] = node
+
+    input_nodes = tuple(node.name for node in graph.nodes if node.op == "input")
+    if input_nodes != graph.inputs:
+        yield f"graph inputs {list(graph.inputs)} differ from its input nodes {list(input_nodes)}"
+    if not graph.outputs:
+        yield "graph has no outputs"
+    names = [name for name, _ in graph.outputs]
+    if len(set(names)) != len(names):
+        yield f"output names repeat: {names}"
+    for name, value in graph.outputs:
+        producer = seen.get(value.node)
+        if producer is None or value.index >= len(producer.types):
+            yield f"output {name!r} refers to undefined value {value}"
+
+
+def _node_problems(node: Node, seen: dict[str, Node], declared: set[str]):  # type: ignore[no-untyped-def]
+    where = f"%{node.name} ({node.op})"
+    if not node.op:
+        yield f"{where}: empty op"
+    if not node.types:
+        yield f"{where}: no output type"
+    for value in node.inputs:
+        producer = seen.get(value.node)
+        if producer is None:
+            yield f"{where}: uses {value} before it is defined"
+        elif value.index >= len(producer.types):
+            yield f"{where}: uses {value} but %{value.node} has {len(producer.types)} output(s)"
+    for tensor_type in node.types:
+        if tensor_type.dtype not in DTYPES:
+            yield f"{where}: unknown dtype {tensor_type.dtype!r}"
+        if tensor_type.layout not in LAYOUTS:
+            yield f"{where}: unknown layout {tensor_type.layout!r}"
+        for dim in tensor_type.shape:
+            if not isinstance(dim, sympy.Expr):
+                yield f"{where}: dimension {dim!r} is not a sympy expression"
+            elif dim.is_Integer and int(dim) < 0:
+                yield f"{where}: negative dimension {dim}"
+    used = free_symbols(tuple(node.types[0].shape) if node.types else ())
+    for tensor_type in node.types[1:]:
+        used |= free_symbols(tuple(tensor_type.shape))
+    for _, arg in node.args:
+        used |= free_symbols(arg)
+    undeclared = sorted(str(s) for s in used if str(s) not in declared)
+    if undeclared:
+        yield f"{where}: uses undeclared symbol(s) {undeclared}"
+    if node.op == "const" and not isinstance(node.arg("key"), str):
+        yield f"{where}: a const needs a string 'key'"
+    if node.op == "input" and node.args:
+        yield f"{where}: an input takes no arguments"

@@ -1,0 +1,187 @@
+"""Execution plan: a Graph turned, once, into a flat list of bound kernel calls over slots.
+
+Building the plan resolves every op to its kernel, decodes literal arguments, assigns each value
+a slot, places weights on the device, and works out when each intermediate is last used, so
+that a call is one loop over prepared steps: fill the step's tensor arguments from slots, call,
+store, release dead slots. No graph walking, no dict lookups by name, no shape inference per call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import sympy
+import torch
+
+from cuvil.ir import Arg, Enum, Graph, Node, Value
+from cuvil.runtime.kernels import Kernel, call_layout, decode_enum, resolve_kernel
+from cuvil.shape_expr import compile_expr
+
+# A filler computes one argument at call time from the slots and the symbol values.
+Filler = Callable[[list[Any], Mapping[str, int]], Any]
+
+
+@dataclass(frozen=True)
+class Step:
+    kernel: Kernel
+    args: tuple[Any, ...]  # literals in place, placeholders where fills go
+    kwargs: dict[str, Any]
+    slot_fills: tuple[tuple[int, int], ...]  # (arg position, slot)
+    computed_fills: tuple[tuple[int | str, Filler], ...]  # (position or kwarg name, filler)
+    outputs: tuple[int, ...]  # slots for the step's outputs
+    release: tuple[int, ...]  # slots whose last use is this step
+    name: str
+
+
+class PlanError(ValueError):
+    pass
+
+
+class ExecutionPlan:
+    def __init__(
+        self,
+        graph: Graph,
+        weights: Mapping[str, torch.Tensor],
+        device: torch.device | str = "cpu",
+        kernels: Mapping[str, Kernel] | None = None,
+    ) -> None:
+        self.graph = graph
+        self.device = torch.device(device)
+        self._kernels = dict(kernels or {})
+        self._slot: dict[Value, int] = {}
+        for node in graph.nodes:
+            for index in range(len(node.types)):
+                self._slot[Value(node.name, index)] = len(self._slot)
+        self.initial: list[Any] = [None] * len(self._slot)
+        self.input_slots = tuple((name, self._slot[Value(name)]) for name in graph.inputs)
+        self.output_slots = tuple((name, self._slot[value]) for name, value in graph.outputs)
+        last_use = self._last_uses()
+        self.steps: tuple[Step, ...] = tuple(
+            self._step(node, last_use) for node in graph.nodes if not self._place(node, weights)
+        )
+
+    # -- building
+
+    def _place(self, node: Node, weights: Mapping[str, torch.Tensor]) -> bool:
+        """Put consts into their slots; True for nodes that need no step."""
+        if node.op == "input":
+            return True
+        if node.op == "const":
+            key = str(node.arg("key"))
+            if key not in weights:
+                raise PlanError(f"weights have no tensor {key!r} for %{node.name}")
+            self.initial[self._slot[node.value()]] = weights[key].to(self.device)
+            return True
+        return False
+
+    def _last_uses(self) -> dict[int, str]:
+        """slot -> name of the last node reading it (graph outputs and consts are never freed)."""
+        kept = {slot for _, slot in self.output_slots}
+        kept |= {self._slot[n.value()] for n in self.graph.nodes if n.op == "const"}
+        last: dict[int, str] = {}
+        for node in self.graph.nodes:
+            for value in node.inputs:
+                slot = self._slot[value]
+                if slot not in kept:
+                    last[slot] = node.name
+        return last
+
+    def _step(self, node: Node, last_use: dict[int, str]) -> Step:
+        try:
+            kernel = resolve_kernel(node.op, self._kernels)
+        except LookupError as error:
+            raise PlanError(f"%{node.name}: {error}") from None
+        positional, keyword_only, defaults = call_layout(kernel)
+        given = dict(node.args)
+        if positional or keyword_only:
+            unknown = set(given) - set(positional) - keyword_only
+            if unknown:
+                raise PlanError(f"%{node.name}: {node.op} has no argument(s) {sorted(unknown)}")
+            count = max((positional.index(k) + 1 for k in given if k in positional), default=0)
+            missing = [k for k in positional[:count] if k not in given and k not in defaults]
+            if missing:
+                raise PlanError(f"%{node.name}: {node.op} is missing argument(s) {missing}")
+            ordered = [given.get(k, defaults.get(k)) for k in positional[:count]]
+            named = {k: v for k, v in given.items() if k in keyword_only}
+        else:  # Cuvil kernels take their arguments in the node's order
+            ordered, named = [arg for _, arg in node.args], {}
+        args: list[Any] = []
+        slot_fills: list[tuple[int, int]] = []
+        computed: list[tuple[int | str, Filler]] = []
+        for position, arg in enumerate(ordered):
+            if isinstance(arg, Value):
+                slot_fills.append((position, self._slot[arg]))
+                args.append(None)
+            else:
+                literal, filler = self._compile_arg(arg)
+                args.append(literal)
+                if filler is not None:
+                    computed.append((position, filler))
+        kwargs: dict[str, Any] = {}
+        for key, arg in named.items():
+            literal, filler = self._compile_arg(arg)
+            kwargs[key] = literal
+            if filler is not None:
+                computed.append((key, filler))
+        release = tuple(
+            sorted({self._slot[v] for v in node.inputs if last_use.get(self._slot[v]) == node.name})
+        )
+        outputs = tuple(self._slot[Value(node.name, i)] for i in range(len(node.types)))
+        return Step(kernel, tuple(args), kwargs, tuple(slot_fills), tuple(computed), outputs,
+                    release, node.name)
+
+    def _compile_arg(self, arg: Arg) -> tuple[Any, Filler | None]:
+        """A literal ready to pass, or a filler when the argument depends on the call."""
+        if isinstance(arg, Value):
+            slot = self._slot[arg]
+            return None, lambda slots, values: slots[slot]
+        if isinstance(arg, Enum):
+            return decode_enum(arg, self.device), None
+        if isinstance(arg, sympy.Expr):
+            evaluate = compile_expr(arg)
+            return None, lambda slots, values: evaluate(values)
+        if isinstance(arg, tuple):
+            parts = [self._compile_arg(item) for item in arg]
+            if all(filler is None for _, filler in parts):
+                return [literal for literal, _ in parts], None
+            fillers = [
+                filler if filler is not None else (lambda s, v, literal=literal: literal)
+                for literal, filler in parts
+            ]
+            return None, lambda slots, values: [fill(slots, values) for fill in fillers]
+        return arg, None
+
+    # -- running
+
+    def run(self, inputs: Mapping[str, torch.Tensor], symbols: Mapping[str, int]) -> dict[str, Any]:
+        """Execute with inputs already checked by the signature; returns outputs by name."""
+        slots = list(self.initial)
+        for name, slot in self.input_slots:
+            slots[slot] = inputs[name]
+        for step in self.steps:
+            if step.slot_fills or step.computed_fills:
+                args = list(step.args)
+                kwargs = step.kwargs
+                for position, slot in step.slot_fills:
+                    args[position] = slots[slot]
+                for where, fill in step.computed_fills:
+                    if isinstance(where, int):
+                        args[where] = fill(slots, symbols)
+                    else:
+                        kwargs = {**kwargs, where: fill(slots, symbols)}
+                result = step.kernel(*args, **kwargs)
+            else:
+                result = step.kernel(*step.args, **step.kwargs)
+            if len(step.outputs) == 1:
+                slots[step.outputs[0]] = result
+            else:
+                for slot, item in zip(step.outputs, result, strict=True):
+                    slots[slot] = item
+            for slot in step.release:
+                slots[slot] = None
+        return {name: slots[slot] for name, slot in self.output_slots}
+
+    def kernel_names(self) -> Sequence[str]:
+        return [step.name for step in self.steps]
