@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TypeAlias
 
 import sympy
 
@@ -44,7 +45,7 @@ class Enum:
         return f"{self.kind}<{self.name}>"
 
 
-Arg = None | bool | int | float | str | sympy.Expr | Value | Enum | tuple["Arg", ...]
+Arg: TypeAlias = "bool | int | float | str | sympy.Expr | Value | Enum | tuple[Arg, ...] | None"
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,7 @@ class TensorType:
 
 @dataclass(frozen=True)
 class Node:
-    """One operation. ``op`` is ``aten.<name>.<overload>``, ``cuvil.<name>``, ``input`` or ``const``."""
+    """One operation: ``op`` is ``aten.<name>.<overload>``, ``cuvil.<name>``, input or const."""
 
     name: str
     op: str

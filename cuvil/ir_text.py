@@ -85,7 +85,7 @@ def print_graph(graph: Graph) -> str:
 _NAME = r"[A-Za-z_][\w.]*"
 _VALUE = re.compile(rf"%({_NAME})(?:#(\d+))?")
 _NUMBER = re.compile(r"-?(?:inf|nan|\d+(?:\.\d*)?(?:[eE][-+]?\d+)?|\.\d+(?:[eE][-+]?\d+)?)")
-_HEADER = re.compile(rf"graph @({_NAME}) \{{$")
+_HEADER = re.compile(r"graph @([\w.\-]+) \{$")
 _SYMBOL = re.compile(rf"symbol ({_NAME}) in \[(\d+), (\d+|inf)\]$")
 _NODE = re.compile(rf"%({_NAME}) = ([\w.]+)\(")
 _RETURN = re.compile(r"return \((.*)\)$")

@@ -6,9 +6,15 @@ so that a malformed or tampered graph is refused before anything executes it.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterator
+
 import sympy
 
 from cuvil.ir import DTYPES, LAYOUTS, Graph, Node, free_symbols
+
+NODE_NAME = re.compile(r"[A-Za-z_][\w.]*")
+GRAPH_NAME = re.compile(r"[\w.\-]+")
 
 
 class IRVerificationError(ValueError):
@@ -16,7 +22,7 @@ class IRVerificationError(ValueError):
 
 
 def verify_graph(graph: Graph) -> Graph:
-    """Return ``graph`` unchanged if it is well formed; raise IRVerificationError naming the fault."""
+    """Return ``graph`` if it is well formed; else raise IRVerificationError naming the fault."""
     problems = list(_problems(graph))
     if problems:
         shown = "\n  ".join(problems[:20])
@@ -25,7 +31,9 @@ def verify_graph(graph: Graph) -> Graph:
     return graph
 
 
-def _problems(graph: Graph):  # type: ignore[no-untyped-def]
+def _problems(graph: Graph) -> Iterator[str]:
+    if not GRAPH_NAME.fullmatch(graph.name):
+        yield f"graph name {graph.name!r} has characters outside [A-Za-z0-9_.-]"
     declared = {symbol.name for symbol in graph.symbols}
     for symbol in graph.symbols:
         if symbol.min < 0 or (symbol.max is not None and symbol.max < symbol.min):
@@ -54,8 +62,10 @@ def _problems(graph: Graph):  # type: ignore[no-untyped-def]
             yield f"output {name!r} refers to undefined value {value}"
 
 
-def _node_problems(node: Node, seen: dict[str, Node], declared: set[str]):  # type: ignore[no-untyped-def]
+def _node_problems(node: Node, seen: dict[str, Node], declared: set[str]) -> Iterator[str]:
     where = f"%{node.name} ({node.op})"
+    if not NODE_NAME.fullmatch(node.name):
+        yield f"{where}: node name is not an identifier"
     if not node.op:
         yield f"{where}: empty op"
     if not node.types:

@@ -73,7 +73,9 @@ def check_options(options: CompileOptions) -> None:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"target {options.target!r} needs a CUDA device; none is visible here")
     if options.precision not in PRECISIONS:
-        raise ValueError(f"precision {options.precision!r} is not supported; choose from {PRECISIONS}")
+        raise ValueError(
+            f"precision {options.precision!r} is not supported; choose from {PRECISIONS}"
+        )
 
 
 def run_passes(graph: Graph) -> tuple[Graph, list[dict[str, Any]]]:
@@ -155,6 +157,9 @@ def _named_inputs(signature: Signature, exported: ExportedModel) -> dict[str, to
     by_name = dict(zip(exported.arg_names, exported.args, strict=False)) | exported.kwargs
     if all(isinstance(by_name.get(name), torch.Tensor) for name in signature.input_names):
         return {name: by_name[name] for name in signature.input_names}
-    flat = [leaf for leaf in pytree.tree_leaves((exported.args, exported.kwargs))
-            if isinstance(leaf, torch.Tensor)]
+    flat = [
+        leaf
+        for leaf in pytree.tree_leaves((exported.args, exported.kwargs))
+        if isinstance(leaf, torch.Tensor)
+    ]
     return dict(zip(signature.input_names, flat, strict=True))

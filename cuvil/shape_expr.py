@@ -33,10 +33,18 @@ def parse_shape_expr(text: str, symbols: Mapping[str, sympy.Symbol]) -> sympy.Ex
     if unknown:
         raise ShapeExprError(f"unknown name(s) {sorted(unknown)} in shape expression {text!r}")
     local = dict(symbols) | {name: getattr(sympy, name) for name in FUNCTIONS}
-    return sympy.sympify(parse_expr(text, local_dict=local, global_dict={"Integer": sympy.Integer,
-                                                                          "Symbol": sympy.Symbol,
-                                                                          "Rational": sympy.Rational,
-                                                                          "Float": sympy.Float}))
+    return sympy.sympify(
+        parse_expr(
+            text,
+            local_dict=local,
+            global_dict={
+                "Integer": sympy.Integer,
+                "Symbol": sympy.Symbol,
+                "Rational": sympy.Rational,
+                "Float": sympy.Float,
+            },
+        )
+    )
 
 
 Evaluator = Callable[[Mapping[str, int]], int | float]
@@ -48,7 +56,7 @@ def compile_expr(expr: sympy.Expr) -> Evaluator:
         constant = int(expr)
         return lambda values: constant
     if expr.is_Rational:
-        numerator, denominator = int(expr.p), int(expr.q)  # type: ignore[attr-defined]
+        numerator, denominator = int(expr.p), int(expr.q)
         return lambda values: numerator / denominator
     if expr.is_Number:
         number = float(expr)

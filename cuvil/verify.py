@@ -28,7 +28,9 @@ class OutputError:
 
 def compare_output(name: str, actual: torch.Tensor, expected: torch.Tensor) -> OutputError:
     if actual.shape != expected.shape:
-        raise AssertionError(f"output {name!r}: shape {list(actual.shape)} != eager {list(expected.shape)}")
+        raise AssertionError(
+            f"output {name!r}: shape {list(actual.shape)} != eager {list(expected.shape)}"
+        )
     if not expected.is_floating_point():
         mismatches = float((actual != expected).float().mean()) if expected.numel() else 0.0
         return OutputError(name, mismatches, mismatches, 1.0 - mismatches, None)

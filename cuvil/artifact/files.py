@@ -75,14 +75,20 @@ def encode_files(contents: ArtifactContents) -> dict[str, bytes]:
     config = dict(contents.config)
     config["format"] = CONFIG_FORMAT
     config["files"] = {
-        name: {"mediaType": mt.FILE_MEDIA_TYPES[name], "digest": sha256_digest(data), "size": len(data)}
+        name: {
+            "mediaType": mt.FILE_MEDIA_TYPES[name],
+            "digest": sha256_digest(data),
+            "size": len(data),
+        }
         for name, data in files.items()
     }
     files[mt.CONFIG_FILE] = json.dumps(config, indent=2, sort_keys=True).encode()
     return files
 
 
-def write_artifact(contents: ArtifactContents, path: str | Path, *, directory: bool = False) -> Path:
+def write_artifact(
+    contents: ArtifactContents, path: str | Path, *, directory: bool = False
+) -> Path:
     """Write the tar form (default) or the directory form; returns the path written."""
     path = Path(path)
     files = encode_files(contents)
@@ -135,7 +141,9 @@ def decode_files(files: Mapping[str, bytes], origin: str = "artifact") -> Artifa
     except json.JSONDecodeError as error:
         raise ArtifactError(f"{origin}: {mt.CONFIG_FILE} is not JSON: {error}") from None
     if config.get("format") != CONFIG_FORMAT:
-        raise ArtifactError(f"{origin}: config format {config.get('format')!r} is not {CONFIG_FORMAT}")
+        raise ArtifactError(
+            f"{origin}: config format {config.get('format')!r} is not {CONFIG_FORMAT}"
+        )
     recorded = config.get("files", {})
     for name in (mt.GRAPH_FILE, mt.WEIGHTS_FILE):
         if name not in recorded:

@@ -63,7 +63,9 @@ def convert_exported_program(
 
 
 class _Converter:
-    def __init__(self, ep: torch.export.ExportedProgram, sym_names: dict[sympy.Symbol, sympy.Symbol]):
+    def __init__(
+        self, ep: torch.export.ExportedProgram, sym_names: dict[sympy.Symbol, sympy.Symbol]
+    ):
         self.ep = ep
         self.sym_names = sym_names
         signature = ep.graph_signature
@@ -128,8 +130,11 @@ class _Converter:
         target = fx_node.target
         val = fx_node.meta.get("val")
         if target is operator.getitem:
-            source = self.env[fx_node.args[0].name]  # type: ignore[union-attr]
-            self.env[fx_node.name] = source[fx_node.args[1]]  # type: ignore[index]
+            parent, index = fx_node.args
+            assert isinstance(parent, torch.fx.Node) and isinstance(index, int)
+            source = self.env[parent.name]
+            assert isinstance(source, tuple)
+            self.env[fx_node.name] = source[index]
             return
         if isinstance(val, torch.SymInt | torch.SymFloat | torch.SymBool | int | float):
             self.env[fx_node.name] = self.sym_value(val, fx_node)
@@ -145,14 +150,20 @@ class _Converter:
                 f"compiled ahead of time{_where(fx_node)}"
             )
         if target._schema.is_mutable:
-            raise UnsupportedOpError(f"unsupported op {op_name}: it mutates its inputs{_where(fx_node)}")
+            raise UnsupportedOpError(
+                f"unsupported op {op_name}: it mutates its inputs{_where(fx_node)}"
+            )
         outputs = val if isinstance(val, list | tuple) else (val,)
         if not all(isinstance(out, torch.Tensor) for out in outputs):
-            raise UnsupportedOpError(f"unsupported op {op_name}: returns non-tensors{_where(fx_node)}")
+            raise UnsupportedOpError(
+                f"unsupported op {op_name}: returns non-tensors{_where(fx_node)}"
+            )
         try:
             types = tuple(self.tensor_type(out, fx_node) for out in outputs)
         except UnsupportedShapeError as error:
-            raise UnsupportedOpError(f"unsupported op {op_name}: {error}{_where(fx_node)}") from None
+            raise UnsupportedOpError(
+                f"unsupported op {op_name}: {error}{_where(fx_node)}"
+            ) from None
         args = self.schema_args(target, fx_node)
         node = self.add(fx_node, op_name, args, types)
         if isinstance(val, list | tuple):
@@ -165,7 +176,9 @@ class _Converter:
         for out_name, result in zip(names, results, strict=True):  # type: ignore[arg-type]
             value = self.env.get(result.name) if isinstance(result, torch.fx.Node) else None
             if not isinstance(value, Value):
-                raise UnsupportedOpError(f"output {out_name!r} is not a tensor computed by the graph")
+                raise UnsupportedOpError(
+                    f"output {out_name!r} is not a tensor computed by the graph"
+                )
             outputs.append((out_name, value))
         self.outputs = tuple(outputs)
 
@@ -195,7 +208,7 @@ class _Converter:
             return int(expr) if expr.is_Integer else (float(expr) if expr.is_Number else expr)
         if isinstance(val, torch.SymBool):
             raise UnsupportedOpError(f"symbolic boolean {val}{_where(fx_node)}")
-        return val  # type: ignore[no-any-return]
+        return val
 
     def schema_args(self, target: torch._ops.OpOverload, fx_node: torch.fx.Node) -> tuple:
         schema_names = [argument.name for argument in target._schema.arguments]
@@ -238,7 +251,7 @@ def output_names(ep: torch.export.ExportedProgram) -> list[str]:
     for index, (path, _) in enumerate(paths):
         parts = [_key_text(key) for key in path]
         name = "_".join(part for part in parts if part) or "output"
-        if name == "output" and len(paths) > 1 or name[0].isdigit():
+        if (name == "output" and len(paths) > 1) or name[0].isdigit():
             name = f"output_{name}" if name != "output" else f"output_{index}"
         names.append(name)
     return names

@@ -9,6 +9,7 @@ sympy, so that the IR text can be parsed back without torch.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import sympy
 import torch
@@ -90,7 +91,7 @@ def shape_symbol_names(
     for torch_symbol, symbol in names.items():
         bounds = ep.range_constraints.get(torch_symbol)
         lower = int(bounds.lower) if bounds is not None else 0
-        upper = bounds.upper if bounds is not None else None
+        upper: Any = bounds.upper if bounds is not None else None
         finite = upper is not None and upper.is_finite and int(upper) < 2**62
         symbols.append(Symbol(symbol.name, lower, int(upper) if finite else None))
     return names, tuple(symbols)

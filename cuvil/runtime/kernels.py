@@ -34,7 +34,7 @@ def resolve_aten(op: str) -> torch._ops.OpOverload:
         raise UnknownKernelError(f"this torch ({torch.__version__}) has no op {op}") from None
     if overload._schema.is_mutable:
         raise UnknownKernelError(f"refusing mutating op {op}")
-    return overload  # type: ignore[no-any-return]
+    return overload
 
 
 def resolve_kernel(op: str, extra: Mapping[str, Kernel]) -> Kernel:

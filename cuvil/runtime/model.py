@@ -27,7 +27,9 @@ def target_device(target: str) -> torch.device:
     """``cpu``, ``cpu-x86_64-amx``, ``cuda-sm_90`` … -> the torch device that runs it."""
     family = target.split("-", 1)[0]
     if family not in TARGET_DEVICES:
-        raise ValueError(f"unknown target {target!r}; targets start with one of {sorted(TARGET_DEVICES)}")
+        raise ValueError(
+            f"unknown target {target!r}; targets start with one of {sorted(TARGET_DEVICES)}"
+        )
     return torch.device(TARGET_DEVICES[family])
 
 

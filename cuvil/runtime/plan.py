@@ -129,8 +129,16 @@ class ExecutionPlan:
             sorted({self._slot[v] for v in node.inputs if last_use.get(self._slot[v]) == node.name})
         )
         outputs = tuple(self._slot[Value(node.name, i)] for i in range(len(node.types)))
-        return Step(kernel, tuple(args), kwargs, tuple(slot_fills), tuple(computed), outputs,
-                    release, node.name)
+        return Step(
+            kernel,
+            tuple(args),
+            kwargs,
+            tuple(slot_fills),
+            tuple(computed),
+            outputs,
+            release,
+            node.name,
+        )
 
     def _compile_arg(self, arg: Arg) -> tuple[Any, Filler | None]:
         """A literal ready to pass, or a filler when the argument depends on the call."""

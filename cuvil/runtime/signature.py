@@ -100,7 +100,10 @@ class Signature:
         )
 
     def describe(self) -> str:
-        lines = [f"  symbol {s.name} in [{s.min}, {'inf' if s.max is None else s.max}]" for s in self.symbols]
+        lines = [
+            f"  symbol {s.name} in [{s.min}, {'inf' if s.max is None else s.max}]"
+            for s in self.symbols
+        ]
         lines += [f"  input  {s.name}: {s.dtype}{s.shape_text()}" for s in self.inputs]
         lines += [f"  output {s.name}: {s.dtype}{s.shape_text()}" for s in self.outputs]
         return "\n".join(lines)
@@ -143,7 +146,9 @@ class InputBinder:
                 expected = int(expr.subs({make_symbol(k): v for k, v in values.items()}))
                 actual = inputs[name].shape[index]
                 if actual != expected:
-                    raise InputError(f"input {name!r} dim {index} is {actual}, expected {expr} = {expected}")
+                    raise InputError(
+                        f"input {name!r} dim {index} is {actual}, expected {expr} = {expected}"
+                    )
         return values
 
     def _check_one(self, name: str, tensor: Any, values: dict[str, int]) -> None:

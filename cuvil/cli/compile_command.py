@@ -1,0 +1,63 @@
+"""``cuvil compile SPEC -o PATH``: compile a model with a live stage display."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from cuvil.api import jit
+from cuvil.cli.spec import load_factory_spec
+from cuvil.pipeline import STAGES
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("compile", help="compile a model (SPEC: module:factory)")
+    parser.add_argument("spec", help="a Python 'module:factory', e.g. cuvil.models:resnet50")
+    parser.add_argument("-o", "--output", required=True, help="artifact path to write")
+    parser.add_argument("--target", default="cpu", help="cpu (default), cpu-x86_64, cuda-sm_90, …")
+    parser.add_argument("--precision", default="fp32")
+    parser.add_argument("--dir", action="store_true", help="write the directory form, not one file")
+    parser.add_argument(
+        "--dump-ir", type=Path, help="dump the IR after each stage into this folder"
+    )
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.set_defaults(handler=run_compile)
+
+
+def run_compile(args: argparse.Namespace) -> int:
+    console = Console(stderr=True)
+    spec = load_factory_spec(args.spec)
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task(f"compiling {spec.name}", total=len(STAGES))
+
+        def on_stage(stage: str) -> None:
+            progress.update(task, description=f"compiling {spec.name}: {stage}", advance=1)
+
+        compiled = jit(
+            spec.model,
+            spec.example_inputs,
+            target=args.target,
+            precision=args.precision,
+            dynamic_shapes=spec.dynamic_shapes,
+            name=spec.name,
+            dump_dir=args.dump_ir,
+            on_stage=on_stage,
+        )
+    path = compiled.save(args.output, directory=args.dir)
+    report = compiled.report
+    if args.json:
+        print(json.dumps({"artifact": str(path), "report": report}, indent=2))
+        return 0
+    verification = report["verification"]["max_relative_to_scale"]
+    console.print(
+        f"[green]compiled[/] {spec.name} for {args.target} in {report['compile_seconds']:.2f}s: "
+        f"{report['ops_before']} -> {report['ops_after']} ops, "
+        f"max error {verification:.2e} of output scale -> {path}"
+    )
+    print(compiled.signature.describe())
+    return 0

@@ -1,0 +1,47 @@
+"""``cuvil inspect PATH``: signature, op histogram, report and IR text of an artifact."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from cuvil.artifact.files import read_artifact
+from cuvil.ir_text import print_graph
+from cuvil.runtime.signature import Signature
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("inspect", help="show an artifact's signature, ops and IR")
+    parser.add_argument("path", help="artifact file or directory")
+    parser.add_argument("--ir", action="store_true", help="print the IR text")
+    parser.add_argument("--json", action="store_true", help="print config and histogram as JSON")
+    parser.set_defaults(handler=run_inspect)
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    contents = read_artifact(args.path)
+    config, graph = contents.config, contents.graph
+    histogram = graph.op_histogram()
+    if args.json:
+        print(json.dumps({"config": config, "op_histogram": histogram}, indent=2))
+        return 0
+    print(
+        f"{config.get('name')}  target={config.get('target')}  precision={config.get('precision')}"
+    )
+    print(f"cuvil {config.get('cuvil_version')}, torch {config.get('torch_version')}")
+    print("signature:")
+    print(Signature.of_graph(graph).describe())
+    print(f"ops ({len(graph.nodes)} nodes):")
+    for op, count in histogram.items():
+        print(f"  {count:5d}  {op}")
+    report = config.get("report", {})
+    if report:
+        verification = report.get("verification", {}).get("max_relative_to_scale")
+        print(
+            f"compile: {report.get('compile_seconds')}s, verified max error {verification} of scale"
+        )
+    for name, entry in sorted(config.get("files", {}).items()):
+        print(f"  {name}: {entry['size']} bytes {entry['digest']}")
+    if args.ir:
+        print(print_graph(graph), end="")
+    return 0
