@@ -30,7 +30,7 @@ def test_printed_text_matches_golden() -> None:
 def test_changed_graph_prints_differently() -> None:
     graph = every_argument_kind()
     changed = replace(
-        graph, nodes=graph.nodes[:-1] + (replace(graph.nodes[-1], op="aten.add.Tensor"),)
+        graph, nodes=(*graph.nodes[:-1], replace(graph.nodes[-1], op="aten.add.Tensor"))
     )
     assert print_graph(changed) != print_graph(graph)
     assert parse_graph(print_graph(changed)) != graph
