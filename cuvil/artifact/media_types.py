@@ -27,3 +27,17 @@ FILE_MEDIA_TYPES: dict[str, str] = {
     GOLDEN_FILE: GOLDEN,
     KERNELS_FILE: KERNELS,
 }
+
+# OCI media types (https://github.com/opencontainers/image-spec/blob/main/media-types.md).
+OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
+OCI_INDEX = "application/vnd.oci.image.index.v1+json"
+OCI_EMPTY = "application/vnd.oci.empty.v1+json"
+OCI_LAYOUT_VERSION = "1.0.0"
+
+# Annotation keys. Pre-defined keys: https://github.com/opencontainers/image-spec/blob/main/annotations.md
+ANNOTATION_TITLE = "org.opencontainers.image.title"
+ANNOTATION_REF_NAME = "org.opencontainers.image.ref.name"
+ANNOTATION_TARGET = "dev.cuvil.target"
+ANNOTATION_PRECISION = "dev.cuvil.precision"
+ANNOTATION_NAME = "dev.cuvil.name"
+ANNOTATION_ARTIFACT_TYPE = "dev.cuvil.artifact-type"
