@@ -1,6 +1,6 @@
-"""Run an artifact in a fresh interpreter: ``python -m tests.cuvil.fresh_process_runner ARTIFACT IN OUT``.
+"""Run an artifact in a fresh interpreter (``python -m tests.cuvil.fresh_process_runner A IN OUT``).
 
-Loads the artifact with cuvil.load, runs each input set in IN (safetensors, keys ``<case>.<input>``),
+Loads the artifact with cuvil.load, runs each input set in IN (safetensors keys ``<case>.<input>``),
 writes outputs to OUT (``<case>.<output>``) and the list of model-code modules that got imported.
 """
 

@@ -70,7 +70,7 @@ def test_a_modified_file_is_refused(compiled, tmp_path: Path, member: str) -> No
 def test_missing_and_foreign_members_are_refused(compiled, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     path = compiled.save(tmp_path / "m", directory=True)
     (path / "weights.safetensors").unlink()
-    with pytest.raises(ArtifactError, match="missing weights.safetensors"):
+    with pytest.raises(ArtifactError, match=r"missing weights\.safetensors"):
         read_artifact(path)
     odd = tmp_path / "odd.cuvil"
     with tarfile.open(odd, "w") as tar:
