@@ -1,1 +1,4 @@
-"""Placeholder package; filled by its issue."""
+"""Cuvil's Kubernetes operator: the ModelCompilation CRD and the kopf handlers behind it.
+
+Never imports the compiler (``cuvil``): only kopf, and ``cuvil_worker.contract`` for Celery.
+"""

@@ -1,0 +1,60 @@
+"""The operator's side of the Celery contract (``cuvil_worker.contract``: celery/redis only).
+
+Requests are built from the object by a pure function; one ``CompileQueue`` per operator
+process holds the Celery app. Its calls block on Redis, so handlers calling them are sync
+(kopf runs those in its thread pool).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from celery import Celery
+from cuvil_worker import contract
+
+from cuvil_operator.config import OperatorConfig
+
+
+def build_request(
+    meta: Mapping[str, Any],
+    spec: Mapping[str, Any],
+    generation: int | None = None,
+    traceparent: str = "",
+) -> dict[str, Any]:
+    """The contract's request for one generation of the object (default: the current one)."""
+    return {
+        "uid": str(meta["uid"]),
+        "generation": int(generation if generation is not None else meta.get("generation", 1)),
+        "namespace": str(meta.get("namespace") or ""),
+        "name": str(meta["name"]),
+        "spec": dict(spec),
+        "traceparent": traceparent,
+    }
+
+
+def task_id_for(request: Mapping[str, Any]) -> str:
+    return contract.chord_task_id(request)
+
+
+class CompileQueue:
+    """Submit, follow and cancel compilations through the contract."""
+
+    def __init__(self, app: Celery) -> None:
+        self.app = app
+
+    @classmethod
+    def from_config(cls, config: OperatorConfig) -> CompileQueue:
+        return cls(contract.create_app(config.broker_url, config.result_backend))
+
+    def submit(self, request: Mapping[str, Any]) -> str:
+        return contract.submit_compilation(self.app, request)
+
+    def progress(self, request: Mapping[str, Any]) -> dict[str, Any]:
+        return contract.read_progress(self.app, request).to_json()
+
+    def cancel(self, request: Mapping[str, Any]) -> None:
+        contract.cancel_compilation(self.app, request)
+
+    def close(self) -> None:
+        self.app.close()

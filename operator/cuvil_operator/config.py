@@ -1,0 +1,48 @@
+"""Operator settings, read from the environment once at start-up (see docs and the chart).
+
+| variable | default | meaning |
+|---|---|---|
+| ``CUVIL_BROKER_URL`` | ``redis://127.0.0.1:6379/0`` | Celery broker (shared with the workers) |
+| ``CUVIL_RESULT_BACKEND`` | ``redis://127.0.0.1:6379/1`` | Celery results (progress is read here) |
+| ``CUVIL_OPERATOR_POLL_INTERVAL`` | ``2`` | seconds between progress reads of a running compile |
+| ``CUVIL_OPERATOR_NAMESPACE`` | (all) | watch one namespace instead of the whole cluster |
+| ``CUVIL_OPERATOR_HEALTH`` | (off) | liveness endpoint, e.g. ``http://0.0.0.0:8080/healthz`` |
+| ``CUVIL_OPERATOR_PEERING`` | (standalone) | a KopfPeering name, for several replicas |
+| ``CUVIL_OPERATOR_VERBOSE`` | ``0`` | ``1``: log every handler call |
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+DEFAULT_BROKER_URL = "redis://127.0.0.1:6379/0"
+DEFAULT_RESULT_BACKEND = "redis://127.0.0.1:6379/1"
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    broker_url: str = DEFAULT_BROKER_URL
+    result_backend: str = DEFAULT_RESULT_BACKEND
+    poll_interval: float = 2.0
+    namespace: str | None = None
+    health_endpoint: str | None = None
+    peering: str | None = None
+    verbose: bool = False
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorConfig:
+        env = os.environ if env is None else env
+        interval = float(env.get("CUVIL_OPERATOR_POLL_INTERVAL", "2"))
+        if interval <= 0:
+            raise ValueError("CUVIL_OPERATOR_POLL_INTERVAL must be positive")
+        return cls(
+            broker_url=env.get("CUVIL_BROKER_URL") or DEFAULT_BROKER_URL,
+            result_backend=env.get("CUVIL_RESULT_BACKEND") or DEFAULT_RESULT_BACKEND,
+            poll_interval=interval,
+            namespace=env.get("CUVIL_OPERATOR_NAMESPACE") or None,
+            health_endpoint=env.get("CUVIL_OPERATOR_HEALTH") or None,
+            peering=env.get("CUVIL_OPERATOR_PEERING") or None,
+            verbose=env.get("CUVIL_OPERATOR_VERBOSE", "0").lower() in ("1", "true", "yes"),
+        )

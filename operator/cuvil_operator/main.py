@@ -1,0 +1,134 @@
+"""cuvil-operator: kopf handlers for ModelCompilation, and the entry point that runs them.
+
+Only registration lives here; each handler hands over to a flow in ``reconcile_compilation``.
+Settings come from the environment once (``OperatorConfig``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import kopf
+
+from cuvil_operator.compile_queue import CompileQueue
+from cuvil_operator.conditions import now_rfc3339
+from cuvil_operator.config import OperatorConfig
+from cuvil_operator.crd import GROUP, PLURAL, VERSION
+from cuvil_operator.reconcile_compilation import (
+    Notify,
+    reconcile_delete,
+    reconcile_progress,
+    reconcile_submit,
+)
+from cuvil_operator.status import is_following
+
+CONFIG = OperatorConfig.from_env()
+RESOURCE = (GROUP, VERSION, PLURAL)
+
+
+def _notify(body: kopf.Body) -> Notify:
+    def notify(type_: str, reason: str, message: str) -> None:
+        kopf.event(body, type=type_, reason=reason, message=message[:1024])
+
+    return notify
+
+
+def _write_status(patch: kopf.Patch, status: dict[str, Any] | None) -> None:
+    if status is not None:
+        patch.setdefault("status", {}).update(status)
+
+
+def _is_following(status: kopf.Status, **_: Any) -> bool:
+    return is_following(status)
+
+
+@kopf.on.startup()
+def on_startup_operator(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    settings.persistence.finalizer = f"{GROUP}/finalizer"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=GROUP, key="last-handled-configuration"
+    )
+    settings.posting.level = logging.WARNING  # our own Events say what happened
+    memo.queue = CompileQueue.from_config(CONFIG)
+
+
+@kopf.on.cleanup()
+def on_cleanup_operator(memo: kopf.Memo, **_: Any) -> None:
+    memo.queue.close()
+
+
+@kopf.on.resume(*RESOURCE)
+@kopf.on.create(*RESOURCE)
+def on_create_modelcompilation(
+    body: kopf.Body,
+    meta: kopf.Meta,
+    spec: kopf.Spec,
+    status: kopf.Status,
+    patch: kopf.Patch,
+    memo: kopf.Memo,
+    **_: Any,
+) -> None:
+    flow = reconcile_submit(meta, spec, status, memo.queue, _notify(body), now_rfc3339())
+    _write_status(patch, flow)
+
+
+@kopf.on.update(*RESOURCE, field="spec")
+def on_update_modelcompilation(
+    body: kopf.Body,
+    meta: kopf.Meta,
+    spec: kopf.Spec,
+    status: kopf.Status,
+    old: Any,
+    patch: kopf.Patch,
+    memo: kopf.Memo,
+    **_: Any,
+) -> None:
+    old_spec = old if isinstance(old, dict) else None  # field="spec": old is the old spec
+    flow = reconcile_submit(
+        meta, spec, status, memo.queue, _notify(body), now_rfc3339(), old_spec=old_spec
+    )
+    _write_status(patch, flow)
+
+
+@kopf.timer(*RESOURCE, interval=CONFIG.poll_interval, when=_is_following)
+def on_timer_modelcompilation(
+    body: kopf.Body,
+    meta: kopf.Meta,
+    spec: kopf.Spec,
+    status: kopf.Status,
+    patch: kopf.Patch,
+    memo: kopf.Memo,
+    **_: Any,
+) -> None:
+    flow = reconcile_progress(meta, spec, status, memo.queue, _notify(body), now_rfc3339())
+    _write_status(patch, flow)
+
+
+@kopf.on.delete(*RESOURCE)
+def on_delete_modelcompilation(
+    body: kopf.Body,
+    meta: kopf.Meta,
+    spec: kopf.Spec,
+    status: kopf.Status,
+    memo: kopf.Memo,
+    **_: Any,
+) -> None:
+    reconcile_delete(meta, spec, status, memo.queue, _notify(body))
+
+
+def main() -> None:
+    """Run the operator (``cuvil-operator``); stops on SIGINT/SIGTERM."""
+    kopf.configure(verbose=CONFIG.verbose, log_format=kopf.LogFormat.PLAIN)
+    kopf.run(
+        clusterwide=CONFIG.namespace is None,
+        namespaces=[CONFIG.namespace] if CONFIG.namespace else [],
+        standalone=CONFIG.peering is None,
+        peering_name=CONFIG.peering,
+        liveness_endpoint=CONFIG.health_endpoint,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""The ModelCompilation flows behind main.py's thin handlers: submit, follow, cancel.
+
+Each flow takes the object's parts as plain mappings, a queue (``CompileQueue`` or anything with
+``submit``/``progress``/``cancel``), a ``notify(type, reason, message)`` for Kubernetes Events
+and the time, and returns the status patch to write (``None``: nothing to write). They are
+idempotent: a generation maps to one task id, and a handler that runs twice (operator restart,
+retry after an API error) submits nothing new.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+from cuvil_operator.compile_queue import build_request
+from cuvil_operator.spec_checks import check_spec
+from cuvil_operator.status import (
+    FAILED,
+    build_invalid_status,
+    build_progress_status,
+    build_submitted_status,
+    is_following,
+    is_terminal,
+    status_changed,
+)
+
+Notify = Callable[[str, str, str], None]
+NORMAL, WARNING = "Normal", "Warning"
+
+
+class Queue(Protocol):
+    def submit(self, request: Mapping[str, Any]) -> str: ...
+
+    def progress(self, request: Mapping[str, Any]) -> dict[str, Any]: ...
+
+    def cancel(self, request: Mapping[str, Any]) -> None: ...
+
+
+def _generation(meta: Mapping[str, Any]) -> int:
+    return int(meta.get("generation") or 1)
+
+
+def reconcile_submit(
+    meta: Mapping[str, Any],
+    spec: Mapping[str, Any],
+    status: Mapping[str, Any],
+    queue: Queue,
+    notify: Notify,
+    now: str,
+    old_spec: Mapping[str, Any] | None = None,
+) -> dict[str, Any] | None:
+    """Create, resume or spec update: check the spec and queue this generation's compile."""
+    generation = _generation(meta)
+    if status.get("observedGeneration") == generation and status.get("phase"):
+        return None  # this generation was submitted (or refused) already; the timer follows it
+    observed = status.get("observedGeneration")
+    if observed and is_following(status):
+        previous = build_request(meta, old_spec or spec, generation=int(observed))
+        queue.cancel(previous)
+        notify(
+            NORMAL,
+            "Superseded",
+            f"generation {observed} ({status['taskId']}) cancelled:"
+            f" generation {generation} replaces it",
+        )
+    problems = check_spec(spec)
+    if problems:
+        patch = build_invalid_status(status, generation, problems, now)
+        notify(WARNING, "InvalidSpec", patch["message"])
+        return patch
+    task_id = queue.submit(build_request(meta, spec, generation))
+    notify(NORMAL, "Submitted", f"generation {generation} queued as task {task_id}")
+    return build_submitted_status(status, generation, task_id, now)
+
+
+def reconcile_progress(
+    meta: Mapping[str, Any],
+    spec: Mapping[str, Any],
+    status: Mapping[str, Any],
+    queue: Queue,
+    notify: Notify,
+    now: str,
+) -> dict[str, Any] | None:
+    """Timer: read the followed task's progress into status; an Event per phase change."""
+    if not is_following(status):
+        return None
+    generation = int(status.get("observedGeneration") or 0)
+    if generation != _generation(meta):
+        return None  # a newer spec is being submitted; the update handler takes over
+    progress = queue.progress(build_request(meta, spec, generation))
+    patch = build_progress_status(status, generation, progress, now)
+    if not status_changed(status, patch):
+        return None
+    if patch["phase"] != status.get("phase"):
+        kind = WARNING if patch["phase"] == FAILED else NORMAL
+        notify(kind, str(patch["phase"]), str(patch["message"]))
+    return patch
+
+
+def reconcile_delete(
+    meta: Mapping[str, Any],
+    spec: Mapping[str, Any],
+    status: Mapping[str, Any],
+    queue: Queue,
+    notify: Notify,
+) -> None:
+    """Delete: revoke the generation in flight (harmless when nothing runs); kopf then releases
+    the finalizer."""
+    if is_terminal(status) or check_spec(spec):
+        return  # finished, or refused before anything was queued
+    generation = int(status.get("observedGeneration") or _generation(meta))
+    request = build_request(meta, spec, generation)
+    queue.cancel(request)
+    task = status.get("taskId") or f"generation {generation}"
+    notify(NORMAL, "Cancelled", f"{task} revoked: the compilation is being deleted")

@@ -1,0 +1,209 @@
+"""Pure builders of ModelCompilation status patches: what the handlers write, given what they saw.
+
+Inputs are plain dicts (the object's status, ``Progress.to_json()`` from the worker contract), so
+every transition is unit-tested without a cluster or a broker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from cuvil_operator.conditions import FALSE, TRUE, UNKNOWN, set_conditions
+from cuvil_operator.spec_checks import SpecProblem
+
+PENDING, COMPILING, VALIDATING, PUSHING = "Pending", "Compiling", "Validating", "Pushing"
+SUCCEEDED, FAILED = "Succeeded", "Failed"
+TERMINAL_PHASES = (SUCCEEDED, FAILED)
+
+ConditionUpdates = dict[str, tuple[str, str, str]]
+
+
+def is_terminal(status: Mapping[str, Any]) -> bool:
+    return status.get("phase") in TERMINAL_PHASES
+
+
+def is_following(status: Mapping[str, Any]) -> bool:
+    """A task is submitted and not finished: the progress timer has work to do."""
+    return bool(status.get("taskId")) and not is_terminal(status)
+
+
+def _phase_conditions(phase: str, failed_in: str, message: str) -> ConditionUpdates:
+    """Condition updates for entering ``phase`` (``failed_in``: the phase a failure hit)."""
+    if phase == PENDING:
+        return {
+            "Compiling": (FALSE, "Queued", "waiting for a compile worker"),
+            "Validated": (UNKNOWN, "Queued", ""),
+            "Pushed": (UNKNOWN, "Queued", ""),
+            "Ready": (FALSE, "Pending", "queued"),
+        }
+    if phase == COMPILING:
+        return {
+            "Compiling": (TRUE, "Compiling", message),
+            "Ready": (FALSE, "Compiling", message),
+        }
+    if phase == VALIDATING:
+        return {
+            "Compiling": (FALSE, "Compiled", "compiled for every target"),
+            "Validated": (UNKNOWN, "Validating", message),
+            "Ready": (FALSE, "Validating", message),
+        }
+    if phase == PUSHING:
+        return {
+            "Compiling": (FALSE, "Compiled", "compiled for every target"),
+            "Validated": (TRUE, "Validated", "outputs match eager within tolerance"),
+            "Pushed": (UNKNOWN, "Pushing", message),
+            "Ready": (FALSE, "Pushing", message),
+        }
+    if phase == SUCCEEDED:
+        return {
+            "Compiling": (FALSE, "Compiled", "compiled for every target"),
+            "Validated": (TRUE, "Validated", "outputs match eager within tolerance"),
+            "Pushed": (TRUE, "Pushed", message),
+            "Ready": (TRUE, "Succeeded", message),
+        }
+    failed: ConditionUpdates = {"Ready": (FALSE, "Failed", message)}
+    if failed_in in (PENDING, COMPILING):
+        failed["Compiling"] = (FALSE, "CompileFailed", message)
+    elif failed_in == VALIDATING:
+        failed["Validated"] = (FALSE, "ValidationFailed", message)
+    else:
+        failed["Pushed"] = (FALSE, "PushFailed", message)
+    return failed
+
+
+def build_submitted_status(
+    status: Mapping[str, Any], generation: int, task_id: str, now: str
+) -> dict[str, Any]:
+    """The status right after a generation's compile was queued."""
+    updates: ConditionUpdates = {"Accepted": (TRUE, "Submitted", f"task {task_id} queued")}
+    updates.update(_phase_conditions(PENDING, PENDING, ""))
+    return {
+        "phase": PENDING,
+        "observedGeneration": generation,
+        "taskId": task_id,
+        "conditions": set_conditions(status.get("conditions") or [], updates, generation, now),
+        "stages": None,
+        "artifacts": None,
+        "index": None,
+        "digest": None,
+        "report": None,
+        "message": f"queued as {task_id}",
+    }
+
+
+def build_invalid_status(
+    status: Mapping[str, Any], generation: int, problems: Sequence[SpecProblem], now: str
+) -> dict[str, Any]:
+    """A spec the schema let through but the operator refuses: nothing is submitted."""
+    message = "; ".join(str(problem) for problem in problems)
+    updates: ConditionUpdates = {
+        "Accepted": (FALSE, "InvalidSpec", message),
+        "Ready": (FALSE, "InvalidSpec", message),
+    }
+    return {
+        "phase": FAILED,
+        "observedGeneration": generation,
+        "taskId": None,
+        "conditions": set_conditions(status.get("conditions") or [], updates, generation, now),
+        "stages": None,
+        "artifacts": None,
+        "index": None,
+        "digest": None,
+        "report": None,
+        "message": message,
+    }
+
+
+def _stage_message(phase: str, targets: Mapping[str, Any]) -> str:
+    parts = []
+    for target, progress in sorted(targets.items()):
+        stage = progress.get("stage") or progress.get("state", "").lower()
+        parts.append(f"{target}: {stage}")
+    return f"{phase.lower()} ({', '.join(parts)})" if parts else phase.lower()
+
+
+def _find_number(report: Mapping[str, Any], key: str) -> float | None:
+    """``key`` at the top of a per-target report or one level down (e.g. latency_ms.speedup)."""
+    value = report.get(key)
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    for nested in report.values():
+        if isinstance(nested, Mapping):
+            inner = nested.get(key)
+            if isinstance(inner, int | float) and not isinstance(inner, bool):
+                return float(inner)
+    return None
+
+
+def build_report(per_target: Mapping[str, Any]) -> dict[str, Any]:
+    """A summary for the printer columns (worst target wins) plus every target's own report."""
+    summary: dict[str, Any] = {}
+    reports = [r for r in per_target.values() if isinstance(r, Mapping)]
+    for key, pick in (("speedup", min), ("maxAbsError", max), ("peakMemoryBytes", max)):
+        source_key = {"maxAbsError": "max_abs_error", "peakMemoryBytes": "peak_bytes"}.get(key, key)
+        values = [v for r in reports for v in [_find_number(r, source_key)] if v is not None]
+        if values:
+            summary[key] = round(pick(values), 4)
+    summary["targets"] = {t: dict(r) for t, r in per_target.items() if isinstance(r, Mapping)}
+    return summary
+
+
+def _digest_of(result: Mapping[str, Any]) -> str | None:
+    index = result.get("index") or {}
+    if index.get("digest"):
+        return str(index["digest"])
+    artifacts = result.get("artifacts") or []
+    return str(artifacts[0]["digest"]) if len(artifacts) == 1 else None
+
+
+def build_progress_status(
+    status: Mapping[str, Any], generation: int, progress: Mapping[str, Any], now: str
+) -> dict[str, Any]:
+    """The status patch for a ``Progress.to_json()`` of the followed task (may be a no-op)."""
+    phase = str(progress.get("phase") or PENDING)
+    previous_phase = str(status.get("phase") or PENDING)
+    targets: Mapping[str, Any] = progress.get("targets") or {}
+    patch: dict[str, Any] = {"phase": phase}
+    if targets:
+        patch["stages"] = {
+            t: str(p.get("stage") or p.get("state") or "") for t, p in targets.items()
+        }
+    if phase == SUCCEEDED:
+        result: Mapping[str, Any] = progress.get("result") or {}
+        patch["artifacts"] = [
+            {k: a[k] for k in ("target", "ref", "digest", "size") if k in a}
+            for a in result.get("artifacts") or []
+        ]
+        if result.get("index"):
+            patch["index"] = {
+                k: result["index"][k] for k in ("ref", "digest") if k in result["index"]
+            }
+        patch["digest"] = _digest_of(result)
+        patch["report"] = build_report(result.get("report") or {})
+        message = f"pushed {patch['digest']}" if patch["digest"] else "pushed"
+    elif phase == FAILED:
+        message = str(progress.get("error") or "the compile failed")
+        patch["report"] = {"error": message}
+    else:
+        message = _stage_message(phase, targets)
+    patch["message"] = message
+    updates = _phase_conditions(phase, previous_phase, message)
+    patch["conditions"] = set_conditions(status.get("conditions") or [], updates, generation, now)
+    return patch
+
+
+def status_changed(status: Mapping[str, Any], patch: Mapping[str, Any]) -> bool:
+    """Would ``patch`` change anything (lastTransitionTime aside)? Avoids a write per poll."""
+    for key, value in patch.items():
+        if key == "conditions":
+            old = [
+                {k: v for k, v in c.items() if k != "lastTransitionTime"}
+                for c in status.get("conditions") or []
+            ]
+            new = [{k: v for k, v in c.items() if k != "lastTransitionTime"} for c in value]
+            if old != new:
+                return True
+        elif status.get(key) != value:
+            return True
+    return False
