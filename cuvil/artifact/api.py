@@ -1,15 +1,90 @@
-"""Public OCI functions (signatures fixed; see the package docstring). Implementation follows."""
+"""Push, pull, resolve and referrers, written once against ``Store`` (registry or local layout).
+
+The flow of a pull (``resolve``): reference -> digest (a HEAD for a tag; nothing for a digest)
+-> manifest or index (node cache first) -> the index entry for this machine -> the node cache's
+verified entry, downloaded under its lock when missing. With the registry unreachable, a pinned
+digest (or the digest a tag last resolved to on this node) still loads from the cache.
+"""
 
 from __future__ import annotations
 
+import json
+import logging
+import shutil
+import tarfile
+import tempfile
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cuvil.artifact import media_types as mt
+from cuvil.artifact.cache import NodeCache, artifact_files
+from cuvil.artifact.errors import (
+    DigestMismatchError,
+    NoMatchingTargetError,
+    NotFoundError,
+    RegistryError,
+    RegistryUnavailableError,
+)
+from cuvil.artifact.manifests import (
+    Blob,
+    build_artifact_manifest,
+    build_descriptor,
+    build_index,
+    build_referrer_manifest,
+    build_referrers_index,
+    canonical_json,
+    parse_manifest,
+    referrer_descriptor,
+    referrers_tag,
+)
 from cuvil.artifact.oci_types import PushResult, Referrer
+from cuvil.artifact.reference import (
+    Reference,
+    is_artifact_path,
+    is_layout_reference,
+    parse_layout_reference,
+    parse_registry_reference,
+    parse_target_reference,
+)
 from cuvil.artifact.registry_config import RegistryConfig
+from cuvil.artifact.store import Store, open_store
+from cuvil.artifact.targets import entry_target, probe_targets, select_entry
 
 ConfigArg = RegistryConfig | str | Path | None
+log = logging.getLogger(__name__)
+
+
+def parse_model_reference(text: str) -> Reference:
+    """A local OCI layout or a registry reference (artifact paths are handled before)."""
+    if is_layout_reference(text):
+        return parse_layout_reference(text)
+    try:
+        return parse_registry_reference(text)
+    except ValueError as error:
+        raise ValueError(
+            f"{text!r} is neither an artifact path, an OCI layout (oci:PATH[:tag]) nor a "
+            f"registry reference: {error}"
+        ) from None
+
+
+def _source_files(source: Any) -> dict[str, bytes]:
+    if isinstance(source, Mapping):
+        return dict(source)
+    if isinstance(source, str | Path):
+        from cuvil.artifact.files import read_files
+
+        return read_files(source)
+    from cuvil.artifact.files import encode_files
+
+    return encode_files(source)
+
+
+def _upload(store: Store, blobs: Sequence[Blob]) -> None:
+    for blob in blobs:
+        if not store.has_blob(blob.digest):
+            store.put_blob(blob)
 
 
 def push_artifact(
@@ -19,7 +94,24 @@ def push_artifact(
     registry_config: ConfigArg = None,
     annotations: Mapping[str, str] | None = None,
 ) -> PushResult:
-    raise NotImplementedError
+    reference = parse_target_reference(ref)
+    if reference.digest:
+        raise ValueError(f"push to a tag or a bare repository, not to a digest: {ref}")
+    manifest, blobs = build_artifact_manifest(_source_files(source), annotations)
+    store = open_store(reference, RegistryConfig.coerce(registry_config), create=True)
+    _upload(store, blobs)
+    data = canonical_json(manifest)
+    digest = store.put_manifest(data, mt.OCI_MANIFEST, reference.tag)
+    labels = manifest.get("annotations", {})
+    return PushResult(
+        str(reference.with_digest(digest)),
+        digest,
+        len(data),
+        mt.OCI_MANIFEST,
+        labels.get(mt.ANNOTATION_TARGET),
+        labels.get(mt.ANNOTATION_PRECISION),
+        reference.tag,
+    )
 
 
 def push_index(
@@ -29,7 +121,53 @@ def push_index(
     registry_config: ConfigArg = None,
     annotations: Mapping[str, str] | None = None,
 ) -> PushResult:
-    raise NotImplementedError
+    reference = parse_target_reference(ref)
+    descriptors = []
+    for entry in entries:
+        where = parse_target_reference(entry.ref)
+        if (where.registry, where.repository, where.layout) != (
+            reference.registry,
+            reference.repository,
+            reference.layout,
+        ):
+            raise ValueError(f"index entry {entry.ref} is not in the index's repository {ref}")
+        if entry.target is None:
+            raise ValueError(f"index entry {entry.ref} has no target")
+        labels = {mt.ANNOTATION_TARGET: entry.target}
+        if entry.precision:
+            labels[mt.ANNOTATION_PRECISION] = entry.precision
+        descriptors.append(
+            {
+                "mediaType": entry.media_type,
+                "digest": entry.digest,
+                "size": entry.size,
+                "artifactType": mt.ARTIFACT_TYPE,
+                "annotations": labels,
+            }
+        )
+    data = canonical_json(build_index(descriptors, annotations))
+    store = open_store(reference, RegistryConfig.coerce(registry_config), create=True)
+    digest = store.put_manifest(data, mt.OCI_INDEX, reference.tag)
+    return PushResult(
+        str(reference.with_digest(digest)), digest, len(data), mt.OCI_INDEX, tag=reference.tag
+    )
+
+
+def _subject(reference: Reference, store: Store) -> tuple[str, dict[str, Any]]:
+    digest = store.resolve(reference.reference)
+    data, media_type = store.get_manifest(digest)
+    return digest, build_descriptor(media_type, data)
+
+
+def _referrers_index(store: Store, digest: str) -> dict[str, Any] | None:
+    found = store.referrers(digest)
+    if found is not None:
+        return found
+    try:
+        data, _ = store.get_manifest(referrers_tag(digest))
+    except NotFoundError:
+        return None
+    return parse_manifest(data, f"referrers of {digest}")
 
 
 def attach_referrer(
@@ -41,17 +179,64 @@ def attach_referrer(
     annotations: Mapping[str, str] | None = None,
     registry_config: ConfigArg = None,
 ) -> str:
-    raise NotImplementedError
+    reference = parse_model_reference(subject)
+    store = open_store(reference, RegistryConfig.coerce(registry_config))
+    digest, descriptor = _subject(reference, store)
+    manifest, blobs = build_referrer_manifest(
+        descriptor, data, media_type, artifact_type, annotations
+    )
+    _upload(store, blobs)
+    manifest_data = canonical_json(manifest)
+    referrer = store.put_manifest(manifest_data, mt.OCI_MANIFEST, None)
+    index = build_referrers_index(
+        _referrers_index(store, digest), referrer_descriptor(manifest, manifest_data)
+    )
+    store.put_manifest(canonical_json(index), mt.OCI_INDEX, referrers_tag(digest))
+    return referrer
 
 
 def list_referrers(
     subject: str, *, artifact_type: str | None = None, registry_config: ConfigArg = None
 ) -> list[Referrer]:
-    raise NotImplementedError
+    reference = parse_model_reference(subject)
+    store = open_store(reference, RegistryConfig.coerce(registry_config))
+    digest = store.resolve(reference.reference)
+    return _list_referrers(store, digest, artifact_type)
+
+
+def _list_referrers(store: Store, digest: str, artifact_type: str | None) -> list[Referrer]:
+    index = _referrers_index(store, digest) or {"manifests": []}
+    return [
+        Referrer(
+            entry["digest"],
+            entry.get("artifactType", ""),
+            entry["size"],
+            entry.get("annotations", {}),
+        )
+        for entry in index["manifests"]
+        if artifact_type is None or entry.get("artifactType") == artifact_type
+    ]
 
 
 def fetch_referrer(subject: str, digest: str, *, registry_config: ConfigArg = None) -> bytes:
-    raise NotImplementedError
+    reference = parse_model_reference(subject)
+    store = open_store(reference, RegistryConfig.coerce(registry_config))
+    manifest = parse_manifest(store.get_manifest(digest)[0], f"referrer {digest}")
+    layers = manifest.get("layers", [])
+    if not layers:
+        raise RegistryError(f"referrer {digest} has no content layer")
+    with tempfile.TemporaryDirectory(prefix="cuvil-referrer-") as folder:
+        path = Path(folder) / "data"
+        store.fetch_blob(layers[0]["digest"], path)
+        return path.read_bytes()
+
+
+@dataclass(frozen=True)
+class Resolution:
+    path: Path
+    digest: str | None
+    downloaded: bool = False
+    offline: bool = False
 
 
 def resolve_model(
@@ -61,11 +246,80 @@ def resolve_model(
     registry_config: ConfigArg = None,
     target: str | None = None,
 ) -> Path:
-    raise NotImplementedError
+    return resolve(
+        reference, cache_dir=cache_dir, registry_config=registry_config, target=target
+    ).path
+
+
+def _manifest(cache: NodeCache, store: Store, digest: str) -> bytes:
+    data = cache.get_manifest(digest)
+    if data is None:
+        data, _ = store.get_manifest(digest)
+        cache.put_manifest(data)
+    return data
+
+
+def resolve(
+    reference: str,
+    *,
+    cache_dir: str | Path | None = None,
+    registry_config: ConfigArg = None,
+    target: str | None = None,
+) -> Resolution:
+    """``resolve_model`` with what happened (downloaded, offline) — for tests and benchmarks."""
+    if not reference.startswith("oci:") and is_artifact_path(reference):
+        return Resolution(Path(reference), None)
+    ref = parse_model_reference(reference)
+    cache = NodeCache(cache_dir)
+    store = open_store(ref, RegistryConfig.coerce(registry_config))
+    offline = False
+    try:
+        top = store.resolve(ref.reference)
+        if ref.digest is None:
+            cache.record_tag(str(ref), top)
+    except RegistryUnavailableError as error:
+        remembered = cache.lookup_tag(str(ref))
+        if remembered is None:
+            raise RegistryUnavailableError(
+                f"{error}; {ref} was never pulled on this node"
+            ) from None
+        log.warning("%s; using %s, the digest %s last resolved to", error, remembered, ref)
+        top, offline = remembered, True
+    document = parse_manifest(_manifest(cache, store, top), f"{ref}")
+    digest = top
+    if document.get("mediaType") == mt.OCI_INDEX:
+        entry = select_entry(document["manifests"], [target] if target else None)
+        digest = entry["digest"]
+        document = parse_manifest(_manifest(cache, store, digest), f"{ref} entry {digest}")
+    elif target and document.get("annotations", {}).get(mt.ANNOTATION_TARGET) != target:
+        raise NoMatchingTargetError(
+            f"{ref} is an artifact for {entry_target(document)}, not {target}"
+        )
+    if document.get("artifactType") != mt.ARTIFACT_TYPE:
+        raise RegistryError(
+            f"{ref} is not a Cuvil artifact (artifactType {document.get('artifactType')!r})"
+        )
+    try:
+        hit = cache.lookup(digest)
+    except DigestMismatchError as error:
+        log.warning("%s; downloading it again", error)
+        hit = None
+    if hit is not None:
+        return Resolution(hit, digest, downloaded=False, offline=offline)
+    manifest_data = _manifest(cache, store, digest)
+    path, downloaded = cache.install(digest, manifest_data, store.fetch_blob)
+    return Resolution(path, digest, downloaded=downloaded, offline=offline)
 
 
 def resolve_digest(reference: str, *, registry_config: ConfigArg = None) -> str:
-    raise NotImplementedError
+    """The digest ``reference`` points to now (for an artifact path: its config.json's)."""
+    if not reference.startswith("oci:") and is_artifact_path(reference):
+        from cuvil.artifact.files import read_files
+        from cuvil.artifact.manifests import sha256_digest
+
+        return sha256_digest(read_files(reference)[mt.CONFIG_FILE])
+    ref = parse_model_reference(reference)
+    return open_store(ref, RegistryConfig.coerce(registry_config)).resolve(ref.reference)
 
 
 def pull_artifact(
@@ -76,8 +330,68 @@ def pull_artifact(
     target: str | None = None,
     cache_dir: str | Path | None = None,
 ) -> Path:
-    raise NotImplementedError
+    """Resolve through the node cache, then copy: a directory, or a tar when ``output`` ends in
+    ``.tar`` or ``.cuvil`` (the form ``CompiledModel.save`` writes)."""
+    source = resolve_model(
+        reference, cache_dir=cache_dir, registry_config=registry_config, target=target
+    )
+    names = [mt.CONFIG_FILE, *sorted(n for n in mt.FILE_MEDIA_TYPES if (source / n).is_file())]
+    output = Path(output)
+    if output.suffix in (".tar", ".cuvil"):
+        output.parent.mkdir(parents=True, exist_ok=True)
+        partial = output.with_name(output.name + ".partial")
+        with tarfile.open(partial, "w", format=tarfile.PAX_FORMAT) as tar:
+            for name in names:
+                info = tarfile.TarInfo(name)
+                info.size, info.mtime, info.mode = (source / name).stat().st_size, 0, 0o644
+                with (source / name).open("rb") as data:
+                    tar.addfile(info, data)
+        partial.replace(output)
+        return output
+    output.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        shutil.copyfile(source / name, output / name)
+    return output
 
 
 def describe_reference(reference: str, *, registry_config: ConfigArg = None) -> dict[str, Any]:
-    raise NotImplementedError
+    """Manifest or index, targets, annotations and referrers of a reference."""
+    ref = parse_model_reference(reference)
+    store = open_store(ref, RegistryConfig.coerce(registry_config))
+    digest = store.resolve(ref.reference)
+    data, _ = store.get_manifest(digest)
+    document = parse_manifest(data, str(ref))
+    described: dict[str, Any] = {
+        "reference": str(ref),
+        "digest": digest,
+        "mediaType": document.get("mediaType"),
+        "artifactType": document.get("artifactType"),
+        "annotations": document.get("annotations", {}),
+        "referrers": [vars(r) for r in _list_referrers(store, digest, None)],
+    }
+    children = document.get("manifests") if document.get("mediaType") == mt.OCI_INDEX else None
+    if children is None:
+        described["files"] = {
+            name: {"digest": d["digest"], "size": d["size"], "mediaType": d["mediaType"]}
+            for name, d in artifact_files(document).items()
+        }
+        with tempfile.TemporaryDirectory(prefix="cuvil-inspect-") as folder:
+            store.fetch_blob(document["config"]["digest"], Path(folder) / "config.json")
+            described["config"] = json.loads((Path(folder) / "config.json").read_text())
+        return described
+    described["targets"] = [
+        {
+            "target": entry_target(entry),
+            "precision": entry.get("annotations", {}).get(mt.ANNOTATION_PRECISION),
+            "digest": entry["digest"],
+            "size": entry["size"],
+            "referrers": [vars(r) for r in _list_referrers(store, entry["digest"], None)],
+        }
+        for entry in children
+    ]
+    try:
+        described["selected"] = select_entry(children)["digest"]
+    except NoMatchingTargetError:
+        described["selected"] = None
+    described["machine_targets"] = probe_targets()
+    return described
