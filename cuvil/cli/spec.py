@@ -1,5 +1,7 @@
-"""Resolving a compile SPEC: a Python ``module:factory`` that returns a ModelSpec.
+"""Resolving a compile SPEC: a ModelCompilation YAML file, or a Python ``module:factory``.
 
+The YAML is the same file ``kubectl apply`` takes; its ``spec.source``/``inputs``/``dynamicDims``
+go through ``cuvil.frontend.sources`` (``targets``/``precision`` land in the ModelSpec's metadata).
 The factory may return a ModelSpec, a ``(model, example_inputs[, dynamic_shapes])`` tuple, or a
 dict with those keys.
 """
@@ -8,9 +10,11 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
 from cuvil.models.catalog import ModelSpec
 
@@ -19,7 +23,13 @@ class SpecError(ValueError):
     pass
 
 
+COMPILATION_KIND = "ModelCompilation"
+
+
 def load_factory_spec(spec: str) -> ModelSpec:
+    """A ModelCompilation YAML path or a ``module:factory`` -> ModelSpec."""
+    if spec.endswith((".yaml", ".yml", ".json")) or Path(spec).is_file():
+        return load_compilation_spec(spec)
     module_name, _, factory_name = spec.partition(":")
     if not module_name or not factory_name:
         raise SpecError(f"SPEC {spec!r} is not 'module:factory' (e.g. cuvil.models:resnet50)")
@@ -55,3 +65,25 @@ def as_model_spec(result: Any, default_name: str) -> ModelSpec:
         f"factory returned {type(result).__name__}; expected a ModelSpec, a (model, example_inputs"
         "[, dynamic_shapes]) tuple, or a dict with those keys"
     )
+
+
+def load_compilation_spec(path: str | Path) -> ModelSpec:
+    """The model of a ModelCompilation manifest (the first document of that kind in the file)."""
+    from cuvil.frontend.sources import SourceError, load_source
+
+    try:
+        documents = [d for d in yaml.safe_load_all(Path(path).read_text()) if d]
+    except (OSError, yaml.YAMLError) as error:
+        raise SpecError(f"cannot read {path}: {error}") from None
+    manifests = [d for d in documents if isinstance(d, dict) and d.get("kind") == COMPILATION_KIND]
+    if not manifests:
+        raise SpecError(f"{path} holds no {COMPILATION_KIND}")
+    manifest = manifests[0]
+    body = manifest.get("spec") or {}
+    try:
+        source = load_source(body)
+    except SourceError as error:
+        raise SpecError(f"{path}: {error}") from None
+    name = str((manifest.get("metadata") or {}).get("name") or source.name)
+    metadata = {"targets": list(body.get("targets") or []), "precision": body.get("precision")}
+    return ModelSpec(name, source.model, source.example_inputs, source.dynamic_shapes, metadata)

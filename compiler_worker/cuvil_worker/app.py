@@ -1,0 +1,56 @@
+"""The worker's Celery app: the contract's app plus the worker's own settings, built once.
+
+Importing this module reads the environment (``WorkerConfig.from_env``) and registers the tasks
+(``cuvil_worker.tasks``). The operator never imports it; it uses ``cuvil_worker.contract``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery import Celery, signals
+
+from cuvil_worker import telemetry
+from cuvil_worker.config import WorkerConfig
+from cuvil_worker.contract import create_app
+
+log = logging.getLogger(__name__)
+config = WorkerConfig.from_env()
+
+
+def build_app(settings: WorkerConfig) -> Celery:
+    celery_app = create_app(
+        settings.broker_url,
+        settings.result_backend,
+        visibility_timeout=settings.visibility_timeout,
+        restore_interval=settings.restore_interval,
+    )
+    celery_app.conf.update(
+        task_time_limit=settings.task_time_limit,
+        task_soft_time_limit=settings.soft_time_limit,
+        worker_send_task_events=True,
+        worker_hijack_root_logger=False,
+    )
+    return celery_app
+
+
+app = build_app(config)
+
+
+@signals.worker_process_init.connect
+def _on_process_init(**_: Any) -> None:
+    """Per worker process (after the prefork fork): threads and tracing."""
+    if config.torch_threads:
+        import torch
+
+        torch.set_num_threads(config.torch_threads)
+    telemetry.setup_tracing()
+
+
+@signals.worker_process_shutdown.connect
+def _on_process_shutdown(**_: Any) -> None:
+    telemetry.shutdown()
+
+
+import cuvil_worker.tasks  # noqa: E402,F401  (registers the tasks on ``app``)

@@ -1,0 +1,167 @@
+"""Verification against eager fp32, the latency benchmark, and the spec's gates.
+
+All pure functions of a model pair and inputs; the worker's pipeline calls them in order
+(validate -> benchmark -> gates) after ``cuvil.jit`` and before anything is packaged.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from cuvil.verify import compare_output
+from cuvil_worker.errors import GateFailed, InvalidSpec, VerificationFailed
+
+DEFAULT_SAMPLES = 4
+DEFAULT_RTOL = 1e-3
+DEFAULT_ATOL = 1e-4
+
+
+def call(model: Callable[..., Any], inputs: Any) -> list[torch.Tensor]:
+    """Run ``model`` on inputs given as the example was (dict -> keywords, tuple -> positional)."""
+    with torch.no_grad():
+        if isinstance(inputs, Mapping):
+            outputs = model(**inputs)
+        elif isinstance(inputs, tuple | list):
+            outputs = model(*inputs)
+        else:
+            outputs = model(inputs)
+    return [leaf for leaf in pytree.tree_leaves(outputs) if isinstance(leaf, torch.Tensor)]
+
+
+def validate(
+    compiled: Callable[..., Any],
+    eager: torch.nn.Module,
+    samples: list[Any],
+    output_names: list[str],
+    validation: Mapping[str, Any],
+) -> dict[str, Any]:
+    """Compiled vs eager fp32 on every golden sample: per output the worst max abs / relative
+    error, the lowest cosine and top-1 agreement; fails when outside ``rtol``/``atol``."""
+    rtol = float(validation.get("rtol", DEFAULT_RTOL))
+    atol = float(validation.get("atol", DEFAULT_ATOL))
+    worst: dict[str, dict[str, Any]] = {}
+    outside: list[str] = []
+    for index, sample in enumerate(samples):
+        actual, expected = call(compiled, sample), call(eager, sample)
+        if len(actual) != len(expected):
+            raise VerificationFailed(
+                f"compiled model gave {len(actual)} outputs, eager {len(expected)}"
+            )
+        names = (
+            output_names
+            if len(output_names) == len(expected)
+            else [f"output{i}" for i in range(len(expected))]
+        )
+        for name, a, e in zip(names, actual, expected, strict=True):
+            try:
+                error = compare_output(name, a, e)
+            except AssertionError as mismatch:
+                raise VerificationFailed(f"sample {index}: {mismatch}") from None
+            entry = worst.setdefault(
+                name,
+                {
+                    "name": name,
+                    "max_abs_error": 0.0,
+                    "relative_to_scale": 0.0,
+                    "cosine": 1.0,
+                    "top1_agreement": None,
+                },
+            )
+            entry["max_abs_error"] = max(entry["max_abs_error"], error.max_abs_error)
+            entry["relative_to_scale"] = max(entry["relative_to_scale"], error.relative_to_scale)
+            entry["cosine"] = min(entry["cosine"], error.cosine)
+            if error.top1_agreement is not None:
+                previous = entry["top1_agreement"]
+                entry["top1_agreement"] = min(error.top1_agreement, previous or 1.0)
+            if e.is_floating_point() and not torch.allclose(
+                a.double(), e.double(), rtol=rtol, atol=atol
+            ):
+                outside.append(f"{name} (sample {index}, max abs {error.max_abs_error:.3g})")
+    report = {
+        "samples": len(samples),
+        "rtol": rtol,
+        "atol": atol,
+        "outputs": list(worst.values()),
+        "max_abs_error": max((o["max_abs_error"] for o in worst.values()), default=0.0),
+        "max_relative_to_scale": max((o["relative_to_scale"] for o in worst.values()), default=0.0),
+        "min_cosine": min((o["cosine"] for o in worst.values()), default=1.0),
+    }
+    if outside:
+        raise VerificationFailed(
+            f"outputs differ from eager fp32 beyond rtol={rtol:g} atol={atol:g}: "
+            + ", ".join(outside[:4])
+        )
+    return report
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def time_calls(model: Callable[..., Any], inputs: Any, iterations: int) -> list[float]:
+    for _ in range(min(3, iterations)):
+        call(model, inputs)
+    times = []
+    for _ in range(iterations):
+        start = time.perf_counter()
+        call(model, inputs)
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def benchmark(
+    compiled: Callable[..., Any], eager: torch.nn.Module, inputs: Any, iterations: int
+) -> dict[str, Any]:
+    """p50/p99 latency (ms) of eager and compiled on the example inputs, interleaved in rounds
+    so that a noisy neighbour slows both alike; speedup = eager p50 / compiled p50."""
+    eager_ms: list[float] = []
+    compiled_ms: list[float] = []
+    rounds = max(1, min(5, iterations // 5))
+    for _ in range(rounds):
+        eager_ms += time_calls(eager, inputs, max(1, iterations // rounds))
+        compiled_ms += time_calls(compiled, inputs, max(1, iterations // rounds))
+    eager_p50, compiled_p50 = statistics.median(eager_ms), statistics.median(compiled_ms)
+    return {
+        "iterations": len(compiled_ms),
+        "threads": torch.get_num_threads(),
+        "eager_p50_ms": round(eager_p50, 4),
+        "eager_p99_ms": round(_percentile(eager_ms, 99), 4),
+        "compiled_p50_ms": round(compiled_p50, 4),
+        "compiled_p99_ms": round(_percentile(compiled_ms, 99), 4),
+        "speedup": round(eager_p50 / compiled_p50, 4) if compiled_p50 > 0 else 0.0,
+    }
+
+
+# gate name -> (what it reads from the report, how the measured value must compare)
+GATES: dict[str, tuple[Callable[[dict[str, Any]], float], str]] = {
+    "maxAbsError": (lambda r: r["validation"]["max_abs_error"], "<="),
+    "maxRelativeError": (lambda r: r["validation"]["max_relative_to_scale"], "<="),
+    "minCosine": (lambda r: r["validation"]["min_cosine"], ">="),
+    "minSpeedup": (lambda r: r["benchmark"]["speedup"], ">="),
+    "maxLatencyP99Ms": (lambda r: r["benchmark"]["compiled_p99_ms"], "<="),
+}
+
+
+def check_gates(gates: Mapping[str, Any], report: dict[str, Any]) -> dict[str, Any]:
+    """Every gate of the spec against the report; the first one missed raises GateFailed."""
+    unknown = sorted(set(gates) - set(GATES))
+    if unknown:
+        raise InvalidSpec(f"unknown gates {unknown}; known: {sorted(GATES)}")
+    checked = {}
+    for gate, limit in gates.items():
+        if limit is None:
+            continue
+        read, relation = GATES[gate]
+        measured = float(read(report))
+        met = measured <= float(limit) if relation == "<=" else measured >= float(limit)
+        if not met:
+            raise GateFailed.of(gate, measured, relation, float(limit))
+        checked[gate] = {"measured": measured, "limit": float(limit), "passed": True}
+    return checked

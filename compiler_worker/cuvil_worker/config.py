@@ -1,0 +1,70 @@
+"""The worker's configuration, read from the environment once (``WorkerConfig.from_env``).
+
+| variable | default | meaning |
+|---|---|---|
+| CUVIL_BROKER_URL | redis://127.0.0.1:6379/0 | Celery broker (Redis) |
+| CUVIL_RESULT_BACKEND | redis://127.0.0.1:6379/1 | Celery results and progress |
+| CUVIL_REGISTRY_CONFIG | ~/.docker/config.json | docker config with registry credentials |
+| CUVIL_WORK_DIR | $TMPDIR/cuvil-worker | scratch: packaged artifacts kept for retries |
+| CUVIL_VISIBILITY_TIMEOUT | 60 | s before a dead worker's task is handed to another |
+| CUVIL_RESTORE_INTERVAL | 5 | s between sweeps for such tasks |
+| CUVIL_TASK_TIME_LIMIT | 3600 | s a compile may run (soft limit 30 s earlier) |
+| CUVIL_PUSH_RETRIES | 8 | retries of registry faults (backoff 2, 4, … 60 s) |
+| CUVIL_RETRY_BACKOFF_MAX | 60 | s, the longest wait between registry retries |
+| CUVIL_BENCH_ITERATIONS | 30 | timed runs each of eager and compiled |
+| CUVIL_TORCH_THREADS | (torch's default) | intra-op threads per worker process |
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from cuvil_worker.contract import DEFAULT_BROKER_URL, DEFAULT_RESULT_BACKEND
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    broker_url: str = DEFAULT_BROKER_URL
+    result_backend: str = DEFAULT_RESULT_BACKEND
+    registry_config: Path | None = None
+    work_dir: Path = Path(tempfile.gettempdir()) / "cuvil-worker"
+    visibility_timeout: float = 60.0
+    restore_interval: float = 5.0
+    task_time_limit: float = 3600.0
+    push_retries: int = 8
+    retry_backoff_max: float = 60.0
+    bench_iterations: int = 30
+    torch_threads: int | None = None
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> WorkerConfig:
+        env = dict(os.environ if env is None else env)
+        default = cls()
+        registry_config = env.get("CUVIL_REGISTRY_CONFIG")
+        threads = env.get("CUVIL_TORCH_THREADS")
+        return cls(
+            broker_url=env.get("CUVIL_BROKER_URL", default.broker_url),
+            result_backend=env.get("CUVIL_RESULT_BACKEND", default.result_backend),
+            registry_config=Path(registry_config) if registry_config else None,
+            work_dir=Path(env.get("CUVIL_WORK_DIR", str(default.work_dir))),
+            visibility_timeout=float(
+                env.get("CUVIL_VISIBILITY_TIMEOUT", default.visibility_timeout)
+            ),
+            restore_interval=float(env.get("CUVIL_RESTORE_INTERVAL", default.restore_interval)),
+            task_time_limit=float(env.get("CUVIL_TASK_TIME_LIMIT", default.task_time_limit)),
+            push_retries=int(env.get("CUVIL_PUSH_RETRIES", default.push_retries)),
+            retry_backoff_max=float(env.get("CUVIL_RETRY_BACKOFF_MAX", default.retry_backoff_max)),
+            bench_iterations=int(env.get("CUVIL_BENCH_ITERATIONS", default.bench_iterations)),
+            torch_threads=int(threads) if threads else None,
+        )
+
+    @property
+    def soft_time_limit(self) -> float:
+        return max(self.task_time_limit - 30.0, self.task_time_limit * 0.9)
+
+    def backoff(self, retries: int) -> float:
+        """Seconds before registry retry number ``retries`` (0-based): 2, 4, 8, … capped."""
+        return float(min(2.0 ** (retries + 1), self.retry_backoff_max))

@@ -1,0 +1,203 @@
+"""One target of a compilation, start to finish:
+
+    load -> [cuvil.jit: export, import, verify_ir, passes, plan, verify]
+         -> validate (vs eager fp32 on golden inputs) -> benchmark -> gates -> package -> push
+
+``build`` does everything up to ``package`` (all failures permanent: ``CompileFailed``);
+``publish`` pushes the manifest by digest and attaches the report as a referrer (registry faults
+are transient and surface as ``cuvil.artifact.RegistryError``). Nothing is pushed under the
+requested tag here: only the index task tags, and only when every target succeeded.
+Each stage is a span and a progress report (``on_stage``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from opentelemetry import trace
+
+from cuvil_worker import checks
+from cuvil_worker.config import WorkerConfig
+from cuvil_worker.contract import STATE_COMPILING, STATE_PUSHING, STATE_VALIDATING
+from cuvil_worker.errors import CompileFailed, InvalidSpec, ModelNotCompilable
+
+JIT_STAGES = ("export", "import", "verify_ir", "passes", "plan", "verify")
+STAGES = ("load", *JIT_STAGES, "validate", "benchmark", "gates", "package", "push")
+STATE_OF_STAGE = {
+    **dict.fromkeys(("load", "export", "import", "verify_ir", "passes", "plan"), STATE_COMPILING),
+    **dict.fromkeys(("verify", "validate", "benchmark", "gates"), STATE_VALIDATING),
+    **dict.fromkeys(("package", "push", "index"), STATE_PUSHING),
+}
+ANNOTATION_TRACE_ID = "dev.cuvil.trace-id"
+ANNOTATION_COMPILATION = "dev.cuvil.compilation"
+REPORT_ARTIFACT_TYPE = "application/vnd.cuvil.report.v1+json"
+
+tracer = trace.get_tracer("cuvil.worker")
+StageFn = Callable[[str], None]
+
+
+@dataclass
+class Packaged:
+    """The artifact's files and report, kept in the work dir so a retried push skips compiling."""
+
+    files: dict[str, bytes]
+    report: dict[str, Any]
+
+    def save(self, directory: Path) -> None:
+        partial = directory.with_name(directory.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        (partial / "files").mkdir(parents=True)
+        for name, data in self.files.items():
+            (partial / "files" / name).write_bytes(data)
+        (partial / "report.json").write_text(json.dumps(self.report))
+        shutil.rmtree(directory, ignore_errors=True)
+        partial.rename(directory)
+
+    @classmethod
+    def load(cls, directory: Path) -> Packaged | None:
+        if not (directory / "report.json").is_file():
+            return None
+        files = {p.name: p.read_bytes() for p in sorted((directory / "files").iterdir())}
+        return cls(files, json.loads((directory / "report.json").read_text()))
+
+
+def stage_span(name: str, on_stage: StageFn) -> AbstractContextManager[trace.Span]:
+    """Report the stage, then open its span (one span per stage, named ``cuvil.<stage>``)."""
+    on_stage(name)
+    return tracer.start_as_current_span(f"cuvil.{name}")
+
+
+def _compile(loaded: Any, target: str, precision: str, on_stage: StageFn) -> Any:
+    import cuvil
+    from cuvil.frontend.export import ExportError
+
+    try:
+        return cuvil.jit(
+            loaded.model,
+            loaded.example_inputs,
+            target=target,
+            precision=precision,
+            dynamic_shapes=loaded.dynamic_shapes,
+            name=loaded.name,
+            on_stage=on_stage,
+        )
+    except ExportError as error:
+        raise ModelNotCompilable(str(error)) from None
+    except ValueError as error:  # unsupported target or precision: the spec asks too much
+        raise InvalidSpec(str(error)) from None
+    except (MemoryError, KeyboardInterrupt):
+        raise
+    except Exception as error:  # lowering refused the model: same answer on every retry
+        raise ModelNotCompilable(f"{type(error).__name__}: {error}") from None
+
+
+def build(
+    spec: Mapping[str, Any],
+    target: str,
+    config: WorkerConfig,
+    on_stage: StageFn,
+    bundle_fetcher: Callable[[str], Path] | None = None,
+) -> Packaged:
+    """Load, compile, validate, benchmark, gate and package one target."""
+    from cuvil.artifact.files import encode_files
+    from cuvil.frontend.sources import load_source
+
+    with stage_span("load", on_stage):
+        try:
+            loaded = load_source(spec, bundle_fetcher=bundle_fetcher)
+        except ValueError as error:  # SourceError, ModelSourceError: the spec names no model
+            raise InvalidSpec(str(error)) from None
+    compiled = _compile(loaded, target, str(spec.get("precision") or "fp32"), on_stage)
+    validation = dict(spec.get("validation") or {})
+    samples = loaded.sample_inputs(int(validation.get("samples", checks.DEFAULT_SAMPLES)))
+    report: dict[str, Any] = {"target": target, "compile": compiled.report}
+    with stage_span("validate", on_stage):
+        output_names = list(compiled.signature.output_names)
+        report["validation"] = checks.validate(
+            compiled, loaded.model, samples, output_names, validation
+        )
+    with stage_span("benchmark", on_stage):
+        report["benchmark"] = checks.benchmark(
+            compiled, loaded.model, loaded.example_inputs, config.bench_iterations
+        )
+    with stage_span("gates", on_stage):
+        report["gates"] = checks.check_gates(dict(spec.get("gates") or {}), report)
+    with stage_span("package", on_stage):
+        contents = compiled.contents
+        contents.config["report"] = dict(contents.config["report"]) | {
+            "validation": report["validation"],
+            "benchmark": report["benchmark"],
+            "gates": report["gates"],
+        }
+        files = encode_files(contents)
+    report["size"] = sum(len(data) for data in files.values())
+    return Packaged(files, report)
+
+
+def build_cached(
+    spec: Mapping[str, Any],
+    target: str,
+    config: WorkerConfig,
+    on_stage: StageFn,
+    cache_key: str,
+    bundle_fetcher: Callable[[str], Path] | None = None,
+) -> Packaged:
+    directory = config.work_dir / "packaged" / cache_key
+    packaged = Packaged.load(directory)
+    if packaged is None:
+        packaged = build(spec, target, config, on_stage, bundle_fetcher)
+        # A full scratch disk costs a recompile on retry, nothing more.
+        with contextlib.suppress(OSError):
+            packaged.save(directory)
+    return packaged
+
+
+def forget_cached(config: WorkerConfig, cache_key: str) -> None:
+    shutil.rmtree(config.work_dir / "packaged" / cache_key, ignore_errors=True)
+
+
+def publish(
+    packaged: Packaged,
+    spec: Mapping[str, Any],
+    target: str,
+    on_stage: StageFn,
+    annotations: Mapping[str, str],
+) -> dict[str, Any]:
+    """Push the artifact by digest (untagged) and attach its report as a referrer."""
+    from cuvil.artifact import attach_referrer, push_artifact
+
+    output = spec.get("output") or {}
+    repository = str(output.get("repository") or "")
+    if not repository:
+        raise InvalidSpec("spec.output.repository is empty")
+    with stage_span("push", on_stage):
+        pushed = push_artifact(packaged.files, repository, annotations=dict(annotations))
+        report_bytes = json.dumps(packaged.report, sort_keys=True).encode()
+        referrer = attach_referrer(
+            pushed.ref,
+            report_bytes,
+            media_type=REPORT_ARTIFACT_TYPE,
+            artifact_type=REPORT_ARTIFACT_TYPE,
+            annotations=dict(annotations),
+        )
+    return {
+        "target": target,
+        "ref": pushed.ref,
+        "digest": pushed.digest,
+        "size": pushed.size,
+        "mediaType": pushed.media_type,
+        "precision": pushed.precision,
+        "reportReferrer": referrer,
+        "report": packaged.report,
+    }
+
+
+def is_permanent(error: BaseException) -> bool:
+    return isinstance(error, CompileFailed)

@@ -1,0 +1,157 @@
+"""The Celery tasks: thin wrappers that sort errors into "fail now" and "retry later".
+
+``cuvil.compile(request, target)``: one target (``target_pipeline``), acks late, leased, its
+packaged artifact kept in the work dir so a registry retry does not recompile.
+``cuvil.push_index(request)``: the chord callback; reads every target's result by its task id
+(so a redelivered target can never add a second entry), pushes the index under the tag.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery import Task
+from celery.result import AsyncResult
+
+from cuvil_worker import telemetry
+from cuvil_worker.app import app, config
+from cuvil_worker.contract import (
+    TASK_COMPILE,
+    TASK_INDEX,
+    check_request,
+    chord_task_id,
+    target_task_id,
+    targets_of,
+)
+from cuvil_worker.errors import CompileFailed, IndexIncomplete, InvalidSpec, RegistryFault
+from cuvil_worker.lease import message_lease
+from cuvil_worker.target_pipeline import (
+    ANNOTATION_COMPILATION,
+    ANNOTATION_TRACE_ID,
+    STATE_OF_STAGE,
+    build_cached,
+    forget_cached,
+    publish,
+)
+
+log = logging.getLogger(__name__)
+
+
+def _reporter(task: Task, target: str | None) -> Any:
+    def on_stage(stage: str) -> None:
+        state = STATE_OF_STAGE.get(stage)
+        if state is not None and task.request.id:
+            task.update_state(state=state, meta={"stage": stage, "target": target})
+
+    return on_stage
+
+
+def _already_done(task: Task) -> Any:
+    """A redelivered task whose first run stored its result (then died before acking)."""
+    previous = AsyncResult(task.request.id, app=app)
+    return previous.result if previous.state == "SUCCESS" else None
+
+
+def _retry_registry(task: Task, error: Exception) -> Exception:
+    retries = task.request.retries
+    countdown = config.backoff(retries)
+    log.warning("registry fault (try %d): %s; retrying in %.0fs", retries + 1, error, countdown)
+    fault = RegistryFault(f"{type(error).__name__}: {error}")
+    return task.retry(exc=fault, countdown=countdown, max_retries=config.push_retries)
+
+
+def _annotations(request: dict[str, Any], trace_id: str | None) -> dict[str, str]:
+    annotations = {ANNOTATION_COMPILATION: f"{request['namespace']}/{request['name']}"}
+    if trace_id:
+        annotations[ANNOTATION_TRACE_ID] = trace_id
+    return annotations
+
+
+def _delivery_tag(task: Task) -> str | None:
+    properties = getattr(task.request, "properties", None) or {}
+    return properties.get("delivery_tag")
+
+
+@app.task(bind=True, name=TASK_COMPILE, acks_late=True)
+def compile_target(self: Task, request: dict[str, Any], target: str) -> dict[str, Any]:
+    from cuvil.artifact import RegistryError
+
+    check_request(request)
+    done = _already_done(self)
+    if done is not None:
+        return dict(done)
+    task_id = self.request.id or target_task_id(request, target)
+    with (
+        message_lease(config.broker_url, _delivery_tag(self), config.visibility_timeout),
+        telemetry.continued(
+            request.get("traceparent"), "cuvil.compile_target", target=target
+        ) as span,
+    ):
+        on_stage = _reporter(self, target)
+        spec = request["spec"]
+        packaged = build_cached(spec, target, config, on_stage, task_id)
+        try:
+            result = publish(
+                packaged, spec, target, on_stage, _annotations(request, telemetry.trace_id_of(span))
+            )
+        except RegistryError as error:
+            if not error.retryable:
+                raise CompileFailed(f"registry refused the push: {error}") from None
+            raise _retry_registry(self, error) from None
+        result["traceId"] = telemetry.trace_id_of(span)
+    forget_cached(config, task_id)
+    return result
+
+
+def _target_results(request: dict[str, Any]) -> list[dict[str, Any]]:
+    results = []
+    for target in targets_of(request):
+        found = AsyncResult(target_task_id(request, target), app=app)
+        if found.state in ("FAILURE", "REVOKED"):
+            raise CompileFailed(f"target {target} failed: {found.info}")
+        if found.state != "SUCCESS":
+            raise IndexIncomplete(f"target {target} is {found.state}")
+        results.append(dict(found.result))
+    return results
+
+
+@app.task(bind=True, name=TASK_INDEX, acks_late=True, max_retries=None)
+def push_index_task(self: Task, request: dict[str, Any]) -> dict[str, Any]:
+    from cuvil.artifact import PushResult, RegistryError, push_index
+
+    check_request(request)
+    done = _already_done(self)
+    if done is not None:
+        return dict(done)
+    try:
+        results = _target_results(request)
+    except IndexIncomplete as error:  # the chord fired early (a redelivered header task)
+        raise self.retry(exc=error, countdown=1.0, max_retries=300) from None
+    output = request["spec"].get("output") or {}
+    repository, tag = str(output.get("repository") or ""), str(output.get("tag") or "latest")
+    if not repository:
+        raise InvalidSpec("spec.output.repository is empty")
+    entries = [
+        PushResult(r["ref"], r["digest"], r["size"], r["mediaType"], r["target"], r["precision"])
+        for r in results
+    ]
+    with telemetry.continued(request.get("traceparent"), "cuvil.push_index") as span:
+        _reporter(self, None)("index")
+        annotations = _annotations(request, telemetry.trace_id_of(span))
+        try:
+            index = push_index(f"{repository}:{tag}", entries, annotations=annotations)
+        except RegistryError as error:
+            if not error.retryable:
+                raise CompileFailed(f"registry refused the index: {error}") from None
+            raise _retry_registry(self, error) from None
+    return {
+        "compilation": chord_task_id(request),
+        "index": {"ref": index.ref, "digest": index.digest, "tag": tag, "size": index.size},
+        "artifacts": [
+            {k: r[k] for k in ("target", "ref", "digest", "size", "reportReferrer")}
+            for r in results
+        ],
+        "report": {r["target"]: r["report"] for r in results},
+        "traceId": telemetry.trace_id_of(span),
+    }
