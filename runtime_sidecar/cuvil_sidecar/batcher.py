@@ -1,0 +1,173 @@
+"""Dynamic batching: requests wait in one queue; each model instance takes the oldest, joins
+compatible requests behind it (same dtypes and same non-batch dims) until the batch holds
+``max_rows`` rows or the oldest has waited ``max_delay_s``, runs the batch once on a worker
+thread and splits every output back along the batch dim, row for row.
+
+With ``max_rows <= 1`` (batching off, or a model without a shared batch dim) every request
+runs alone through the same queue, so both modes share one code path and one set of timings.
+Requests that could not join stay at the head of the line for the next batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import Callable, Hashable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from cuvil_sidecar.errors import ShuttingDown
+
+RunFn = Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class BatchResult:
+    outputs: dict[str, torch.Tensor]
+    enqueued_ns: int
+    started_ns: int  # execution start (queue wait ends here)
+    finished_ns: int
+    batch_requests: int
+    batch_rows: int
+
+
+@dataclass
+class _Job:
+    inputs: Mapping[str, torch.Tensor]
+    rows: int
+    key: Hashable
+    future: asyncio.Future[BatchResult]
+    enqueued_ns: int = field(default_factory=time.time_ns)
+
+
+class Batcher:
+    def __init__(
+        self,
+        run: RunFn,
+        *,
+        max_rows: int,
+        max_delay_s: float,
+        instances: int = 1,
+        on_execute: Callable[[int, int], None] | None = None,
+        name: str = "model",
+    ) -> None:
+        self._run = run
+        self.max_rows = max(1, max_rows)
+        self.max_delay_s = max_delay_s
+        self._on_execute = on_execute  # (requests, rows) per execution, on the worker thread
+        self._queue: asyncio.Queue[_Job] = asyncio.Queue()
+        self._held: collections.deque[_Job] = collections.deque()
+        self._executor = ThreadPoolExecutor(instances, thread_name_prefix=f"cuvil-{name}")
+        self._tasks = [
+            asyncio.get_running_loop().create_task(self._serve()) for _ in range(instances)
+        ]
+        self._closed = False
+
+    @property
+    def pending(self) -> int:
+        return self._queue.qsize() + len(self._held)
+
+    async def submit(
+        self, inputs: Mapping[str, torch.Tensor], *, rows: int = 1, key: Hashable = None
+    ) -> BatchResult:
+        """Queue one request; ``rows`` is its batch-dim size, ``key`` what must match to join."""
+        if self._closed:
+            raise ShuttingDown("the model is being unloaded")
+        job = _Job(inputs, rows, key, asyncio.get_running_loop().create_future())
+        self._queue.put_nowait(job)
+        return await job.future
+
+    async def close(self) -> None:
+        """Stop the instances; anything still queued is answered ShuttingDown."""
+        self._closed = True
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        leftovers = list(self._held)
+        while not self._queue.empty():
+            leftovers.append(self._queue.get_nowait())
+        for job in leftovers:
+            if not job.future.done():
+                job.future.set_exception(ShuttingDown("the model was unloaded"))
+        self._executor.shutdown(wait=True)
+
+    async def _serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            first = self._held.popleft() if self._held else await self._queue.get()
+            if first.future.done():  # the caller gave up (cancelled) while queued
+                continue
+            batch = [first]
+            if self.max_rows > 1 and first.rows < self.max_rows:
+                await self._gather(batch)
+            try:
+                started, results, finished = await loop.run_in_executor(
+                    self._executor, self._execute, batch
+                )
+            except Exception as error:  # the model itself failed: every caller hears it
+                for job in batch:
+                    if not job.future.done():
+                        job.future.set_exception(error)
+                continue
+            rows = sum(job.rows for job in batch)
+            for job, outputs in zip(batch, results, strict=True):
+                if not job.future.done():
+                    job.future.set_result(
+                        BatchResult(outputs, job.enqueued_ns, started, finished, len(batch), rows)
+                    )
+
+    async def _gather(self, batch: list[_Job]) -> None:
+        """Add compatible jobs to ``batch`` until it is full or the oldest's delay has passed."""
+        first = batch[0]
+        rows = first.rows
+        deadline = time.monotonic() + max(
+            0.0, self.max_delay_s - (time.time_ns() - first.enqueued_ns) / 1e9
+        )
+        for job in list(self._held):
+            if job.key == first.key and rows + job.rows <= self.max_rows:
+                self._held.remove(job)
+                batch.append(job)
+                rows += job.rows
+        while rows < self.max_rows:
+            if self._queue.empty():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                try:
+                    job = await asyncio.wait_for(self._queue.get(), remaining)
+                except TimeoutError:
+                    break
+            else:
+                job = self._queue.get_nowait()
+            if job.future.done():
+                continue
+            if job.key == first.key and rows + job.rows <= self.max_rows:
+                batch.append(job)
+                rows += job.rows
+            else:
+                self._held.append(job)
+
+    def _execute(self, batch: list[_Job]) -> tuple[int, list[dict[str, torch.Tensor]], int]:
+        if len(batch) == 1:
+            inputs = batch[0].inputs
+        else:
+            inputs = {
+                name: torch.cat([job.inputs[name] for job in batch]) for name in batch[0].inputs
+            }
+        started = time.time_ns()
+        outputs = self._run(inputs)
+        finished = time.time_ns()
+        if self._on_execute is not None:
+            self._on_execute(len(batch), sum(job.rows for job in batch))
+        if len(batch) == 1:
+            return started, [outputs], finished
+        sizes = [job.rows for job in batch]
+        pieces = {name: torch.split(tensor, sizes) for name, tensor in outputs.items()}
+        return (
+            started,
+            [{name: pieces[name][i] for name in outputs} for i in range(len(batch))],
+            finished,
+        )

@@ -1,0 +1,108 @@
+"""The sidecar's settings, read from the environment once at start-up (``SidecarConfig.from_env``).
+
+- ``CUVIL_MODEL`` (required): artifact path (tar or directory), OCI layout (``oci:PATH[:tag]``)
+  or registry reference, with or without a digest.
+- ``CUVIL_MODEL_NAME``: the model name clients use (default: the artifact's name).
+- ``CUVIL_GRPC_HOST`` (``0.0.0.0``): address the gRPC and metrics servers bind.
+- ``CUVIL_GRPC_PORT`` (8001): Open Inference Protocol v2 over gRPC, plus health and reflection.
+- ``CUVIL_METRICS_PORT`` (8002): HTTP ``/metrics`` (Prometheus), ``/v2/health/live`` and
+  ``/v2/health/ready`` (503 with the reason while not ready); 0 turns it off.
+- ``CUVIL_CACHE_DIR`` (``~/.cache/cuvil``): node cache for pulled artifacts.
+- ``CUVIL_MAX_BATCH_SIZE`` (8): most rows one joined batch holds; 0 or 1 turns batching off.
+- ``CUVIL_MAX_QUEUE_DELAY_US`` (500): how long a request may wait for others to join it.
+- ``CUVIL_MODEL_INSTANCES`` (1): batches executed at once (Triton's instance count).
+- ``CUVIL_MAX_MESSAGE_BYTES`` (64 MiB): largest gRPC message received or sent.
+- ``CUVIL_POLL_INTERVAL_S`` (0): poll ``CUVIL_MODEL`` for a new digest every N seconds
+  (0: reload only on SIGHUP).
+- ``CUVIL_GOLDEN_TOLERANCE`` (0.001): start-up golden check, max abs error / output scale.
+- ``CUVIL_WARMUP_RUNS`` (2): runs per shape bucket during warm-up.
+
+Tracing is configured by the standard ``OTEL_*`` variables (see ``tracing.py``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class ConfigError(ValueError):
+    """An environment variable is missing or malformed."""
+
+
+@dataclass(frozen=True)
+class SidecarConfig:
+    model: str
+    model_name: str | None = None
+    host: str = "0.0.0.0"
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    cache_dir: Path | None = None
+    max_batch_size: int = 8
+    max_queue_delay_us: int = 500
+    model_instances: int = 1
+    max_message_bytes: int = 64 * 2**20
+    poll_interval_s: float = 0.0
+    golden_tolerance: float = 1e-3
+    warmup_runs: int = 2
+
+    @property
+    def batching(self) -> bool:
+        return self.max_batch_size > 1
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> SidecarConfig:
+        env = os.environ if environ is None else environ
+        model = env.get("CUVIL_MODEL", "").strip()
+        if not model:
+            raise ConfigError(
+                "CUVIL_MODEL is not set: give an artifact path or a registry reference"
+            )
+        cache = env.get("CUVIL_CACHE_DIR")
+        return cls(
+            model=model,
+            model_name=env.get("CUVIL_MODEL_NAME") or None,
+            host=env.get("CUVIL_GRPC_HOST", cls.host),
+            grpc_port=_integer(env, "CUVIL_GRPC_PORT", cls.grpc_port, low=0),
+            metrics_port=_integer(env, "CUVIL_METRICS_PORT", cls.metrics_port, low=0),
+            cache_dir=Path(cache) if cache else None,
+            max_batch_size=_integer(env, "CUVIL_MAX_BATCH_SIZE", cls.max_batch_size, low=0),
+            max_queue_delay_us=_integer(
+                env, "CUVIL_MAX_QUEUE_DELAY_US", cls.max_queue_delay_us, low=0
+            ),
+            model_instances=_integer(env, "CUVIL_MODEL_INSTANCES", cls.model_instances, low=1),
+            max_message_bytes=_integer(
+                env, "CUVIL_MAX_MESSAGE_BYTES", cls.max_message_bytes, low=1024
+            ),
+            poll_interval_s=_number(env, "CUVIL_POLL_INTERVAL_S", cls.poll_interval_s),
+            golden_tolerance=_number(env, "CUVIL_GOLDEN_TOLERANCE", cls.golden_tolerance),
+            warmup_runs=_integer(env, "CUVIL_WARMUP_RUNS", cls.warmup_runs, low=0),
+        )
+
+
+def _integer(env: Mapping[str, str], key: str, default: int, *, low: int) -> int:
+    text = env.get(key, "").strip()
+    if not text:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        raise ConfigError(f"{key}={text!r} is not an integer") from None
+    if value < low:
+        raise ConfigError(f"{key}={value} is below its minimum {low}")
+    return value
+
+
+def _number(env: Mapping[str, str], key: str, default: float) -> float:
+    text = env.get(key, "").strip()
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigError(f"{key}={text!r} is not a number") from None
+    if value < 0:
+        raise ConfigError(f"{key}={value} is negative")
+    return value

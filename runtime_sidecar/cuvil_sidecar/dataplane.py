@@ -1,0 +1,153 @@
+"""The data plane: what each Open Inference Protocol call means, in neutral types.
+
+The servicer only converts protobuf to and from ``messages`` and maps errors to status codes;
+everything a request can get wrong is caught here (or in ``codec``) and raised as a
+``SidecarError`` whose message names the input and what was expected.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Hashable
+
+import torch
+
+import cuvil
+from cuvil.runtime.signature import InputError
+from cuvil_sidecar import tracing
+from cuvil_sidecar.codec import decode_input, encode_output
+from cuvil_sidecar.config import SidecarConfig
+from cuvil_sidecar.errors import InvalidInput, SidecarError
+from cuvil_sidecar.manager import ModelManager
+from cuvil_sidecar.messages import (
+    InferRequest,
+    InferResponse,
+    ModelMetadata,
+    ServerMetadata,
+)
+from cuvil_sidecar.metrics import Metrics
+from cuvil_sidecar.servable import ServedModel
+
+SERVER_NAME = "cuvil"
+
+
+class DataPlane:
+    def __init__(self, manager: ModelManager, metrics: Metrics, config: SidecarConfig) -> None:
+        self.manager = manager
+        self.metrics = metrics
+        self.config = config
+
+    def live(self) -> bool:
+        return True
+
+    def ready(self) -> bool:
+        return self.manager.ready
+
+    def server_metadata(self) -> ServerMetadata:
+        return ServerMetadata(SERVER_NAME, getattr(cuvil, "__version__", "0"), ())
+
+    def model_ready(self, name: str, version: str) -> bool:
+        try:
+            model = self.manager.acquire(name, version)
+        except SidecarError:
+            if self.manager.ready:
+                raise  # a name or version this sidecar does not serve
+            return False
+        model.release()
+        return True
+
+    def model_metadata(self, name: str, version: str) -> ModelMetadata:
+        model = self.manager.acquire(name, version)
+        try:
+            return model.metadata()
+        finally:
+            model.release()
+
+    async def infer(self, request: InferRequest) -> InferResponse:
+        model = self.manager.acquire(request.model_name, request.model_version)
+        try:
+            with tracing.tracer.start_as_current_span(
+                "cuvil.infer",
+                links=model.links,
+                attributes={"cuvil.model": model.name, "cuvil.model.digest": model.digest},
+            ):
+                response = await self._infer(model, request)
+        except Exception:
+            self.metrics.add("nv_inference_request_failure", model.name, model.version)
+            raise
+        finally:
+            model.release()
+        return response
+
+    def count_failure(self, name: str) -> None:
+        """A request that failed before it reached ``infer`` (unparseable contents)."""
+        current = self.manager.current
+        if current is not None and current.name == name:
+            self.metrics.add("nv_inference_request_failure", current.name, current.version)
+
+    async def _infer(self, model: ServedModel, request: InferRequest) -> InferResponse:
+        started = time.time_ns()
+        inputs = self._decode(model, request)
+        wanted = request.outputs or model.output_names
+        unknown = sorted(set(wanted) - set(model.output_names))
+        if unknown:
+            raise InvalidInput(
+                f"unknown requested output(s) {unknown}; the model has {list(model.output_names)}"
+            )
+        rows = 1
+        key: Hashable = None
+        if model.batch_symbol is not None:
+            first = next(iter(inputs.values()))
+            rows = int(first.shape[0])
+            key = tuple((name, tuple(t.shape[1:])) for name, t in sorted(inputs.items()))
+        result = await model.batcher.submit(inputs, rows=rows, key=key)
+        tracing.record_batch_spans(
+            enqueued_ns=result.enqueued_ns,
+            started_ns=result.started_ns,
+            finished_ns=result.finished_ns,
+            requests=result.batch_requests,
+            rows=result.batch_rows,
+        )
+        outputs = tuple(encode_output(name, result.outputs[name]) for name in wanted)
+        self.metrics.request_succeeded(
+            model.name,
+            model.version,
+            request_us=(time.time_ns() - started) / 1e3,
+            queue_us=(result.started_ns - result.enqueued_ns) / 1e3,
+            compute_us=(result.finished_ns - result.started_ns) / 1e3,
+        )
+        return InferResponse(model.name, model.version, request.id, outputs)
+
+    def _decode(self, model: ServedModel, request: InferRequest) -> dict[str, torch.Tensor]:
+        expected = model.input_datatypes
+        names = [item.name for item in request.inputs]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        unknown = sorted(set(names) - set(expected))
+        missing = [name for name in expected if name not in names]
+        if repeated or unknown or missing:
+            problems = [
+                f"{label} {values}"
+                for label, values in (
+                    ("unknown", unknown),
+                    ("missing", missing),
+                    ("repeated", repeated),
+                )
+                if values
+            ]
+            raise InvalidInput(
+                f"inputs do not match model {model.name!r}: {'; '.join(problems)}; "
+                f"it takes {list(expected)}"
+            )
+        tensors = {}
+        for item in request.inputs:
+            if item.datatype != expected[item.name]:
+                raise InvalidInput(
+                    f"input {item.name!r} has datatype {item.datatype!r}; the model takes "
+                    f"{expected[item.name]}"
+                )
+            tensors[item.name] = decode_input(item, max_bytes=model.max_message_bytes)
+        try:
+            model.binder.bind(tensors)
+        except InputError as error:
+            raise InvalidInput(str(error)) from None
+        return tensors

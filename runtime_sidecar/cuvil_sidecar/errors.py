@@ -1,0 +1,49 @@
+"""Domain errors of the sidecar and the one table that maps them to gRPC status codes.
+
+The data plane raises these; the servicer turns them into a status with ``grpc_status``.
+Anything else escaping a handler is a bug: it is logged and answered INTERNAL, never a crash.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class SidecarError(Exception):
+    """Base of the errors a client can cause or observe; the message goes to the client."""
+
+
+class InvalidInput(SidecarError):
+    """The request does not fit the model: names, datatypes, shapes, byte counts, dim ranges."""
+
+
+class ModelNotFound(SidecarError):
+    """No model (or no model version) by that name is served here."""
+
+
+class ModelNotReady(SidecarError):
+    """The model is still loading or warming up, or failed to load (the message says why)."""
+
+
+class RequestTooLarge(SidecarError):
+    """A tensor declares more elements than the sidecar accepts in one request."""
+
+
+class ShuttingDown(SidecarError):
+    """The sidecar is stopping and takes no new requests."""
+
+
+STATUS_CODES: dict[type[SidecarError], grpc.StatusCode] = {
+    InvalidInput: grpc.StatusCode.INVALID_ARGUMENT,
+    RequestTooLarge: grpc.StatusCode.INVALID_ARGUMENT,
+    ModelNotFound: grpc.StatusCode.NOT_FOUND,
+    ModelNotReady: grpc.StatusCode.UNAVAILABLE,
+    ShuttingDown: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+def grpc_status(error: SidecarError) -> grpc.StatusCode:
+    for kind in type(error).__mro__:
+        if kind in STATUS_CODES:
+            return STATUS_CODES[kind]
+    return grpc.StatusCode.INTERNAL

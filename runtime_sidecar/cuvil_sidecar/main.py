@@ -1,0 +1,34 @@
+"""``cuvil-sidecar``: read the configuration from the environment and serve until stopped."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+
+from cuvil_sidecar.config import ConfigError, SidecarConfig
+
+
+def run(config: SidecarConfig) -> int:
+    logging.basicConfig(
+        level=os.environ.get("CUVIL_LOG_LEVEL", "INFO").upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    from cuvil_sidecar.server import serve
+
+    asyncio.run(serve(config))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        config = SidecarConfig.from_env()
+    except ConfigError as error:
+        print(f"cuvil-sidecar: {error}", file=sys.stderr)
+        return 2
+    return run(config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""The served model's life: the first load, hot reloads, and which model a request gets.
+
+Loading (fetch, verify, load, warm up, golden check) runs on a background thread while the
+current model keeps serving. Only a model that passed every step replaces the current one, and
+the swap is one assignment on the event loop: a request that already holds the old model
+finishes on it (``ServedModel.retire`` waits for it), every later request gets the new one. A
+new artifact that fails any step is refused, counted and logged; the old model keeps serving.
+
+Reloads are triggered by SIGHUP (reload if the source's digest differs from the served one,
+including a retry of a digest that failed before) or by polling every ``CUVIL_POLL_INTERVAL_S``
+(reload if the digest differs from the last one tried, so a bad artifact is not retried forever).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from cuvil_sidecar.config import SidecarConfig
+from cuvil_sidecar.errors import ModelNotFound, ModelNotReady
+from cuvil_sidecar.metrics import Metrics
+from cuvil_sidecar.servable import ServedModel
+from cuvil_sidecar.source import ModelSource
+from cuvil_sidecar.startup import load_checked
+
+log = logging.getLogger("cuvil_sidecar.manager")
+
+ReadyHook = Callable[[bool], Awaitable[None]]
+
+
+class ModelManager:
+    def __init__(
+        self,
+        config: SidecarConfig,
+        source: ModelSource,
+        metrics: Metrics,
+        on_ready: ReadyHook | None = None,
+    ) -> None:
+        self.config = config
+        self.source = source
+        self.metrics = metrics
+        self.current: ServedModel | None = None
+        self.reason = "starting"
+        self._on_ready = on_ready
+        self._tried_digest: str | None = None
+        self._lock = asyncio.Lock()
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="cuvil-load")
+        self._retiring: set[asyncio.Task[None]] = set()
+
+    @property
+    def ready(self) -> bool:
+        return self.current is not None
+
+    def readiness(self) -> tuple[bool, str]:
+        current = self.current
+        if current is None:
+            return False, f"not ready: {self.reason}"
+        return True, f"ready: {current.name} {current.digest}"
+
+    def acquire(self, name: str, version: str) -> ServedModel:
+        """The model to serve this request, with its in-flight count raised (``release`` it)."""
+        current = self.current
+        if current is None:
+            if self.config.model_name and name != self.config.model_name:
+                raise ModelNotFound(
+                    f"no model named {name!r}; this sidecar serves only {self.config.model_name!r}"
+                )
+            raise ModelNotReady(f"model {name!r} is not ready: {self.reason}")
+        if name != current.name:
+            raise ModelNotFound(
+                f"no model named {name!r}; this sidecar serves only {current.name!r}"
+            )
+        if version not in ("", current.version):
+            raise ModelNotFound(
+                f"model {name!r} has no version {version!r}; it serves version {current.version!r}"
+            )
+        return current.acquire()
+
+    async def load(self, *, only_if: Callable[[str], bool] | None = None) -> bool:
+        """Load the source's artifact and swap it in; True if a new model now serves. With
+        ``only_if``, load only when it accepts the source's current digest."""
+        async with self._lock:
+            loop = asyncio.get_running_loop()
+            try:
+                digest = await loop.run_in_executor(self._loader, self.source.digest)
+            except Exception as error:
+                self._refuse(f"cannot read {self.source}: {error}")
+                return False
+            if only_if is not None and not only_if(digest):
+                return False
+            self._tried_digest = digest
+            try:
+                loaded = await loop.run_in_executor(
+                    self._loader,
+                    lambda: load_checked(
+                        self.source,
+                        source_digest=digest,
+                        max_rows=self.config.max_batch_size if self.config.batching else 1,
+                        warmup_runs=self.config.warmup_runs,
+                        golden_tolerance=self.config.golden_tolerance,
+                        progress=self._progress,
+                    ),
+                )
+            except Exception as error:
+                log.debug("load failure", exc_info=True)
+                self._refuse(str(error))
+                return False
+            new = ServedModel(loaded, self.config, self.metrics)
+            old, self.current = self.current, new
+            self.metrics.gauge("cuvil_model_ready", new.name, new.version, lambda: 1.0)
+            self.metrics.gauge(
+                "nv_inference_pending_request_count",
+                new.name,
+                new.version,
+                lambda: float(self.current.batcher.pending if self.current else 0),
+            )
+            self.metrics.reload("ok")
+            log.info("serving %s %s (from %s)", new.name, new.digest, self.source)
+            if old is None:
+                if self._on_ready is not None:
+                    await self._on_ready(True)
+            else:
+                task = asyncio.create_task(old.retire())
+                self._retiring.add(task)
+                task.add_done_callback(self._retiring.discard)
+            return True
+
+    async def reload_on_signal(self) -> bool:
+        served = self.current.loaded.source_digest if self.current else None
+        return await self.load(only_if=lambda digest: digest != served)
+
+    async def poll(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            await self.load(only_if=lambda digest: digest != self._tried_digest)
+
+    async def close(self) -> None:
+        current, self.current = self.current, None
+        if current is not None:
+            await current.retire()
+        await asyncio.gather(*self._retiring, return_exceptions=True)
+        self._loader.shutdown(wait=False, cancel_futures=True)
+
+    def _progress(self, message: str) -> None:
+        if self.current is None:
+            self.reason = message
+        log.info("%s", message)
+
+    def _refuse(self, why: str) -> None:
+        self.metrics.reload("refused")
+        if self.current is None:
+            self.reason = f"loading {self.source} failed: {why}"
+            log.error("not ready: %s", self.reason)
+        else:
+            log.error(
+                "refused the new artifact from %s, still serving %s: %s",
+                self.source,
+                self.current.digest,
+                why,
+            )

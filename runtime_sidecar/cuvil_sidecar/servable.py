@@ -1,0 +1,91 @@
+"""A model that passed start-up, as the data plane serves it: the compiled model, its checks and
+metadata in protocol terms, its batcher, and a count of requests in flight so that a model
+replaced by a reload finishes them before it is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from cuvil.runtime.signature import InputBinder
+from cuvil_sidecar.batcher import Batcher
+from cuvil_sidecar.codec import datatype_of
+from cuvil_sidecar.config import SidecarConfig
+from cuvil_sidecar.messages import ModelMetadata, TensorMetadata
+from cuvil_sidecar.metrics import Metrics
+from cuvil_sidecar.startup import LoadedModel
+from cuvil_sidecar.tracing import compile_links
+
+log = logging.getLogger("cuvil_sidecar.servable")
+
+VERSION = "1"  # one version is served at a time; a reload replaces it in place
+
+
+class ServedModel:
+    def __init__(self, loaded: LoadedModel, config: SidecarConfig, metrics: Metrics) -> None:
+        model = loaded.model
+        self.loaded = loaded
+        self.model = model
+        self.name = config.model_name or model.name
+        self.version = VERSION
+        self.digest = loaded.digest
+        self.signature = model.signature
+        self.binder = InputBinder(model.signature)
+        self.input_datatypes = {s.name: datatype_of(s.dtype) for s in model.signature.inputs}
+        self.output_names = model.signature.output_names
+        self.batch_symbol = loaded.batch_symbol
+        self.links = compile_links(model.config)
+        self.max_message_bytes = config.max_message_bytes
+        max_rows = config.max_batch_size if config.batching and loaded.batch_symbol else 1
+        self.batcher = Batcher(
+            model.run,
+            max_rows=max_rows,
+            max_delay_s=config.max_queue_delay_us / 1e6,
+            instances=config.model_instances,
+            on_execute=self._count_execution,
+            name=self.name,
+        )
+        self._metrics = metrics
+        self.in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def _count_execution(self, requests: int, rows: int) -> None:
+        self._metrics.add("nv_inference_exec_count", self.name, self.version)
+        self._metrics.add("nv_inference_count", self.name, self.version, rows)
+
+    def metadata(self) -> ModelMetadata:
+        def tensors(specs: tuple) -> tuple[TensorMetadata, ...]:
+            return tuple(
+                TensorMetadata(
+                    spec.name,
+                    datatype_of(spec.dtype),
+                    tuple(int(dim) if dim.is_Integer else -1 for dim in spec.shape),
+                )
+                for spec in specs
+            )
+
+        return ModelMetadata(
+            name=self.name,
+            versions=(self.version,),
+            platform=f"cuvil_{self.model.config.get('target', 'cpu')}",
+            inputs=tensors(self.signature.inputs),
+            outputs=tensors(self.signature.outputs),
+        )
+
+    def acquire(self) -> ServedModel:
+        self.in_flight += 1
+        self._idle.clear()
+        return self
+
+    def release(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._idle.set()
+
+    async def retire(self) -> None:
+        """Let in-flight requests finish, then stop the batcher and its threads."""
+        await self._idle.wait()
+        await self.batcher.close()
+        log.info("retired %s %s", self.name, self.digest)

@@ -1,0 +1,104 @@
+"""The composition root: builds every part from one SidecarConfig and runs until SIGTERM/SIGINT.
+
+Order matters for readiness: the gRPC port and the metrics port open first (live, not ready),
+then the model loads in the background; health turns SERVING and ServerReady true only once the
+model passed warm-up and the golden check. SIGHUP asks for a reload; SIGTERM drains: the server
+stops taking calls, in-flight calls get a grace period, then the model is retired.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from cuvil_sidecar import tracing
+from cuvil_sidecar._generated import grpc_service_pb2_grpc as pb_grpc
+from cuvil_sidecar.config import SidecarConfig
+from cuvil_sidecar.dataplane import DataPlane
+from cuvil_sidecar.manager import ModelManager
+from cuvil_sidecar.metrics import Metrics, serve_http
+from cuvil_sidecar.servicer import SERVICE_NAME, InferenceServicer
+from cuvil_sidecar.source import ModelSource
+
+log = logging.getLogger("cuvil_sidecar")
+
+GRACE_S = 5.0
+
+
+async def serve(config: SidecarConfig) -> None:
+    provider = tracing.configure()
+    metrics = Metrics()
+    health_servicer = health.aio.HealthServicer()
+
+    async def on_ready(ready: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if ready
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for service in ("", SERVICE_NAME):
+            await health_servicer.set(service, status)
+
+    manager = ModelManager(config, ModelSource(config.model, config.cache_dir), metrics, on_ready)
+    dataplane = DataPlane(manager, metrics, config)
+    server = grpc.aio.server(
+        interceptors=tracing.server_interceptors(provider),
+        options=[
+            ("grpc.max_receive_message_length", config.max_message_bytes),
+            ("grpc.max_send_message_length", config.max_message_bytes),
+        ],
+    )
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(dataplane), server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    await on_ready(False)
+    address = f"{config.host}:{config.grpc_port}"
+    port = server.add_insecure_port(address)
+    await server.start()
+    http = (
+        serve_http(config.host, config.metrics_port, metrics, manager.readiness)
+        if config.metrics_port
+        else None
+    )
+    log.info(
+        "cuvil-sidecar listening: gRPC %s:%d, metrics %s; loading %s",
+        config.host,
+        port,
+        f"{config.host}:{config.metrics_port}" if http else "off",
+        config.model,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    tasks: set[asyncio.Task[Any]] = set()
+
+    def spawn(coroutine: Any) -> None:
+        task = loop.create_task(coroutine)
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, lambda: spawn(manager.reload_on_signal()))
+    spawn(manager.load())
+    if config.poll_interval_s > 0:
+        spawn(manager.poll(config.poll_interval_s))
+    await stop.wait()
+    log.info("stopping: draining in-flight calls (up to %.0f s)", GRACE_S)
+    await on_ready(False)
+    await server.stop(GRACE_S)
+    for task in list(tasks):
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await manager.close()
+    if http is not None:
+        http.shutdown()
+    if provider is not None:
+        provider.shutdown()

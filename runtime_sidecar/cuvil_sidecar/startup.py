@@ -1,0 +1,194 @@
+"""Start-up checks, run on a background thread before a model may serve (initially and on every
+reload): fetch the artifact, verify every file's digest while reading it, load it, warm up every
+shape bucket, and compare the outputs on the artifact's golden inputs with the golden outputs
+recorded at compile time. Any failure raises StartupError saying which step failed and why; the
+caller keeps the model not ready (first load) or keeps serving the old one (reload).
+
+Shape buckets: the sizes the sidecar will actually run. Each symbol takes its golden value; the
+batch symbol also takes every power of two up to the largest joined batch (and that size
+itself); an artifact may list more in ``config["shape_buckets"]`` (symbol -> size maps).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import sympy
+import torch
+
+from cuvil.artifact import media_types as mt
+from cuvil.artifact.files import ArtifactError, decode_files, read_files
+from cuvil.dtypes import torch_dtype
+from cuvil.runtime.model import CompiledModel
+from cuvil.runtime.signature import InputBinder, InputError, Signature
+from cuvil.shape_expr import compile_expr
+from cuvil_sidecar.source import ModelSource
+
+log = logging.getLogger("cuvil_sidecar.startup")
+
+
+class StartupError(RuntimeError):
+    """A step of start-up failed; the message names the step and the cause."""
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: CompiledModel
+    digest: str  # sha256 of the loaded config.json
+    source_digest: str  # what the source reported before fetching (reload compares this)
+    path: Path
+    batch_symbol: str | None
+    buckets: tuple[dict[str, int], ...]
+    seconds: float
+
+
+Progress = Callable[[str], None]
+
+
+def load_checked(
+    source: ModelSource,
+    *,
+    source_digest: str,
+    max_rows: int,
+    warmup_runs: int,
+    golden_tolerance: float,
+    progress: Progress = lambda message: None,
+) -> LoadedModel:
+    started = time.perf_counter()
+    progress(f"fetching {source}")
+    try:
+        path = source.fetch()
+    except Exception as error:
+        raise StartupError(f"fetching {source} failed: {error}") from error
+    progress(f"verifying and loading {path}")
+    try:
+        files = read_files(path)
+        model = CompiledModel(decode_files(files, origin=str(path)))
+    except (ArtifactError, OSError, ValueError, KeyError) as error:
+        raise StartupError(f"loading {path} failed: {error}") from error
+    digest = "sha256:" + hashlib.sha256(files[mt.CONFIG_FILE]).hexdigest()
+    if model.device.type == "cuda" and not torch.cuda.is_available():
+        raise StartupError(f"{path} targets {model.config.get('target')} but no GPU is visible")
+    symbol = batch_symbol(model.signature)
+    buckets = shape_buckets(model, symbol, max_rows)
+    for index, bucket in enumerate(buckets, 1):
+        progress(f"warming up bucket {index}/{len(buckets)} {bucket}")
+        inputs = bucket_inputs(model, bucket)
+        try:
+            for _ in range(warmup_runs):
+                model.run(inputs)
+        except Exception as error:
+            raise StartupError(f"warm-up at {bucket} failed: {error}") from error
+    progress("checking golden outputs")
+    check_golden(model, golden_tolerance)
+    seconds = time.perf_counter() - started
+    log.info("loaded %s (%s) in %.2f s, buckets %s", model.name, digest, seconds, buckets)
+    return LoadedModel(model, digest, source_digest, path, symbol, tuple(buckets), seconds)
+
+
+def batch_symbol(signature: Signature) -> str | None:
+    """The symbol that is dim 0 of every input and output, if there is one: requests can then be
+    joined along it."""
+    specs = signature.inputs + signature.outputs
+    firsts = {spec.shape[0] if spec.shape else None for spec in specs}
+    if len(firsts) != 1:
+        return None
+    (first,) = firsts
+    return first.name if isinstance(first, sympy.Symbol) else None
+
+
+def golden_inputs(model: CompiledModel) -> dict[str, torch.Tensor]:
+    golden = model.contents.golden
+    return {
+        spec.name: golden[f"input.{spec.name}"]
+        for spec in model.signature.inputs
+        if f"input.{spec.name}" in golden
+    }
+
+
+def shape_buckets(model: CompiledModel, symbol: str | None, max_rows: int) -> list[dict[str, int]]:
+    signature = model.signature
+    inputs = golden_inputs(model)
+    if len(inputs) == len(signature.inputs):
+        base = InputBinder(signature).bind(inputs)
+    else:
+        base = {s.name: max(s.min, 1) for s in signature.symbols}
+    buckets = [base]
+    if symbol is not None:
+        spec = signature.symbol(symbol)
+        top = max(1, min(max_rows, spec.max if spec.max is not None else max_rows))
+        sizes = sorted({1 << k for k in range(top.bit_length()) if 1 << k <= top} | {top})
+        buckets += [base | {symbol: size} for size in sizes if size >= spec.min]
+    for extra in model.config.get("shape_buckets", []):
+        buckets.append(base | {str(k): int(v) for k, v in dict(extra).items()})
+    unique: list[dict[str, int]] = []
+    for bucket in buckets:
+        if bucket not in unique:
+            unique.append(bucket)
+    return unique
+
+
+def bucket_inputs(model: CompiledModel, sizes: Mapping[str, int]) -> dict[str, torch.Tensor]:
+    """Inputs of the bucket's shape: golden data tiled or cut to size (so token ids and masks
+    stay realistic), zeros where there is no golden input."""
+    golden = golden_inputs(model)
+    inputs = {}
+    for spec in model.signature.inputs:
+        shape = [int(compile_expr(dim)(dict(sizes))) for dim in spec.shape]
+        source = golden.get(spec.name)
+        if source is None or source.dim() != len(shape) or source.numel() == 0:
+            inputs[spec.name] = torch.zeros(shape, dtype=torch_dtype(spec.dtype))
+            continue
+        tensor = source
+        for axis, size in enumerate(shape):
+            repeats = -(-size // tensor.shape[axis])
+            if repeats > 1:
+                tensor = torch.cat([tensor] * repeats, dim=axis)
+            tensor = tensor.narrow(axis, 0, size)
+        inputs[spec.name] = tensor.contiguous()
+    return inputs
+
+
+def check_golden(model: CompiledModel, tolerance: float) -> None:
+    golden = model.contents.golden
+    inputs = golden_inputs(model)
+    if not golden or len(inputs) != len(model.signature.inputs):
+        log.warning("%s has no golden inputs: start-up cannot check its outputs", model.name)
+        return
+    recorded = model.report.get("verification", {}).get("max_relative_to_scale") or 0.0
+    allowed = max(tolerance, 4 * float(recorded))
+    try:
+        outputs = model.run(inputs)
+    except (InputError, RuntimeError) as failure:
+        raise StartupError(
+            f"golden check: running the golden inputs failed: {failure}"
+        ) from failure
+    for name in model.signature.output_names:
+        expected = golden.get(f"output.{name}")
+        if expected is None:
+            continue
+        actual = outputs[name]
+        if actual.shape != expected.shape:
+            raise StartupError(
+                f"golden check: output {name!r} has shape {list(actual.shape)}, "
+                f"the artifact recorded {list(expected.shape)}"
+            )
+        difference = _relative_error(actual, expected)
+        if not difference <= allowed:
+            raise StartupError(
+                f"golden check: output {name!r} differs from the recorded golden output by "
+                f"{difference:.3g} of its scale (allowed {allowed:.3g}); refusing this artifact"
+            )
+
+
+def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
+    if e.numel() == 0:
+        return 0.0
+    scale = max(float(e.abs().max()), 1e-12)
+    return float((a - e).abs().max()) / scale

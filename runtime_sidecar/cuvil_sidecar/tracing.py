@@ -1,0 +1,135 @@
+"""OpenTelemetry for the sidecar: a tracer provider from the standard ``OTEL_*`` variables, the
+per-request child spans, and the link to the trace that compiled the artifact.
+
+Span tree per ModelInfer (the server span comes from opentelemetry-instrumentation-grpc and
+continues the caller's W3C ``traceparent``)::
+
+    /inference.GRPCInferenceService/ModelInfer     (server span, kind SERVER)
+      cuvil.infer      decode, wait, encode; linked to the compile trace when the artifact has one
+        cuvil.queue    enqueued -> its batch starts executing
+        cuvil.batch    the joined batch this request rode in (requests, rows)
+          cuvil.execute   the model run
+
+The batch runs once for many requests, so its spans are recorded afterwards with the measured
+start and end times, once under each request's trace.
+
+Environment: ``OTEL_SDK_DISABLED``; ``OTEL_TRACES_EXPORTER`` (``otlp``, ``console`` or ``none``;
+when unset, ``otlp`` if an ``OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT`` is set, else none, so an
+unconfigured sidecar does not retry a collector that is not there); ``OTEL_SERVICE_NAME``
+(default ``cuvil-sidecar``), ``OTEL_RESOURCE_ATTRIBUTES``, ``OTEL_TRACES_SAMPLER[_ARG]``,
+``OTEL_EXPORTER_OTLP_*`` and ``OTEL_BSP_*`` are read by the SDK itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.trace import Link, SpanContext, TraceFlags
+
+log = logging.getLogger("cuvil_sidecar.tracing")
+tracer = trace.get_tracer("cuvil_sidecar")
+
+# Where an artifact may carry the trace of the compile that made it (W3C traceparent or a bare
+# 32-hex trace id), in its config's "annotations" (copied from the OCI manifest) or top level.
+COMPILE_TRACE_KEYS = ("dev.cuvil.compile.traceparent", "dev.cuvil.compile.trace-id")
+
+
+def configure(environ: Mapping[str, str] | None = None) -> Any:
+    """Install the global tracer provider; returns it (for shutdown) or None when tracing is
+    off."""
+    env = os.environ if environ is None else environ
+    if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return None
+    exporters = [
+        name.strip().lower()
+        for name in env.get("OTEL_TRACES_EXPORTER", "").split(",")
+        if name.strip()
+    ]
+    if not exporters and (
+        env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    ):
+        exporters = ["otlp"]
+    exporters = [name for name in exporters if name != "none"]
+    if not exporters:
+        return None
+    from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+
+    resource = Resource.create({SERVICE_NAME: env.get("OTEL_SERVICE_NAME", "cuvil-sidecar")})
+    provider = TracerProvider(resource=resource)
+    for name in exporters:
+        if name == "otlp":
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+            provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        elif name == "console":
+            provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
+        else:
+            log.warning("OTEL_TRACES_EXPORTER %r is not supported here; ignored", name)
+    trace.set_tracer_provider(provider)
+    return provider
+
+
+def server_interceptors(provider: Any) -> list[Any]:
+    if provider is None:
+        return []
+    from opentelemetry.instrumentation.grpc import aio_server_interceptor
+
+    return [aio_server_interceptor(tracer_provider=provider)]
+
+
+def compile_links(config: Mapping[str, Any]) -> tuple[Link, ...]:
+    """A link to the compile trace recorded in the artifact config, if any."""
+    annotations = config.get("annotations") or {}
+    for key in COMPILE_TRACE_KEYS:
+        value = annotations.get(key) or config.get(key)
+        context = _span_context(str(value)) if value else None
+        if context is not None:
+            return (Link(context, {"cuvil.link": "compile"}),)
+    return ()
+
+
+def _span_context(text: str) -> SpanContext | None:
+    """``00-<trace>-<span>-<flags>`` or a bare 32-hex trace id -> a remote SpanContext."""
+    parts = text.strip().split("-")
+    try:
+        if len(parts) == 4:
+            trace_id, span_id, flags = int(parts[1], 16), int(parts[2], 16), int(parts[3], 16)
+        else:
+            trace_id, span_id, flags = int(text, 16), 1, 1
+    except ValueError:
+        return None
+    if not (0 < trace_id < 2**128 and 0 < span_id < 2**64):
+        return None
+    return SpanContext(trace_id, span_id, is_remote=True, trace_flags=TraceFlags(flags & 1))
+
+
+def record_batch_spans(
+    *,
+    enqueued_ns: int,
+    started_ns: int,
+    finished_ns: int,
+    requests: int,
+    rows: int,
+) -> None:
+    """The queue/batch/execute spans of one request, under the current (cuvil.infer) span."""
+    current = trace.get_current_span()
+    if not current.get_span_context().is_valid or not current.is_recording():
+        return
+    queue = tracer.start_span("cuvil.queue", start_time=enqueued_ns)
+    queue.end(end_time=started_ns)
+    batch = tracer.start_span(
+        "cuvil.batch",
+        start_time=started_ns,
+        attributes={"cuvil.batch.requests": requests, "cuvil.batch.rows": rows},
+    )
+    execute = tracer.start_span(
+        "cuvil.execute", context=trace.set_span_in_context(batch), start_time=started_ns
+    )
+    execute.end(end_time=finished_ns)
+    batch.end(end_time=finished_ns)
