@@ -16,6 +16,7 @@ import sympy
 import torch
 
 from cuvil.ir import Arg, Enum, Graph, Node, Value
+from cuvil.runtime.cpu_kernels import CPU_KERNELS
 from cuvil.runtime.kernels import Kernel, call_layout, decode_enum, resolve_kernel
 from cuvil.shape_expr import compile_expr
 
@@ -57,10 +58,15 @@ class ExecutionPlan:
         self.initial: list[Any] = [None] * len(self._slot)
         self.input_slots = tuple((name, self._slot[Value(name)]) for name in graph.inputs)
         self.output_slots = tuple((name, self._slot[value]) for name, value in graph.outputs)
+        self._factories = dict(CPU_KERNELS) if self.device.type == "cpu" else {}
+        self._const_slots: set[int] = set()
+        self._read_slots: set[int] = {slot for _, slot in self.output_slots}
         last_use = self._last_uses()
         self.steps: tuple[Step, ...] = tuple(
             self._step(node, last_use) for node in graph.nodes if not self._place(node, weights)
         )
+        for slot in self._const_slots - self._read_slots:  # consumed only by prepacking kernels
+            self.initial[slot] = None
 
     # -- building
 
@@ -73,6 +79,7 @@ class ExecutionPlan:
             if key not in weights:
                 raise PlanError(f"weights have no tensor {key!r} for %{node.name}")
             self.initial[self._slot[node.value()]] = weights[key].to(self.device)
+            self._const_slots.add(self._slot[node.value()])
             return True
         return False
 
@@ -88,7 +95,41 @@ class ExecutionPlan:
                     last[slot] = node.name
         return last
 
+    def _factory_step(self, node: Node, last_use: dict[int, str]) -> Step:
+        """A fused op: the factory sees constants now and returns the function for the rest."""
+        constants: dict[str, Any] = {}
+        runtime: list[tuple[str, Value]] = []
+        for key, arg in node.args:
+            if isinstance(arg, Value):
+                slot = self._slot[arg]
+                if slot in self._const_slots:
+                    constants[key] = self.initial[slot]
+                else:
+                    runtime.append((key, arg))
+            else:
+                literal, filler = self._compile_arg(arg)
+                if filler is not None:
+                    raise PlanError(f"%{node.name}: {node.op} needs {key!r} to be a constant")
+                constants[key] = literal
+        try:
+            kernel = self._factories[node.op](constants, [key for key, _ in runtime])
+        except (ValueError, RuntimeError) as error:
+            raise PlanError(f"%{node.name}: {node.op}: {error}") from None
+        fills = tuple((i, self._slot[value]) for i, (_, value) in enumerate(runtime))
+        self._read_slots.update(slot for _, slot in fills)
+        return Step(kernel, (None,) * len(runtime), {}, fills, (), self._outputs(node),
+                    self._release(node, last_use), node.name)
+
+    def _outputs(self, node: Node) -> tuple[int, ...]:
+        return tuple(self._slot[Value(node.name, i)] for i in range(len(node.types)))
+
+    def _release(self, node: Node, last_use: dict[int, str]) -> tuple[int, ...]:
+        slots = {self._slot[v] for v in node.inputs if last_use.get(self._slot[v]) == node.name}
+        return tuple(sorted(slots))
+
     def _step(self, node: Node, last_use: dict[int, str]) -> Step:
+        if node.op in self._factories:
+            return self._factory_step(node, last_use)
         try:
             kernel = resolve_kernel(node.op, self._kernels)
         except LookupError as error:
@@ -113,6 +154,7 @@ class ExecutionPlan:
         for position, arg in enumerate(ordered):
             if isinstance(arg, Value):
                 slot_fills.append((position, self._slot[arg]))
+                self._read_slots.add(self._slot[arg])
                 args.append(None)
             else:
                 literal, filler = self._compile_arg(arg)
@@ -125,18 +167,14 @@ class ExecutionPlan:
             kwargs[key] = literal
             if filler is not None:
                 computed.append((key, filler))
-        release = tuple(
-            sorted({self._slot[v] for v in node.inputs if last_use.get(self._slot[v]) == node.name})
-        )
-        outputs = tuple(self._slot[Value(node.name, i)] for i in range(len(node.types)))
         return Step(
             kernel,
             tuple(args),
             kwargs,
             tuple(slot_fills),
             tuple(computed),
-            outputs,
-            release,
+            self._outputs(node),
+            self._release(node, last_use),
             node.name,
         )
 
@@ -144,6 +182,7 @@ class ExecutionPlan:
         """A literal ready to pass, or a filler when the argument depends on the call."""
         if isinstance(arg, Value):
             slot = self._slot[arg]
+            self._read_slots.add(slot)
             return None, lambda slots, values: slots[slot]
         if isinstance(arg, Enum):
             return decode_enum(arg, self.device), None
