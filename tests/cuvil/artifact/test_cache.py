@@ -125,6 +125,7 @@ import json, sys, time
 from pathlib import Path
 from cuvil.artifact.api import resolve
 go = Path(sys.argv[3])
+Path(sys.argv[3] + "-ready-" + sys.argv[4]).touch()
 while not go.exists():
     time.sleep(0.01)
 result = resolve(sys.argv[1], cache_dir=sys.argv[2])
@@ -143,14 +144,21 @@ def test_two_processes_pulling_at_once_download_once(
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "CUVIL_REGISTRY_CONFIG": "/nonexistent"}
     workers = [
         subprocess.Popen(
-            [sys.executable, "-c", WORKER, pushed.ref, str(tmp_path / "cache"), str(go)],
+            [sys.executable, "-c", WORKER, pushed.ref, str(tmp_path / "cache"), str(go), str(n)],
             stdout=subprocess.PIPE,
             env=env,
         )
-        for _ in range(2)
+        for n in range(2)
     ]
-    time.sleep(0.5)
-    go.touch()
+    deadline = time.monotonic() + 120
+    while not all(Path(f"{go}-ready-{n}").exists() for n in range(2)):
+        assert time.monotonic() < deadline, "workers did not start"
+        time.sleep(0.05)
+    # Hold the digest's lock while both start: both then race for it the moment it is free
+    # (without the cache's locking, both would download while we hold it).
+    with NodeCache(tmp_path / "cache").lock(pushed.digest):
+        go.touch()
+        time.sleep(1.0)
     results = [json.loads(worker.communicate(timeout=120)[0]) for worker in workers]
     assert all(worker.returncode == 0 for worker in workers)
     assert results[0]["path"] == results[1]["path"]
