@@ -144,7 +144,8 @@ def build_report(per_target: Mapping[str, Any]) -> dict[str, Any]:
         source_key = {"maxAbsError": "max_abs_error", "peakMemoryBytes": "peak_bytes"}.get(key, key)
         values = [v for r in reports for v in [_find_number(r, source_key)] if v is not None]
         if values:
-            summary[key] = round(pick(values), 4)
+            worst = pick(values)
+            summary[key] = round(worst, 3) if key == "speedup" else worst
     summary["targets"] = {t: dict(r) for t, r in per_target.items() if isinstance(r, Mapping)}
     return summary
 
@@ -185,6 +186,8 @@ def build_progress_status(
     elif phase == FAILED:
         message = str(progress.get("error") or "the compile failed")
         patch["report"] = {"error": message}
+    elif phase == PENDING and previous_phase == PENDING and status.get("message"):
+        message = str(status["message"])  # still queued: keep "queued as <task>"
     else:
         message = _stage_message(phase, targets)
     patch["message"] = message
