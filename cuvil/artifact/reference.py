@@ -58,14 +58,17 @@ class Reference:
     def with_tag(self, tag: str | None) -> Reference:
         return Reference(self.repository, tag, None, self.registry, self.layout)
 
-    def __str__(self) -> str:
+    @property
+    def name(self) -> str:
+        """The repository (or layout) without tag or digest."""
         if self.layout is not None:
-            base = f"oci:{self.layout}"
-        else:
-            base = f"{self.registry}/{self.repository}"
+            return f"oci:{self.layout}"
+        return f"{self.registry}/{self.repository}"
+
+    def __str__(self) -> str:
         if self.digest:
-            return f"{base}@{self.digest}"
-        return f"{base}:{self.tag or DEFAULT_TAG}"
+            return f"{self.name}@{self.digest}"
+        return f"{self.name}:{self.tag or DEFAULT_TAG}"
 
 
 def _split_tag_digest(text: str) -> tuple[str, str | None, str | None]:
@@ -142,3 +145,11 @@ def parse_target_reference(text: str) -> Reference:
     if not text.startswith("oci:") and looks_like_registry_reference(text):
         return parse_registry_reference(text)
     return parse_layout_reference(text)
+
+
+def is_oci_reference(text: str) -> bool:
+    """A registry reference or an OCI layout (``oci:`` prefix, or an existing layout directory):
+    what the CLI's ``-o REF`` and ``inspect REF`` treat as OCI rather than as a local path."""
+    return (
+        text.startswith("oci:") or is_layout_reference(text) or looks_like_registry_reference(text)
+    )

@@ -10,6 +10,9 @@ from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from cuvil.api import jit
+from cuvil.artifact import push_artifact
+from cuvil.artifact.reference import is_oci_reference
+from cuvil.cli.oci_commands import add_registry_arguments, registry_config_from
 from cuvil.cli.spec import load_factory_spec
 from cuvil.pipeline import STAGES
 
@@ -17,7 +20,9 @@ from cuvil.pipeline import STAGES
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("compile", help="compile a model (SPEC: module:factory)")
     parser.add_argument("spec", help="a Python 'module:factory', e.g. cuvil.models:resnet50")
-    parser.add_argument("-o", "--output", required=True, help="artifact path to write")
+    parser.add_argument(
+        "-o", "--output", required=True, help="artifact path, or a registry/oci: REF to push to"
+    )
     parser.add_argument("--target", default="cpu", help="cpu (default), cpu-x86_64, cuda-sm_90, …")
     parser.add_argument("--precision", default="fp32")
     parser.add_argument("--dir", action="store_true", help="write the directory form, not one file")
@@ -25,6 +30,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--dump-ir", type=Path, help="dump the IR after each stage into this folder"
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    add_registry_arguments(parser)
     parser.set_defaults(handler=run_compile)
 
 
@@ -48,7 +54,11 @@ def run_compile(args: argparse.Namespace) -> int:
             dump_dir=args.dump_ir,
             on_stage=on_stage,
         )
-    path = compiled.save(args.output, directory=args.dir)
+    if is_oci_reference(args.output):
+        config = registry_config_from(args)
+        path: str | Path = push_artifact(compiled.contents, args.output, registry_config=config).ref
+    else:
+        path = compiled.save(args.output, directory=args.dir)
     report = compiled.report
     if args.json:
         print(json.dumps({"artifact": str(path), "report": report}, indent=2))

@@ -5,20 +5,34 @@ from __future__ import annotations
 import argparse
 import json
 
+from cuvil.artifact import describe_reference, resolve_model
 from cuvil.artifact.files import read_artifact
+from cuvil.artifact.reference import is_artifact_path, is_oci_reference
+from cuvil.cli.oci_commands import add_registry_arguments, print_description, registry_config_from
 from cuvil.ir_text import print_graph
 from cuvil.runtime.signature import Signature
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("inspect", help="show an artifact's signature, ops and IR")
-    parser.add_argument("path", help="artifact file or directory")
+    parser.add_argument("path", help="artifact file or directory, or a registry/oci: REF")
     parser.add_argument("--ir", action="store_true", help="print the IR text")
     parser.add_argument("--json", action="store_true", help="print config and histogram as JSON")
+    add_registry_arguments(parser)
     parser.set_defaults(handler=run_inspect)
 
 
 def run_inspect(args: argparse.Namespace) -> int:
+    if is_oci_reference(args.path) and not is_artifact_path(args.path):
+        registry = registry_config_from(args)
+        described = describe_reference(args.path, registry_config=registry)
+        if args.json and not args.ir:
+            print(json.dumps(described, indent=2))
+            return 0
+        print_description(described)
+        if not args.ir:
+            return 0
+        args.path = str(resolve_model(args.path, registry_config=registry))
     contents = read_artifact(args.path)
     config, graph = contents.config, contents.graph
     histogram = graph.op_histogram()
