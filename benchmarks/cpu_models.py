@@ -1,0 +1,237 @@
+"""CPU benchmark: Cuvil against eager, torch.compile, ONNX Runtime and OpenVINO, side by side.
+
+    .venv/bin/python -m benchmarks.cpu_models --runs 50 --warmup 10 --out bench.json
+
+For each bundled model at batch 1 (MiniLM also at batch 8), in one process and with the same
+thread count, each peer is prepared (compile / export / convert, timed), warmed up, then timed
+over ``--runs`` calls. Prints one JSON document: per model the rows (median and p90 ms, error
+against eager fp32, setup seconds), the best fp32 peer and Cuvil's ratios. A peer that fails
+records its error in its row; the others go on. See benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+if __package__ in (None, ""):  # run as a file: make the `benchmarks` package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.peers import FP32_PEERS, PEERS, Case, first_tensor, scratch_dir
+from cuvil.models import catalog
+from cuvil.models.catalog import ModelSpec
+
+
+def _image(batch: int) -> Callable[[torch.Generator], dict[str, torch.Tensor]]:
+    return lambda g: {"pixel_values": torch.randn(batch, 3, 224, 224, generator=g)}
+
+
+def _text(batch: int, seq: int, high: int) -> Callable[[torch.Generator], dict[str, torch.Tensor]]:
+    def build(g: torch.Generator) -> dict[str, torch.Tensor]:
+        ids = torch.randint(1000, high, (batch, seq), generator=g)
+        return {"input_ids": ids, "attention_mask": torch.ones(batch, seq, dtype=torch.int64)}
+
+    return build
+
+
+def _tokens(batch: int, seq: int, vocab: int) -> Callable[[torch.Generator], dict[str, Any]]:
+    return lambda g: {"input_ids": torch.randint(0, vocab, (batch, seq), generator=g)}
+
+
+# case name -> (catalog factory, inputs at the benchmark shape)
+CASES: dict[str, tuple[str, Callable[[torch.Generator], dict[str, torch.Tensor]]]] = {
+    "resnet18": ("resnet18", _image(1)),
+    "resnet50": ("resnet50", _image(1)),
+    "minilm_b1_s128": ("minilm", _text(1, 128, 20000)),
+    "minilm_b8_s128": ("minilm", _text(8, 128, 20000)),
+    "mlp": ("mlp", lambda g: {"x": torch.randn(1, 784, generator=g)}),
+    "tiny_llama_s128": ("tiny_llama", _tokens(1, 128, 2048)),
+}
+
+# Cuvil's ratios: (name, numerator row, denominator row; "best_fp32_peer" is the best fp32 peer)
+RATIOS = (
+    ("cuvil_fp32 / best_fp32_peer", "cuvil_fp32", "best_fp32_peer"),
+    ("cuvil_fp32 / torch_compile_fp32", "cuvil_fp32", "torch_compile_fp32"),
+    ("cuvil_fp32 / onnxruntime", "cuvil_fp32", "onnxruntime"),
+    ("cuvil_bf16 / openvino_bf16", "cuvil_bf16", "openvino_bf16"),
+)
+
+
+def select(names: Sequence[str], wanted: str | None, what: str) -> list[str]:
+    """Comma-separated names; ``minilm`` picks every ``minilm_*``, ``cuvil`` every ``cuvil_*``."""
+    if not wanted:
+        return list(names)
+    chosen: list[str] = []
+    for item in (part.strip() for part in wanted.split(",") if part.strip()):
+        matches = [n for n in names if n == item or n.startswith(item + "_")]
+        if not matches:
+            raise SystemExit(f"unknown {what} {item!r}; choose from {', '.join(names)}")
+        chosen += [n for n in matches if n not in chosen]
+    return chosen
+
+
+@functools.cache
+def load_spec(factory: str) -> ModelSpec:
+    spec: ModelSpec = getattr(catalog, factory)()
+    return spec
+
+
+def percentile(sorted_ms: list[float], q: float) -> float:
+    index = min(len(sorted_ms) - 1, max(0, round(q * (len(sorted_ms) - 1))))
+    return sorted_ms[index]
+
+
+def measure(case: Case, peer: str, reference: torch.Tensor, runs: int, warmup: int) -> dict:
+    """Prepare one peer, warm it up, time it, and compare its output with eager fp32."""
+    prepared = PEERS[peer](case)
+    for _ in range(warmup):
+        result = prepared.call()
+    times = []
+    gc.disable()
+    try:
+        for _ in range(runs):
+            start = time.perf_counter()
+            result = prepared.call()
+            times.append((time.perf_counter() - start) * 1000.0)
+    finally:
+        gc.enable()
+    output = prepared.output(result)
+    row: dict[str, Any] = {
+        "precision": prepared.precision,
+        "median_ms": round(statistics.median(times), 4),
+        "p90_ms": round(percentile(sorted(times), 0.9), 4),
+        "setup_seconds": round(prepared.setup_seconds, 3),
+    }
+    if output.shape != reference.shape:
+        row["error"] = f"output shape {list(output.shape)} != eager {list(reference.shape)}"
+    else:
+        max_abs = float((output - reference).abs().max())
+        scale = float(reference.abs().max()) or 1.0
+        row["max_abs_err"] = max_abs
+        row["rel_err"] = max_abs / scale  # relative to the output's scale (max |eager|)
+    row.update(prepared.info)
+    return row
+
+
+def summarise(rows: dict[str, dict]) -> tuple[dict | None, dict[str, float | None]]:
+    """The best fp32 peer (lowest median) and Cuvil's ratios; None where a side is missing."""
+    medians = {name: row["median_ms"] for name, row in rows.items() if "median_ms" in row}
+    fp32 = {name: medians[name] for name in FP32_PEERS if name in medians}
+    best = None
+    if fp32:
+        name = min(fp32, key=fp32.__getitem__)
+        best = {"name": name, "median_ms": fp32[name]}
+        medians["best_fp32_peer"] = fp32[name]
+    ratios: dict[str, float | None] = {}
+    for label, top, bottom in RATIOS:
+        if top in medians and bottom in medians and medians[bottom] > 0:
+            ratios[label] = round(medians[top] / medians[bottom], 3)
+        else:
+            ratios[label] = None
+    return best, ratios
+
+
+def run_case(name: str, peers: list[str], options: argparse.Namespace, workdir: Path) -> dict:
+    factory, build_inputs = CASES[name]
+    spec = load_spec(factory)
+    inputs = build_inputs(torch.Generator().manual_seed(0))
+    case = Case(name, spec, inputs, options.threads, workdir)
+    with torch.inference_mode():
+        reference = first_tensor(spec.model(**inputs))
+    rows: dict[str, dict] = {}
+    for peer in peers:
+        print(f"[{name}] {peer} ...", file=sys.stderr, flush=True)
+        try:
+            rows[peer] = measure(case, peer, reference, options.runs, options.warmup)
+        except Exception as error:  # one failing peer must not stop the others
+            rows[peer] = {"error": f"{type(error).__name__}: {error}"[:2000]}
+        gc.collect()
+    best, ratios = summarise(rows)
+    shapes = {key: list(tensor.shape) for key, tensor in inputs.items()}
+    return {"inputs": shapes, "rows": rows, "best_fp32_peer": best, "ratios": ratios}
+
+
+def environment(options: argparse.Namespace) -> dict[str, Any]:
+    versions: dict[str, str | None] = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+    for module in ("onnxruntime", "openvino", "onnx"):
+        try:
+            versions[module] = __import__(module).__version__
+        except Exception:
+            versions[module] = None
+    return {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": platform.machine(),
+        "cpu": _cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+        "threads": options.threads,
+        "runs": options.runs,
+        "warmup": options.warmup,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "versions": versions,
+    }
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", help=f"comma-separated, of: {', '.join(CASES)}")
+    parser.add_argument("--peers", help=f"comma-separated, of: {', '.join(PEERS)}")
+    parser.add_argument("--threads", type=int, default=2, help="torch/ORT/OpenVINO threads")
+    parser.add_argument("--runs", type=int, default=50, help="timed runs per peer")
+    parser.add_argument("--warmup", type=int, default=10, help="untimed runs first")
+    parser.add_argument("--out", type=Path, help="also write the JSON here")
+    options = parser.parse_args(argv)
+    if options.runs < 1 or options.warmup < 0 or options.threads < 1:
+        parser.error("--runs and --threads must be >= 1, --warmup >= 0")
+    return options
+
+
+def benchmark(options: argparse.Namespace) -> dict[str, Any]:
+    models = select(list(CASES), options.models, "model")
+    peers = select(list(PEERS), options.peers, "peer")
+    torch.set_num_threads(options.threads)
+    document: dict[str, Any] = {"environment": environment(options), "models": {}}
+    with scratch_dir() as workdir:
+        for name in models:
+            document["models"][name] = run_case(name, peers, options, Path(workdir))
+    return document
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    options = parse_args(argv)
+    document = benchmark(options)
+    text = json.dumps(document, indent=2, default=str)
+    print(text)
+    if options.out is not None:
+        options.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

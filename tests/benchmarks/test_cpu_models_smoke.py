@@ -1,0 +1,53 @@
+"""The CPU benchmark end to end on the MLP: eager and Cuvil only, two runs, JSON shape."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import cpu_models
+
+
+def test_mlp_eager_and_cuvil(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "bench.json"
+    argv = ["--models", "mlp", "--peers", "eager,cuvil", "--runs", "2", "--warmup", "1"]
+    assert cpu_models.main([*argv, "--out", str(out)]) == 0
+
+    document = json.loads(out.read_text())
+    assert json.loads(capsys.readouterr().out) == document
+    assert document["environment"]["threads"] == 2
+    assert list(document["models"]) == ["mlp"]
+    result = document["models"]["mlp"]
+    assert result["inputs"] == {"x": [1, 784]}
+    assert set(result["rows"]) == {"eager", "cuvil_fp32", "cuvil_bf16"}
+
+    eager, cuvil = result["rows"]["eager"], result["rows"]["cuvil_fp32"]
+    assert eager["max_abs_err"] == 0.0
+    for row in (eager, cuvil):
+        assert row["precision"] == "fp32"
+        assert 0 < row["median_ms"] <= row["p90_ms"]
+    assert cuvil["rel_err"] < 1e-4
+    assert cuvil["setup_seconds"] > 0
+    # bf16 either runs or records why not; it never stops the benchmark
+    bf16 = result["rows"]["cuvil_bf16"]
+    assert "error" in bf16 or bf16["precision"] == "bf16"
+
+    assert result["best_fp32_peer"]["name"] == "eager"
+    ratios = result["ratios"]
+    assert ratios["cuvil_fp32 / best_fp32_peer"] == pytest.approx(
+        cuvil["median_ms"] / eager["median_ms"], rel=1e-2, abs=1e-3
+    )
+    assert ratios["cuvil_fp32 / onnxruntime"] is None  # not selected
+
+
+def test_select_expands_prefixes() -> None:
+    names = list(cpu_models.CASES)
+    assert cpu_models.select(names, "minilm,mlp", "model") == [
+        "minilm_b1_s128",
+        "minilm_b8_s128",
+        "mlp",
+    ]
+    with pytest.raises(SystemExit):
+        cpu_models.select(names, "vgg", "model")
