@@ -188,11 +188,14 @@ def build_spec_schema() -> dict[str, Any]:
                 "Thresholds a compile must meet before it is pushed.",
                 {
                     "maxAbsError": _number("Largest absolute error allowed.", minimum=0),
-                    "maxRelError": _number("Largest relative error allowed.", minimum=0),
+                    "maxRelativeError": _number(
+                        "Largest error relative to the output's scale.", minimum=0
+                    ),
                     "minCosine": _number(
                         "Smallest cosine similarity allowed.", minimum=0, maximum=1
                     ),
                     "minSpeedup": _number("Smallest speedup over eager allowed.", minimum=0),
+                    "maxLatencyP99Ms": _number("Largest p99 latency allowed (ms).", minimum=0),
                 },
             ),
             "output": _object(

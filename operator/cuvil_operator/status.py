@@ -136,17 +136,37 @@ def _find_number(report: Mapping[str, Any], key: str) -> float | None:
     return None
 
 
+# summary key -> (key in a worker's per-target report, how targets combine: the worst wins)
+REPORT_SUMMARY = {
+    "speedup": ("speedup", min),
+    "latencyMs": ("compiled_p50_ms", max),
+    "eagerLatencyMs": ("eager_p50_ms", max),
+    "maxAbsError": ("max_abs_error", max),
+    "peakMemoryBytes": ("peak_bytes", max),
+}
+
+
+def _small(report: Mapping[str, Any]) -> dict[str, Any]:
+    """A target's report without bulky parts (the full one is the artifact's OCI referrer)."""
+    kept = {k: v for k, v in report.items() if k != "compile"}
+    compile_report = report.get("compile")
+    if isinstance(compile_report, Mapping):
+        kept["compile"] = {
+            k: v for k, v in compile_report.items() if isinstance(v, int | float | str | bool)
+        }
+    return kept
+
+
 def build_report(per_target: Mapping[str, Any]) -> dict[str, Any]:
     """A summary for the printer columns (worst target wins) plus every target's own report."""
     summary: dict[str, Any] = {}
     reports = [r for r in per_target.values() if isinstance(r, Mapping)]
-    for key, pick in (("speedup", min), ("maxAbsError", max), ("peakMemoryBytes", max)):
-        source_key = {"maxAbsError": "max_abs_error", "peakMemoryBytes": "peak_bytes"}.get(key, key)
+    for key, (source_key, pick) in REPORT_SUMMARY.items():
         values = [v for r in reports for v in [_find_number(r, source_key)] if v is not None]
         if values:
             worst = pick(values)
             summary[key] = round(worst, 3) if key == "speedup" else worst
-    summary["targets"] = {t: dict(r) for t, r in per_target.items() if isinstance(r, Mapping)}
+    summary["targets"] = {t: _small(r) for t, r in per_target.items() if isinstance(r, Mapping)}
     return summary
 
 
