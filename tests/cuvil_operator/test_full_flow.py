@@ -2,7 +2,8 @@
 compiles MiniLM for real -> pushed to a real OCI registry -> Succeeded with the digest in status.
 
 Needs ``cuvil-worker`` and Debian's ``docker-registry`` (the registry fixture skips without it).
-Takes about three minutes on two cores (the worker validates and benchmarks the compile). The example's output host (127.0.0.1:5000) is pointed at the test registry's port.
+Takes about three minutes on two cores (the worker validates and benchmarks the compile).
+The example's output host (127.0.0.1:5000) is pointed at the test registry's port.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import yaml
 from tests.cuvil_operator.conftest import BIN, Operator, Process, celery_env, get_mc, wait_for
 from tests.fixtures.kube import REPO, KubeApi
 from tests.fixtures.redis import RedisServer
-
 from tests.fixtures.registry import RunningRegistry, registry
 
 __all__ = ["registry"]
