@@ -53,7 +53,14 @@ class _TimeoutSession(requests.Session):
 
 class _Client(oras.provider.Registry):
     def do_request(self, *args: Any, **kwargs: Any) -> requests.Response:
-        return _BARE_DO_REQUEST(self, *args, **kwargs)
+        response: requests.Response = _BARE_DO_REQUEST(self, *args, **kwargs)
+        auth = self.auth
+        if response.status_code == 401 and isinstance(auth, oras.auth.TokenAuth) and auth.token:
+            # oras reuses a token whose scope may not cover this request (pull -> push): drop it,
+            # so that the retry asks the token server for the scope of this challenge.
+            auth.token = None
+            response = _BARE_DO_REQUEST(self, *args, **kwargs)
+        return response
 
 
 class RegistryStore:
@@ -94,28 +101,30 @@ class RegistryStore:
         client.session = session
         client.auth.session = session
         client.auth._auth_config = {"auths": {}}  # never read ~/.docker behind our back
-        if probe.status_code == 401:
-            credentials = self.config.credentials_for(self.host)
-            source = self.config.docker_config or "the docker config"
-            if credentials is None:
-                raise AuthenticationError(
-                    f"registry {self.host} requires credentials and {source} has none for it"
-                )
+        credentials = self.config.credentials_for(self.host)
+        source = self.config.docker_config or "the docker config"
+        if probe.status_code == 401 and credentials is None and backend == "basic":
+            raise AuthenticationError(
+                f"registry {self.host} requires credentials and {source} has none for it"
+            )
+        if probe.status_code == 401 and credentials is not None:
             client.auth.set_basic_auth(credentials.username, credentials.password)
             if backend == "basic":
                 self._headers = client.auth.get_auth_header()
-                scope_url = url
-            else:
-                scope_url = f"{self.base}/tags/list"
-            check = self._with_retries(
-                lambda: client.do_request(scope_url, "GET", headers=dict(self._headers)),
-                f"GET {scope_url}",
-            )
-            if check.status_code in (401, 403):
-                raise AuthenticationError(
-                    f"registry {self.host} rejected the credentials of user "
-                    f"{credentials.username!r} from {source} (HTTP {check.status_code})"
+                check_url = url
+            else:  # a token for this repository proves the credentials
+                check_url = f"{self.base}/tags/list"
+            rejected = f"registry {self.host} rejected the credentials of user "
+            rejected += f"{credentials.username!r} from {source}"
+            try:
+                check = self._with_retries(
+                    lambda: client.do_request(check_url, "GET", headers=dict(self._headers)),
+                    f"GET {check_url}",
                 )
+            except AuthenticationError as error:
+                raise AuthenticationError(f"{rejected} ({error})") from None
+            if check.status_code in (401, 403):
+                raise AuthenticationError(f"{rejected} (HTTP {check.status_code})")
         elif probe.status_code >= 400:
             self._raise_for(probe, f"GET {url}")
         self._client = client

@@ -10,7 +10,12 @@ import torch
 
 from cuvil.artifact import media_types as mt
 from cuvil.artifact.files import ArtifactContents, encode_files
-from tests.fixtures.registry import auth_registry, registry, tls_registry  # noqa: F401
+from tests.fixtures.registry import (  # noqa: F401
+    auth_registry,
+    registry,
+    tls_registry,
+    token_registry,
+)
 
 
 @pytest.fixture(scope="session")
