@@ -7,6 +7,7 @@ process holds the Celery app. Its calls block on Redis, so handlers calling them
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -16,20 +17,30 @@ from cuvil_worker import contract
 from cuvil_operator.config import OperatorConfig
 
 
+def build_traceparent(uid: str, generation: int) -> str:
+    """A W3C traceparent derived from uid + generation: every task of one generation (and any
+    resubmit of it) lands in one trace, whose id the status records as ``traceId``."""
+    digest = hashlib.sha256(f"{uid}/{generation}".encode()).hexdigest()
+    return f"00-{digest[:32]}-{digest[32:48]}-01"
+
+
+def trace_id_of(traceparent: str) -> str:
+    return traceparent.split("-")[1]
+
+
 def build_request(
-    meta: Mapping[str, Any],
-    spec: Mapping[str, Any],
-    generation: int | None = None,
-    traceparent: str = "",
+    meta: Mapping[str, Any], spec: Mapping[str, Any], generation: int | None = None
 ) -> dict[str, Any]:
     """The contract's request for one generation of the object (default: the current one)."""
+    uid = str(meta["uid"])
+    number = int(generation if generation is not None else meta.get("generation", 1))
     return {
-        "uid": str(meta["uid"]),
-        "generation": int(generation if generation is not None else meta.get("generation", 1)),
+        "uid": uid,
+        "generation": number,
         "namespace": str(meta.get("namespace") or ""),
         "name": str(meta["name"]),
         "spec": dict(spec),
-        "traceparent": traceparent,
+        "traceparent": build_traceparent(uid, number),
     }
 
 

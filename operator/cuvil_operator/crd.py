@@ -258,6 +258,7 @@ def build_status_schema() -> dict[str, Any]:
             "phase": _string("Where the compilation is.", enum=PHASES),
             "observedGeneration": {"type": "integer", "minimum": 0},
             "taskId": _string("The Celery chord id the operator follows."),
+            "traceId": _string("The OpenTelemetry trace of this generation's compile."),
             "conditions": {
                 "type": "array",
                 "items": build_condition_schema(),

@@ -6,10 +6,15 @@ Settings come from the environment once (``OperatorConfig``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import kopf
+from cuvil_worker.contract import RequestError
+from kombu.exceptions import OperationalError
+from redis.exceptions import RedisError
 
 from cuvil_operator.compile_queue import CompileQueue
 from cuvil_operator.conditions import now_rfc3339
@@ -37,6 +42,18 @@ def _notify(body: kopf.Body) -> Notify:
 def _write_status(patch: kopf.Patch, status: dict[str, Any] | None) -> None:
     if status is not None:
         patch.setdefault("status", {}).update(status)
+
+
+@contextlib.contextmanager
+def _broker_errors() -> Iterator[None]:
+    """Broker or result-backend trouble is temporary (retry soon); a request the contract
+    refuses is permanent (retrying cannot help)."""
+    try:
+        yield
+    except (OSError, OperationalError, RedisError) as e:
+        raise kopf.TemporaryError(f"broker unavailable: {e}", delay=5) from e
+    except RequestError as e:
+        raise kopf.PermanentError(str(e)) from e
 
 
 def _is_following(status: kopf.Status, **_: Any) -> bool:
@@ -70,7 +87,8 @@ def on_create_modelcompilation(
     memo: kopf.Memo,
     **_: Any,
 ) -> None:
-    flow = reconcile_submit(meta, spec, status, memo.queue, _notify(body), now_rfc3339())
+    with _broker_errors():
+        flow = reconcile_submit(meta, spec, status, memo.queue, _notify(body), now_rfc3339())
     _write_status(patch, flow)
 
 
@@ -86,9 +104,10 @@ def on_update_modelcompilation(
     **_: Any,
 ) -> None:
     old_spec = old if isinstance(old, dict) else None  # field="spec": old is the old spec
-    flow = reconcile_submit(
-        meta, spec, status, memo.queue, _notify(body), now_rfc3339(), old_spec=old_spec
-    )
+    with _broker_errors():
+        flow = reconcile_submit(
+            meta, spec, status, memo.queue, _notify(body), now_rfc3339(), old_spec=old_spec
+        )
     _write_status(patch, flow)
 
 
@@ -102,11 +121,12 @@ def on_timer_modelcompilation(
     memo: kopf.Memo,
     **_: Any,
 ) -> None:
-    flow = reconcile_progress(meta, spec, status, memo.queue, _notify(body), now_rfc3339())
+    with _broker_errors():
+        flow = reconcile_progress(meta, spec, status, memo.queue, _notify(body), now_rfc3339())
     _write_status(patch, flow)
 
 
-@kopf.on.delete(*RESOURCE)
+@kopf.on.delete(*RESOURCE, retries=12)  # bounded: a dead broker must not pin objects
 def on_delete_modelcompilation(
     body: kopf.Body,
     meta: kopf.Meta,
@@ -115,7 +135,8 @@ def on_delete_modelcompilation(
     memo: kopf.Memo,
     **_: Any,
 ) -> None:
-    reconcile_delete(meta, spec, status, memo.queue, _notify(body))
+    with _broker_errors():
+        reconcile_delete(meta, spec, status, memo.queue, _notify(body))
 
 
 def main() -> None:

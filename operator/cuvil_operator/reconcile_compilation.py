@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from cuvil_operator.compile_queue import build_request
+from cuvil_operator.compile_queue import build_request, trace_id_of
 from cuvil_operator.spec_checks import check_spec
 from cuvil_operator.status import (
     FAILED,
@@ -68,9 +68,11 @@ def reconcile_submit(
         patch = build_invalid_status(status, generation, problems, now)
         notify(WARNING, "InvalidSpec", patch["message"])
         return patch
-    task_id = queue.submit(build_request(meta, spec, generation))
+    request = build_request(meta, spec, generation)
+    task_id = queue.submit(request)
     notify(NORMAL, "Submitted", f"generation {generation} queued as task {task_id}")
-    return build_submitted_status(status, generation, task_id, now)
+    trace_id = trace_id_of(request["traceparent"])
+    return build_submitted_status(status, generation, task_id, now, trace_id)
 
 
 def reconcile_progress(

@@ -73,7 +73,7 @@ def _phase_conditions(phase: str, failed_in: str, message: str) -> ConditionUpda
 
 
 def build_submitted_status(
-    status: Mapping[str, Any], generation: int, task_id: str, now: str
+    status: Mapping[str, Any], generation: int, task_id: str, now: str, trace_id: str | None = None
 ) -> dict[str, Any]:
     """The status right after a generation's compile was queued."""
     updates: ConditionUpdates = {"Accepted": (TRUE, "Submitted", f"task {task_id} queued")}
@@ -82,6 +82,7 @@ def build_submitted_status(
         "phase": PENDING,
         "observedGeneration": generation,
         "taskId": task_id,
+        "traceId": trace_id,
         "conditions": set_conditions(status.get("conditions") or [], updates, generation, now),
         "stages": None,
         "artifacts": None,
@@ -105,6 +106,7 @@ def build_invalid_status(
         "phase": FAILED,
         "observedGeneration": generation,
         "taskId": None,
+        "traceId": None,
         "conditions": set_conditions(status.get("conditions") or [], updates, generation, now),
         "stages": None,
         "artifacts": None,

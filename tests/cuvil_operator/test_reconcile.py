@@ -61,6 +61,7 @@ def test_submit_once_per_generation() -> None:
     status = reconcile_submit(obj["metadata"], obj["spec"], {}, queue, events, NOW)
     assert status is not None and status["taskId"] == "cuvil-u1-1"
     assert status["observedGeneration"] == 1 and status["phase"] == "Pending"
+    assert status["traceId"] is not None and len(status["traceId"]) == 32
     # Resume after a restart, or a retried handler: nothing new.
     again = reconcile_submit(obj["metadata"], obj["spec"], status, queue, events, NOW)
     assert again is None
