@@ -32,6 +32,19 @@ class PushResult:
             "tag": self.tag,
         }
 
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> PushResult:
+        """Back from ``to_json`` (e.g. per-target task results joined by the index task)."""
+        return cls(
+            data["ref"],
+            data["digest"],
+            int(data["size"]),
+            data.get("mediaType", "application/vnd.oci.image.manifest.v1+json"),
+            data.get("target"),
+            data.get("precision"),
+            data.get("tag"),
+        )
+
 
 @dataclass(frozen=True)
 class Referrer:
