@@ -68,7 +68,12 @@ def build_source_schema() -> dict[str, Any]:
     )
     oci = _object(
         "A source bundle in an OCI registry (config.json + safetensors + class).",
-        {"ref": _string("Reference, by digest preferred.", minLength=1, maxLength=512)},
+        {
+            "ref": _string("Reference, by digest preferred.", minLength=1, maxLength=512),
+            "className": _string(
+                "transformers class (default: config architectures[0]).", maxLength=128
+            ),
+        },
         required=["ref"],
     )
     pvc = _object(
@@ -76,6 +81,11 @@ def build_source_schema() -> dict[str, Any]:
         {
             "claimName": _string("PVC name.", minLength=1, maxLength=253),
             "path": _string("Directory inside the volume.", minLength=1, maxLength=1024),
+            "task": _string(
+                "Pipeline task the model is exported for.",
+                maxLength=64,
+                default="feature-extraction",
+            ),
         },
         required=["claimName", "path"],
     )

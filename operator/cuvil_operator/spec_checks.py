@@ -111,7 +111,15 @@ def check_output(spec: Mapping[str, Any]) -> list[SpecProblem]:
 
 
 def check_source(spec: Mapping[str, Any]) -> list[SpecProblem]:
-    pvc = (spec.get("source") or {}).get("pvc") or {}
+    source = spec.get("source") or {}
+    if "url" in source:
+        return [
+            SpecProblem(
+                "spec.source.url",
+                "workers download nothing at run time; use huggingface (local cache), pvc or oci",
+            )
+        ]
+    pvc = source.get("pvc") or {}
     path = str(pvc.get("path") or "")
     if path.startswith("/") or ".." in path.split("/"):
         return [SpecProblem("spec.source.pvc.path", "must be relative, without '..'")]

@@ -69,3 +69,5 @@ def test_fp16_on_cpu_and_pvc_escape() -> None:
     spec = copy.deepcopy(_spec())
     spec["source"] = {"pvc": {"claimName": "models", "path": "../etc"}}
     assert _fields(spec) == ["spec.source.pvc.path"]
+    spec["source"] = {"url": "https://example.com/model.tar"}
+    assert _fields(spec) == ["spec.source.url"]
