@@ -78,7 +78,9 @@ class ModelManager:
             )
         return current.acquire()
 
-    async def load(self, *, only_if: Callable[[str], bool] | None = None) -> bool:
+    async def load(
+        self, *, only_if: Callable[[str], bool] | None = None, quiet: bool = False
+    ) -> bool:
         """Load the source's artifact and swap it in; True if a new model now serves. With
         ``only_if``, load only when it accepts the source's current digest."""
         async with self._lock:
@@ -89,6 +91,12 @@ class ModelManager:
                 self._refuse(f"cannot read {self.source}: {error}")
                 return False
             if only_if is not None and not only_if(digest):
+                log.log(
+                    logging.DEBUG if quiet else logging.INFO,
+                    "%s still has digest %s: nothing to reload",
+                    self.source,
+                    digest,
+                )
                 return False
             self._tried_digest = digest
             try:
@@ -134,7 +142,7 @@ class ModelManager:
     async def poll(self, interval_s: float) -> None:
         while True:
             await asyncio.sleep(interval_s)
-            await self.load(only_if=lambda digest: digest != self._tried_digest)
+            await self.load(only_if=lambda digest: digest != self._tried_digest, quiet=True)
 
     async def close(self) -> None:
         current, self.current = self.current, None

@@ -24,6 +24,8 @@ from cuvil.models import catalog
 from tests.fixtures.otlp import otlp_receiver  # noqa: F401 (a fixture)
 
 REPO = Path(__file__).resolve().parents[2]
+# The shared MLP artifact records this as the trace of the compile that made it.
+COMPILE_TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 
 
 def free_port() -> int:
@@ -32,12 +34,16 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def compile_spec(spec: catalog.ModelSpec, path: Path) -> Path:
+def compile_spec(
+    spec: catalog.ModelSpec, path: Path, annotations: dict[str, str] | None = None
+) -> Path:
     import cuvil
 
     compiled = cuvil.jit(
         spec.model, spec.example_inputs, dynamic_shapes=spec.dynamic_shapes, name=spec.name
     )
+    if annotations:
+        compiled.contents.config["annotations"] = annotations
     return compiled.save(path)
 
 
@@ -121,7 +127,12 @@ def mlp_spec() -> catalog.ModelSpec:
 
 @pytest.fixture(scope="session")
 def mlp_artifact(artifact_dir: Path, mlp_spec: catalog.ModelSpec) -> Path:
-    return compile_spec(mlp_spec, artifact_dir / "mlp-0.cuvil")
+    traceparent = f"00-{COMPILE_TRACE_ID}-b7ad6b7169203331-01"
+    return compile_spec(
+        mlp_spec,
+        artifact_dir / "mlp-0.cuvil",
+        {"dev.cuvil.compile.traceparent": traceparent},
+    )
 
 
 @pytest.fixture(scope="session")
@@ -151,7 +162,9 @@ def resnet_artifact(artifact_dir: Path, resnet_spec: catalog.ModelSpec) -> Path:
 
 @pytest.fixture(scope="session")
 def mlp_sidecar(
-    mlp_artifact: Path, tmp_path_factory: pytest.TempPathFactory, otlp_receiver  # noqa: F811
+    mlp_artifact: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    otlp_receiver,  # noqa: F811
 ) -> Iterator[Sidecar]:
     """The shared MLP sidecar: batching on, traces exported to the test's OTLP receiver."""
     import tritonclient.grpc as grpcclient
@@ -161,6 +174,7 @@ def mlp_sidecar(
         tmp_path_factory.mktemp("mlp-sidecar") / "sidecar.log",
         CUVIL_MAX_BATCH_SIZE="8",
         CUVIL_MAX_QUEUE_DELAY_US="2000",
+        CUVIL_MAX_MESSAGE_BYTES=str(4 * 2**20),
         OTEL_EXPORTER_OTLP_ENDPOINT=otlp_receiver.endpoint,
         OTEL_EXPORTER_OTLP_INSECURE="true",
         OTEL_BSP_SCHEDULE_DELAY="100",
