@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 import torch
 import tritonclient.grpc as grpcclient
+from cuvil_sidecar.codec import DATATYPES, decode_input, encode_output
+from cuvil_sidecar.errors import InvalidInput
+from cuvil_sidecar.messages import InferInput
 from torch.export import Dim
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from cuvil.models.catalog import ModelSpec
-from cuvil_sidecar.codec import DATATYPES, decode_input, encode_output
-from cuvil_sidecar.errors import InvalidInput
-from cuvil_sidecar.messages import InferInput
 from tests.cuvil_sidecar.conftest import Sidecar, compile_spec
 
 
