@@ -180,3 +180,19 @@ def test_spec_update_compiles_the_new_generation(
     reasons = [e["reason"] for e in events_for(kube_api, "resnet50-cpu")]
     assert "Superseded" in reasons, reasons
     assert kube_api.get(API, PLURAL, "default", "resnet50-cpu") is not None
+
+
+def test_broker_outage_is_retried_not_failed(
+    kube_api: KubeApi, redis_server: RedisServer, running_operator: Operator
+) -> None:
+    redis_server.stop()
+    try:
+        kube_api.kubectl("apply", "--validate=false", "-f", "examples/minilm-cpu.yaml")
+        wait_for(lambda: "broker unavailable" in running_operator.text(), 30, "a retry")
+        obj = get_mc(kube_api, "minilm-cpu")
+        assert obj is not None and "phase" not in obj.get("status", {}), obj
+    finally:
+        redis_server.start()
+    pending = wait_for(lambda: _phase(kube_api, "minilm-cpu", "Pending"), 30, "Pending")
+    assert pending["status"]["taskId"].endswith("-1")
+    assert _app(redis_server).backend.client.keys("cuvil:submitted:*") != []
