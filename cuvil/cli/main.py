@@ -16,6 +16,7 @@ COMMANDS = (
     "cuvil.cli.inspect_command",
     "cuvil.cli.run_command",
     "cuvil.cli.demo_command",
+    "cuvil.cli.serve_command",
     "cuvil.cli.oci_commands",
 )
 
