@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import kopf
@@ -103,7 +103,7 @@ def on_update_modelcompilation(
     memo: kopf.Memo,
     **_: Any,
 ) -> None:
-    old_spec = old if isinstance(old, dict) else None  # field="spec": old is the old spec
+    old_spec = old if isinstance(old, Mapping) else None  # field="spec": old is the old spec
     with _broker_errors():
         flow = reconcile_submit(
             meta, spec, status, memo.queue, _notify(body), now_rfc3339(), old_spec=old_spec

@@ -162,6 +162,7 @@ def test_spec_update_compiles_the_new_generation(
     first_task = first["status"]["taskId"]
     manifest = yaml.safe_load((REPO / "examples" / "resnet50-cpu.yaml").read_text())
     manifest["spec"]["precision"] = "bf16"
+    manifest["spec"]["targets"] = ["cpu-x86_64-amx"]  # the old target's task must still go
     changed = tmp_path / "resnet50-bf16.yaml"
     changed.write_text(yaml.safe_dump(manifest))
     kube_api.kubectl("apply", "--validate=false", "-f", str(changed))
@@ -177,6 +178,7 @@ def test_spec_update_compiles_the_new_generation(
     assert all(c["observedGeneration"] == 2 for c in done["status"]["conditions"])
     app = _app(redis_server)
     assert app.AsyncResult(f"{first_task}-cpu-x86_64").state == "REVOKED"
+    assert [a["target"] for a in done["status"]["artifacts"]] == ["cpu-x86_64-amx"]
     reasons = [e["reason"] for e in events_for(kube_api, "resnet50-cpu")]
     assert "Superseded" in reasons, reasons
     assert kube_api.get(API, PLURAL, "default", "resnet50-cpu") is not None

@@ -149,3 +149,16 @@ def test_config_from_environment() -> None:
     assert config.namespace == "ml" and config.result_backend.endswith("/1")
     with pytest.raises(ValueError):
         OperatorConfig.from_env({"CUVIL_OPERATOR_POLL_INTERVAL": "0"})
+
+
+def test_fixing_an_invalid_spec_submits_the_new_generation() -> None:
+    obj, queue, events = _object("invalid.yaml"), RecordingQueue(), Events()
+    failed = reconcile_submit(obj["metadata"], obj["spec"], {}, queue, events, NOW)
+    assert failed is not None and failed["phase"] == "Failed"
+    obj["spec"]["dynamicDims"]["seq"] = {"min": 8, "max": 128}
+    obj["metadata"]["generation"] = 2
+    status = reconcile_submit(obj["metadata"], obj["spec"], failed, queue, events, NOW)
+    assert status is not None and status["phase"] == "Pending" and status["taskId"] == "cuvil-u1-2"
+    accepted = next(c for c in status["conditions"] if c["type"] == "Accepted")
+    assert accepted["status"] == "True" and accepted["observedGeneration"] == 2
+    assert queue.calls == [("submit", "u1-2")]  # the refused generation had nothing to cancel
