@@ -11,6 +11,7 @@ from cuvil.artifact import media_types as mt
 from cuvil.artifact.files import ArtifactContents
 from cuvil.cli.main import main
 from tests.cuvil.artifact.conftest import artifact_files
+from tests.cuvil.artifact.test_push_pull import _machine_target
 from tests.fixtures.registry import RunningRegistry
 
 
@@ -42,10 +43,11 @@ def test_push_targets_inspect_and_pull(
 
     assert main(["inspect", ref]) == 0
     shown = capsys.readouterr().out
-    assert pushed[2]["digest"] in shown and "*target cpu-x86_64" in shown
-    assert "target cuda-sm_90" in shown
+    mine = _machine_target({"cpu-x86_64": {}, "cuda-sm_90": {}})
+    assert pushed[2]["digest"] in shown and f"*target {mine}" in shown
+    assert "target cuda-sm_90" in shown and "target cpu-x86_64" in shown
 
-    assert main(["pull", ref, "-o", str(tmp_path / "out")]) == 0
+    assert main(["pull", ref, "-o", str(tmp_path / "out"), "--target", "cpu-x86_64"]) == 0
     assert "downloaded" in capsys.readouterr().out
     assert (tmp_path / "out" / mt.CONFIG_FILE).read_bytes() == (cpu / mt.CONFIG_FILE).read_bytes()
 

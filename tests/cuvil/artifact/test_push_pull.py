@@ -12,6 +12,7 @@ import torch
 from cuvil.artifact import (
     NoMatchingTargetError,
     NotFoundError,
+    probe_targets,
     pull_artifact,
     push_artifact,
     push_index,
@@ -35,6 +36,13 @@ def _manifest(registry: RunningRegistry, repository: str, reference: str) -> dic
     )
     with urllib.request.urlopen(request, timeout=5) as response:
         return json.loads(response.read())
+
+
+def _machine_target(offered: dict) -> str:
+    found = [target for target in probe_targets() if target in offered]
+    if not found:
+        pytest.skip(f"this machine ({probe_targets()}) runs none of {sorted(offered)}")
+    return found[0]
 
 
 def _push_two_targets(
@@ -64,20 +72,23 @@ def test_two_target_index_pull_by_tag_and_digest(
         assert manifest["config"]["mediaType"] == mt.CONFIG
         assert manifest["annotations"][mt.ANNOTATION_TARGET] == result.target
 
-    # This machine (x86_64, no GPU) picks the CPU entry; a sm_90 machine the CUDA one.
+    # The probe picks this machine's entry: the CPU one on x86_64, the CUDA one on sm_90.
+    mine = _machine_target(files)
     by_tag = resolve(f"{registry.host}/models/mlp:v1", cache_dir=tmp_path / "cache")
-    assert by_tag.downloaded and by_tag.digest == pushed[0].digest
-    for name, data in files["cpu-x86_64"].items():
+    assert by_tag.downloaded and by_tag.digest == pushed[list(files).index(mine)].digest
+    for name, data in files[mine].items():
         assert (by_tag.path / name).read_bytes() == data
     gpu = resolve(index.ref, cache_dir=tmp_path / "cache", target="cuda-sm_90")
     assert gpu.digest == pushed[1].digest
     assert (gpu.path / mt.CONFIG_FILE).read_bytes() == files["cuda-sm_90"][mt.CONFIG_FILE]
 
     # By the manifest's own digest, into a fresh cache, then as a tar that load() opens.
-    by_digest = resolve(pushed[0].ref, cache_dir=tmp_path / "other")
+    by_digest = resolve(pushed[0].ref, cache_dir=tmp_path / "other", target="cpu-x86_64")
     assert by_digest.downloaded
     assert (by_digest.path / mt.WEIGHTS_FILE).read_bytes() == files["cpu-x86_64"][mt.WEIGHTS_FILE]
-    tar = pull_artifact(index.ref, tmp_path / "mlp.cuvil", cache_dir=tmp_path / "cache")
+    tar = pull_artifact(
+        index.ref, tmp_path / "mlp.cuvil", cache_dir=tmp_path / "cache", target="cpu-x86_64"
+    )
     model = load(tar)
     assert model(torch.randn(3, 8)).shape == (3, 4)
     assert resolve_digest(f"{registry.host}/models/mlp:v1") == index.digest
@@ -100,7 +111,8 @@ def test_describe_lists_targets(registry: RunningRegistry, tiny_contents: Artifa
     described = describe_reference(f"{registry.host}/models/described:v1")
     assert described["digest"] == index.digest  # type: ignore[attr-defined]
     assert {t["target"] for t in described["targets"]} == {"cpu-x86_64", "cuda-sm_90"}
-    assert described["selected"] == pushed[0].digest
+    mine = _machine_target({"cpu-x86_64": {}, "cuda-sm_90": {}})
+    assert described["selected"] == pushed[["cpu-x86_64", "cuda-sm_90"].index(mine)].digest
     single = describe_reference(pushed[1].ref)
     assert single["config"]["target"] == "cuda-sm_90"
     assert set(single["files"]) >= {mt.CONFIG_FILE, mt.GRAPH_FILE, mt.WEIGHTS_FILE}
