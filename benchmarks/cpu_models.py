@@ -94,15 +94,21 @@ def percentile(sorted_ms: list[float], q: float) -> float:
     return sorted_ms[index]
 
 
-def measure(case: Case, peer: str, reference: torch.Tensor, runs: int, warmup: int) -> dict:
-    """Prepare one peer, warm it up, time it, and compare its output with eager fp32."""
+def measure(case: Case, peer: str, reference: torch.Tensor, options: argparse.Namespace) -> dict:
+    """Prepare one peer, warm it up, time it, and compare its output with eager fp32.
+
+    Timing stops after ``options.runs`` calls or once ``options.max_seconds`` are spent (at
+    least 1 call): on a loaded machine a slow peer cannot hold up the whole benchmark.
+    """
     prepared = PEERS[peer](case)
-    for _ in range(warmup):
+    result = prepared.call()
+    for _ in range(options.warmup - 1):
         result = prepared.call()
-    times = []
+    times: list[float] = []
+    deadline = time.perf_counter() + options.max_seconds
     gc.disable()
     try:
-        for _ in range(runs):
+        while len(times) < options.runs and (not times or time.perf_counter() < deadline):
             start = time.perf_counter()
             result = prepared.call()
             times.append((time.perf_counter() - start) * 1000.0)
@@ -113,6 +119,7 @@ def measure(case: Case, peer: str, reference: torch.Tensor, runs: int, warmup: i
         "precision": prepared.precision,
         "median_ms": round(statistics.median(times), 4),
         "p90_ms": round(percentile(sorted(times), 0.9), 4),
+        "runs": len(times),
         "setup_seconds": round(prepared.setup_seconds, 3),
     }
     if output.shape != reference.shape:
@@ -138,7 +145,7 @@ def summarise(rows: dict[str, dict]) -> tuple[dict | None, dict[str, float | Non
     ratios: dict[str, float | None] = {}
     for label, top, bottom in RATIOS:
         if top in medians and bottom in medians and medians[bottom] > 0:
-            ratios[label] = round(medians[top] / medians[bottom], 3)
+            ratios[label] = round(medians[top] / medians[bottom], 4)
         else:
             ratios[label] = None
     return best, ratios
@@ -155,7 +162,7 @@ def run_case(name: str, peers: list[str], options: argparse.Namespace, workdir: 
     for peer in peers:
         print(f"[{name}] {peer} ...", file=sys.stderr, flush=True)
         try:
-            rows[peer] = measure(case, peer, reference, options.runs, options.warmup)
+            rows[peer] = measure(case, peer, reference, options)
         except Exception as error:  # one failing peer must not stop the others
             rows[peer] = {"error": f"{type(error).__name__}: {error}"[:2000]}
         gc.collect()
@@ -183,6 +190,7 @@ def environment(options: argparse.Namespace) -> dict[str, Any]:
         "threads": options.threads,
         "runs": options.runs,
         "warmup": options.warmup,
+        "max_seconds": options.max_seconds,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "versions": versions,
     }
@@ -205,6 +213,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2, help="torch/ORT/OpenVINO threads")
     parser.add_argument("--runs", type=int, default=50, help="timed runs per peer")
     parser.add_argument("--warmup", type=int, default=10, help="untimed runs first")
+    parser.add_argument(
+        "--max-seconds", type=float, default=120.0, help="cap on timed seconds per peer"
+    )
     parser.add_argument("--out", type=Path, help="also write the JSON here")
     options = parser.parse_args(argv)
     if options.runs < 1 or options.warmup < 0 or options.threads < 1:

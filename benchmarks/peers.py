@@ -202,7 +202,7 @@ def _prepare_openvino(case: Case, precision: str) -> Prepared:
         "converter": converter,
         "version": ov.__version__,
         # what the plugin actually runs: bf16 falls back to f32 on CPUs without bf16 support
-        "inference_precision": str(compiled.get_property("INFERENCE_PRECISION_HINT")),
+        "inference_precision": compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name(),
     }
     return Prepared(call, output, seconds, precision, info)
 
