@@ -38,6 +38,22 @@ def build_app(settings: WorkerConfig) -> Celery:
 app = build_app(config)
 
 
+@signals.worker_init.connect
+def _on_worker_init(**_: Any) -> None:
+    """Warm the compiler in the parent, before the pool forks, so that every task starts warm:
+    the first ``torch.export`` in a process pays ~10 s of one-off set-up."""
+    import cuvil.artifact.registry
+    import cuvil.frontend.sources
+    import cuvil.models.catalog
+    import cuvil.pipeline  # noqa: F401
+
+    if config.warm_up:
+        import torch
+
+        with torch.no_grad():
+            torch.export.export(torch.nn.Linear(4, 4), (torch.zeros(2, 4),))
+
+
 @signals.worker_process_init.connect
 def _on_process_init(**_: Any) -> None:
     """Per worker process (after the prefork fork): threads and tracing."""

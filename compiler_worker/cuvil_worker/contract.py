@@ -20,7 +20,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from celery import Celery, chord
-from celery.result import AsyncResult
 
 TASK_COMPILE = "cuvil.compile"
 TASK_INDEX = "cuvil.push_index"
@@ -54,6 +53,9 @@ DEFAULT_BROKER_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_RESULT_BACKEND = "redis://127.0.0.1:6379/1"
 SUBMITTED_KEY = "cuvil:submitted:{chord_id}"
 SUBMITTED_TTL_S = 30 * 24 * 3600
+
+PRIORITY_INDEX = 0  # Redis: 0 is served first
+PRIORITY_COMPILE = 6
 
 REQUEST_KEYS = ("uid", "generation", "namespace", "name", "spec", "traceparent")
 
@@ -109,6 +111,12 @@ def transport_options(visibility_timeout: float, restore_interval: float = 5.0) 
         "visibility_timeout": visibility_timeout,
         "unacked_restore_interval": restore_interval,
         "unacked_restore_throttle": 1,
+        # Redis emulates priorities with one list per step ("cuvil.cpu", "cuvil.cpu:6"):
+        # index pushes (PRIORITY_INDEX) overtake queued compiles (PRIORITY_COMPILE), so a
+        # compilation finishes when its targets do, not after everything queued behind them.
+        "priority_steps": [PRIORITY_INDEX, 3, PRIORITY_COMPILE, 9],
+        "sep": ":",
+        "queue_order_strategy": "priority",
     }
 
 
@@ -170,6 +178,7 @@ def submit_compilation(app: Celery, request: Mapping[str, Any]) -> str:
                 args=(request, target),
                 task_id=target_task_id(request, target),
                 queue=queue_for_target(target, override),
+                priority=PRIORITY_COMPILE,
             )
             for target in targets
         ]
@@ -178,13 +187,24 @@ def submit_compilation(app: Celery, request: Mapping[str, Any]) -> str:
             args=(request,),
             task_id=chord_task_id(request),
             queue=queue_for_target(targets[0], override),
+            priority=PRIORITY_INDEX,
             immutable=True,
         )
         chord(header, app=app)(callback)
     except BaseException:
         client.delete(_submitted_key(request))
         raise
+    _stop_listening(app, [target_task_id(request, t) for t in targets] + [chord_task_id(request)])
     return chord_task_id(request)
+
+
+def _stop_listening(app: Celery, task_ids: list[str]) -> None:
+    """Publishing subscribes to each task's result channel (Redis pub/sub); the operator polls
+    instead, so drop those subscriptions now rather than one per submit for the process's life."""
+    consumer = getattr(app.backend, "result_consumer", None)
+    if consumer is not None:
+        for task_id in task_ids:
+            consumer.cancel_for(task_id)
 
 
 def is_submitted(app: Celery, request: Mapping[str, Any]) -> bool:
@@ -215,40 +235,46 @@ class Progress:
         return asdict(self)
 
 
-def _error_text(result: AsyncResult) -> str:
-    info = result.info
+def _snapshot(app: Celery, task_id: str) -> tuple[str, Any]:
+    """State and info of a task from one read (two reads could straddle a state change)."""
+    meta = app.backend.get_task_meta(task_id)
+    state, info = meta.get("status", "PENDING"), meta.get("result")
+    if state in ("FAILURE", "RETRY", "REVOKED") and isinstance(info, Mapping):
+        info = app.backend.exception_to_python(info)
+    return state, info
+
+
+def _error_text(info: Any) -> str:
     if isinstance(info, BaseException):
         return f"{type(info).__name__}: {info}"
     return str(info)
 
 
-def _target_progress(result: AsyncResult) -> TargetProgress:
-    state = result.state
+def _target_progress(state: str, info: Any) -> TargetProgress:
     if state in ("FAILURE", "REVOKED"):
-        error = "cancelled" if state == "REVOKED" else _error_text(result)
-        return TargetProgress(state, error=error)
-    info = result.info if isinstance(result.info, Mapping) else {}
-    return TargetProgress(state, stage=info.get("stage"))
+        return TargetProgress(state, error="cancelled" if state == "REVOKED" else _error_text(info))
+    stage = info.get("stage") if isinstance(info, Mapping) else None
+    return TargetProgress(state, stage=stage)
 
 
 def read_progress(app: Celery, request: Mapping[str, Any]) -> Progress:
     """The compilation's progress, read from the result backend (cheap: one GET per task)."""
     targets = targets_of(request)
     per_target = {
-        target: _target_progress(AsyncResult(target_task_id(request, target), app=app))
+        target: _target_progress(*_snapshot(app, target_task_id(request, target)))
         for target in targets
     }
     failed = {t: p for t, p in per_target.items() if p.error is not None}
     if failed:
         reasons = "; ".join(f"{t}: {p.error}" for t, p in failed.items())
         return Progress(PHASE_FAILED, per_target, error=reasons)
-    final = AsyncResult(chord_task_id(request), app=app)
-    if final.state == "SUCCESS":
-        return Progress(PHASE_SUCCEEDED, per_target, result=final.result)
-    if final.state in ("FAILURE", "REVOKED"):
-        error = "cancelled" if final.state == "REVOKED" else _error_text(final)
+    final_state, final_info = _snapshot(app, chord_task_id(request))
+    if final_state == "SUCCESS":
+        return Progress(PHASE_SUCCEEDED, per_target, result=final_info)
+    if final_state in ("FAILURE", "REVOKED"):
+        error = "cancelled" if final_state == "REVOKED" else _error_text(final_info)
         return Progress(PHASE_FAILED, per_target, error=error)
-    if final.state in RUNNING_STATES:
+    if final_state in RUNNING_STATES:
         return Progress(PHASE_PUSHING, per_target)
     phases = [_PHASE_OF_STATE.get(p.state, PHASE_PENDING) for p in per_target.values()]
     running = [p for p in phases if p != PHASE_PENDING]
@@ -263,6 +289,5 @@ def cancel_compilation(app: Celery, request: Mapping[str, Any]) -> None:
     ids = [target_task_id(request, t) for t in targets_of(request)] + [chord_task_id(request)]
     app.control.revoke(ids, terminate=True, signal="SIGTERM")
     for task_id in ids:
-        result = AsyncResult(task_id, app=app)
-        if result.state not in ("SUCCESS", "FAILURE"):
+        if _snapshot(app, task_id)[0] not in ("SUCCESS", "FAILURE"):
             app.backend.mark_as_revoked(task_id, reason="cancelled")

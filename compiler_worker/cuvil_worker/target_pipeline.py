@@ -15,8 +15,8 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager
+import time
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,10 +68,17 @@ class Packaged:
         return cls(files, json.loads((directory / "report.json").read_text()))
 
 
-def stage_span(name: str, on_stage: StageFn) -> AbstractContextManager[trace.Span]:
-    """Report the stage, then open its span (one span per stage, named ``cuvil.<stage>``)."""
+@contextlib.contextmanager
+def stage_span(
+    name: str, on_stage: StageFn, seconds: dict[str, float] | None = None
+) -> Iterator[trace.Span]:
+    """Report the stage, open its span (``cuvil.<stage>``), and time it into ``seconds``."""
     on_stage(name)
-    return tracer.start_as_current_span(f"cuvil.{name}")
+    started = time.perf_counter()
+    with tracer.start_as_current_span(f"cuvil.{name}") as span:
+        yield span
+    if seconds is not None:
+        seconds[name] = round(time.perf_counter() - started, 4)
 
 
 def _compile(loaded: Any, target: str, precision: str, on_stage: StageFn) -> Any:
@@ -109,7 +116,8 @@ def build(
     from cuvil.artifact.files import encode_files
     from cuvil.frontend.sources import load_source
 
-    with stage_span("load", on_stage):
+    seconds: dict[str, float] = {}
+    with stage_span("load", on_stage, seconds):
         try:
             loaded = load_source(spec, bundle_fetcher=bundle_fetcher)
         except ValueError as error:  # SourceError, ModelSourceError: the spec names no model
@@ -118,18 +126,18 @@ def build(
     validation = dict(spec.get("validation") or {})
     samples = loaded.sample_inputs(int(validation.get("samples", checks.DEFAULT_SAMPLES)))
     report: dict[str, Any] = {"target": target, "compile": compiled.report}
-    with stage_span("validate", on_stage):
+    with stage_span("validate", on_stage, seconds):
         output_names = list(compiled.signature.output_names)
         report["validation"] = checks.validate(
             compiled, loaded.model, samples, output_names, validation
         )
-    with stage_span("benchmark", on_stage):
+    with stage_span("benchmark", on_stage, seconds):
         report["benchmark"] = checks.benchmark(
             compiled, loaded.model, loaded.example_inputs, config.bench_iterations
         )
-    with stage_span("gates", on_stage):
+    with stage_span("gates", on_stage, seconds):
         report["gates"] = checks.check_gates(dict(spec.get("gates") or {}), report)
-    with stage_span("package", on_stage):
+    with stage_span("package", on_stage, seconds):
         contents = compiled.contents
         contents.config["report"] = dict(contents.config["report"]) | {
             "validation": report["validation"],
@@ -138,6 +146,7 @@ def build(
         }
         files = encode_files(contents)
     report["size"] = sum(len(data) for data in files.values())
+    report["stage_seconds"] = seconds
     return Packaged(files, report)
 
 
@@ -177,7 +186,8 @@ def publish(
     repository = str(output.get("repository") or "")
     if not repository:
         raise InvalidSpec("spec.output.repository is empty")
-    with stage_span("push", on_stage):
+    seconds: dict[str, float] = {}
+    with stage_span("push", on_stage, seconds):
         pushed = push_artifact(packaged.files, repository, annotations=dict(annotations))
         report_bytes = json.dumps(packaged.report, sort_keys=True).encode()
         referrer = attach_referrer(
@@ -195,6 +205,7 @@ def publish(
         "mediaType": pushed.media_type,
         "precision": pushed.precision,
         "reportReferrer": referrer,
+        "pushSeconds": seconds["push"],
         "report": packaged.report,
     }
 

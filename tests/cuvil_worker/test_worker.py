@@ -1,0 +1,292 @@
+"""The compile workers end to end: real Redis, the real registry, ``cuvil-worker`` subprocesses.
+
+Small models only (the MLP): the point is the plumbing — fan-out, index, referrers, crash
+recovery, retries, permanent failures, gates, traces and parallel speed-up.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery
+from celery.result import AsyncResult
+from cuvil_worker import contract
+
+from cuvil.artifact import fetch_referrer, list_referrers
+from tests.cuvil_worker.otlp_receiver import OtlpReceiver
+from tests.cuvil_worker.workers import (
+    WorkerProcess,
+    compilation_request,
+    start_worker,
+    wait_done,
+    wait_state,
+    worker_env,
+)
+from tests.fixtures.redis import RedisServer
+from tests.fixtures.registry import RunningRegistry
+
+INDEX_MEDIA_TYPE = "application/vnd.oci.image.index.v1+json"
+REPORT_TYPE = "application/vnd.cuvil.report.v1+json"
+TWO_TARGETS = ("cpu-x86_64", "cpu-x86_64-amx")
+
+
+def mlp_spec(registry: RunningRegistry, **overrides: Any) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "source": {"builtin": {"name": "mlp"}},
+        "inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", 784]}],
+        "dynamicDims": {"batch": {"min": 1, "max": 64}},
+        "targets": ["cpu-x86_64"],
+        "precision": "fp32",
+        "validation": {"samples": 3, "rtol": 1e-3, "atol": 1e-4},
+        "output": {"repository": f"{registry.host}/models/mlp-{uuid.uuid4().hex[:8]}", "tag": "v1"},
+    }
+    spec.update(overrides)
+    return spec
+
+
+def fetch_manifest(registry: RunningRegistry, repository: str, reference: str) -> dict[str, Any]:
+    repo = repository.split("/", 1)[1]
+    request = urllib.request.Request(
+        f"{registry.url}/v2/{repo}/manifests/{reference}",
+        headers={"Accept": f"{INDEX_MEDIA_TYPE}, application/vnd.oci.image.manifest.v1+json"},
+    )
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return dict(json.loads(response.read()))
+
+
+def tag_exists(registry: RunningRegistry, repository: str, tag: str) -> bool:
+    try:
+        fetch_manifest(registry, repository, tag)
+    except urllib.error.HTTPError as error:
+        assert error.code == 404, error
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def app(redis_session: RedisServer) -> Celery:
+    return contract.create_app(redis_session.url(0), redis_session.url(1))
+
+
+@pytest.fixture(scope="module")
+def otlp() -> Iterator[OtlpReceiver]:
+    receiver = OtlpReceiver()
+    receiver.start()
+    yield receiver
+    receiver.stop()
+
+
+@pytest.fixture(scope="module")
+def env_for(redis_session: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    def make(**extra: str) -> dict[str, str]:
+        work = tmp_path_factory.mktemp("work")
+        return worker_env(redis_session.url(0), redis_session.url(1), work, **extra)
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("worker-logs")
+
+
+@pytest.fixture(scope="module")
+def worker(env_for: Any, otlp: OtlpReceiver, logs: Path) -> Iterator[WorkerProcess]:
+    """One worker on ``cuvil.cpu`` that exports its spans to the test's OTLP receiver."""
+    env = env_for(
+        OTEL_TRACES_EXPORTER="otlp",
+        OTEL_EXPORTER_OTLP_ENDPOINT=otlp.endpoint,
+        OTEL_EXPORTER_OTLP_INSECURE="true",
+        OTEL_BSP_SCHEDULE_DELAY="100",
+        OTEL_SERVICE_NAME="cuvil-worker-test",
+    )
+    process = start_worker(env, logs, name="shared")
+    process.wait_ready()
+    yield process
+    process.stop()
+
+
+def test_two_targets_give_an_index_report_referrers_and_one_trace(
+    app: Celery, worker: WorkerProcess, registry: RunningRegistry, otlp: OtlpReceiver
+) -> None:
+    trace_id = uuid.uuid4().hex
+    traceparent = f"00-{trace_id}-{uuid.uuid4().hex[:16]}-01"
+    spec = mlp_spec(registry, targets=list(TWO_TARGETS))
+    request = compilation_request(spec, traceparent=traceparent)
+    started = time.monotonic()
+    assert contract.submit_compilation(app, request) == contract.chord_task_id(request)
+    seen: set[tuple[str, str | None]] = set()
+    while not (progress := contract.read_progress(app, request)).done:
+        seen |= {(p.state, p.stage) for p in progress.targets.values()}
+        assert time.monotonic() - started < 120, worker.log[-3000:]
+        time.sleep(0.01)
+    assert progress.phase == contract.PHASE_SUCCEEDED, progress.error
+    custom = {state for state, _ in seen} & {"COMPILING", "VALIDATING", "PUSHING"}
+    assert len(custom) >= 2, f"progress states seen: {seen}"
+    assert all(stage for state, stage in seen if state in custom), seen
+
+    result = progress.result
+    assert result is not None
+    repository = spec["output"]["repository"]
+    index = fetch_manifest(registry, repository, "v1")
+    assert index["mediaType"] == INDEX_MEDIA_TYPE
+    entries = {m["annotations"]["dev.cuvil.target"]: m["digest"] for m in index["manifests"]}
+    assert len(index["manifests"]) == 2 and set(entries) == set(TWO_TARGETS)
+    assert {a["target"]: a["digest"] for a in result["artifacts"]} == entries
+    assert result["index"]["digest"].startswith("sha256:")
+    assert index["annotations"]["dev.cuvil.trace-id"] == trace_id
+
+    for artifact in result["artifacts"]:
+        manifest = fetch_manifest(registry, repository, artifact["digest"])
+        assert manifest["annotations"]["dev.cuvil.trace-id"] == trace_id
+        referrers = list_referrers(artifact["ref"], artifact_type=REPORT_TYPE)
+        assert [r.digest for r in referrers] == [artifact["reportReferrer"]]
+        report = json.loads(fetch_referrer(artifact["ref"], artifact["reportReferrer"]))
+        assert report["target"] == artifact["target"]
+        assert report["validation"]["max_abs_error"] <= 1e-4
+        assert report["benchmark"]["compiled_p50_ms"] > 0
+
+    wanted = {"cuvil.compile_target", "cuvil.load", "cuvil.export", "cuvil.verify",
+              "cuvil.validate", "cuvil.benchmark", "cuvil.package", "cuvil.push",
+              "cuvil.push_index"}  # fmt: skip
+    deadline = time.monotonic() + 15
+    while not wanted <= {s.name for s in otlp.of_trace(trace_id)} and time.monotonic() < deadline:
+        time.sleep(0.1)
+    names = [s.name for s in otlp.of_trace(trace_id)]
+    assert wanted <= set(names), f"spans in the trace: {sorted(set(names))}"
+    assert names.count("cuvil.compile_target") == 2
+
+
+def test_registry_outage_is_retried_until_the_registry_is_back(
+    app: Celery, worker: WorkerProcess, registry: RunningRegistry
+) -> None:
+    spec = mlp_spec(registry)
+    request = compilation_request(spec)
+    target_id = contract.target_task_id(request, "cpu-x86_64")
+    registry.stop()
+    try:
+        contract.submit_compilation(app, request)
+        state, info = wait_state(app, target_id, ("RETRY", "FAILURE", "SUCCESS"), timeout=90)
+        assert state == "RETRY", info
+        assert "RegistryFault" in type(info).__name__ or "RegistryFault" in repr(info)
+        assert contract.read_progress(app, request).phase == contract.PHASE_PUSHING
+        wait_state(app, target_id, ("RETRY",), timeout=10)
+        time.sleep(2.5)  # let at least one more retry hit the closed port
+    finally:
+        registry.start()
+    progress = wait_done(app, request, timeout=90, workers=[worker])
+    assert progress.phase == contract.PHASE_SUCCEEDED, progress.error
+    faults = re.findall(r"registry fault \(try (\d+)\)", worker.log)
+    assert faults and max(int(n) for n in faults) >= 2, "expected repeated registry retries"
+    assert progress.result is not None
+    assert fetch_manifest(registry, spec["output"]["repository"], "v1")["manifests"]
+
+
+def test_permanent_failures_fail_at_once_with_their_reason(
+    app: Celery, worker: WorkerProcess, registry: RunningRegistry
+) -> None:
+    # The MLP's first Linear needs 784 features: a dynamic feature dim cannot be exported.
+    unexportable = mlp_spec(
+        registry,
+        inputs=[{"name": "x", "dtype": "float32", "shape": ["batch", "features"]}],
+        dynamicDims={"batch": {"min": 1, "max": 64}, "features": {"min": 784, "max": 1024}},
+    )
+    gated = mlp_spec(registry, gates={"maxAbsError": 1e-3, "minSpeedup": 1000.0})
+    bf16 = mlp_spec(registry, precision="bf16")
+    requests = [compilation_request(s) for s in (unexportable, gated, bf16)]
+    for request in requests:
+        contract.submit_compilation(app, request)
+    outcomes = [wait_done(app, r, timeout=120, workers=[worker]) for r in requests]
+    assert all(o.phase == contract.PHASE_FAILED for o in outcomes), outcomes
+
+    export_error = outcomes[0].error or ""
+    assert "ModelNotCompilable" in export_error and "torch.export failed" in export_error
+    assert "features" in export_error, export_error
+    gate_error = outcomes[1].error or ""
+    assert re.search(r"gate minSpeedup failed: measured [0-9.]+, required >= 1000", gate_error)
+    assert "not supported" in (outcomes[2].error or "") and "bf16" in (outcomes[2].error or "")
+
+    for request, spec in zip(requests, (unexportable, gated, bf16), strict=True):
+        target_id = contract.target_task_id(request, "cpu-x86_64")
+        assert AsyncResult(target_id, app=app).state == "FAILURE"
+        assert worker.log.count(f"cuvil.compile[{target_id}] received") == 1, "retried"
+        assert not tag_exists(registry, spec["output"]["repository"], "v1")
+
+
+def test_a_worker_killed_mid_compile_loses_nothing(
+    app: Celery, env_for: Any, registry: RunningRegistry, logs: Path
+) -> None:
+    queue = "cuvil.test.kill"
+    env = env_for()
+    first = start_worker(env, logs, queues=queue, name="doomed")
+    second: WorkerProcess | None = None
+    try:
+        first.wait_ready()
+        spec = mlp_spec(registry, targets=list(TWO_TARGETS), queue=queue)
+        request = compilation_request(spec)
+        contract.submit_compilation(app, request)
+        ids = [contract.target_task_id(request, t) for t in TWO_TARGETS]
+        running = None
+        deadline = time.monotonic() + 60
+        while running is None and time.monotonic() < deadline:
+            states = {i: AsyncResult(i, app=app).state for i in ids}
+            running = next((i for i, s in states.items() if s == "COMPILING"), None)
+            time.sleep(0.01)
+        assert running is not None, first.log[-3000:]
+        first.kill_hard()
+        assert AsyncResult(running, app=app).state == "COMPILING"
+        killed_at = time.monotonic()
+        second = start_worker(env, logs, queues=queue, name="rescuer")
+        progress = wait_done(app, request, timeout=120, workers=[first, second])
+        redelivery = time.monotonic() - killed_at
+        assert progress.phase == contract.PHASE_SUCCEEDED, progress.error
+        assert f"cuvil.compile[{running}] received" in second.log, "not redelivered"
+        index = fetch_manifest(registry, spec["output"]["repository"], "v1")
+        targets = [m["annotations"]["dev.cuvil.target"] for m in index["manifests"]]
+        assert sorted(targets) == sorted(TWO_TARGETS), f"index entries: {targets}"
+        print(f"\nkill -9 -> compilation done in {redelivery:.1f}s (visibility timeout 6 s)")
+    finally:
+        first.kill_hard()
+        if second is not None:
+            second.stop()
+
+
+def test_two_workers_share_four_compiles(
+    app: Celery, env_for: Any, registry: RunningRegistry, logs: Path
+) -> None:
+    env = env_for()
+    one = start_worker(env, logs, queues="cuvil.test.seq,cuvil.test.par", name="one")
+    two = start_worker(env, logs, queues="cuvil.test.par", name="two")
+    try:
+        one.wait_ready()
+        two.wait_ready()
+
+        def run_four(queue: str) -> float:
+            requests = [compilation_request(mlp_spec(registry, queue=queue)) for _ in range(4)]
+            started = time.monotonic()
+            for request in requests:
+                contract.submit_compilation(app, request)
+            for request in requests:
+                progress = wait_done(app, request, timeout=180, workers=[one, two])
+                assert progress.phase == contract.PHASE_SUCCEEDED, progress.error
+            return time.monotonic() - started
+
+        run_four("cuvil.test.par")  # warm both workers (first-task imports)
+        sequential = run_four("cuvil.test.seq")
+        parallel = run_four("cuvil.test.par")
+        print(f"\n4 compiles: 1 worker {sequential:.2f}s, 2 workers {parallel:.2f}s "
+              f"({parallel / sequential:.2f}x)")  # fmt: skip
+        assert parallel <= 0.65 * sequential, (sequential, parallel)
+        assert "cuvil.compile[" in two.log and "cuvil.compile[" in one.log
+    finally:
+        one.stop()
+        two.stop()
