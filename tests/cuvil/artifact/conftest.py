@@ -40,3 +40,13 @@ def artifact_files(
     files = encode_files(changed)
     assert json.loads(files[mt.CONFIG_FILE])["target"] == target
     return files
+
+
+def machine_target(offered: dict[str, object]) -> str:
+    """The target of ``offered`` this machine's probe ranks first (skips when it runs none)."""
+    from cuvil.artifact import probe_targets
+
+    found = [target for target in probe_targets() if target in offered]
+    if not found:
+        pytest.skip(f"this machine ({probe_targets()}) runs none of {sorted(offered)}")
+    return found[0]

@@ -10,8 +10,7 @@ import pytest
 from cuvil.artifact import media_types as mt
 from cuvil.artifact.files import ArtifactContents
 from cuvil.cli.main import main
-from tests.cuvil.artifact.conftest import artifact_files
-from tests.cuvil.artifact.test_push_pull import _machine_target
+from tests.cuvil.artifact.conftest import artifact_files, machine_target
 from tests.fixtures.registry import RunningRegistry
 
 
@@ -43,7 +42,7 @@ def test_push_targets_inspect_and_pull(
 
     assert main(["inspect", ref]) == 0
     shown = capsys.readouterr().out
-    mine = _machine_target({"cpu-x86_64": {}, "cuda-sm_90": {}})
+    mine = machine_target({"cpu-x86_64": {}, "cuda-sm_90": {}})
     assert pushed[2]["digest"] in shown and f"*target {mine}" in shown
     assert "target cuda-sm_90" in shown and "target cpu-x86_64" in shown
 

@@ -12,7 +12,6 @@ import torch
 from cuvil.artifact import (
     NoMatchingTargetError,
     NotFoundError,
-    probe_targets,
     pull_artifact,
     push_artifact,
     push_index,
@@ -23,7 +22,7 @@ from cuvil.artifact.api import describe_reference, resolve
 from cuvil.artifact.files import ArtifactContents
 from cuvil.artifact.registry_config import RegistryConfig
 from cuvil.runtime.model import load
-from tests.cuvil.artifact.conftest import artifact_files
+from tests.cuvil.artifact.conftest import artifact_files, machine_target
 from tests.fixtures.registry import RunningRegistry
 
 NO_CREDENTIALS = RegistryConfig(docker_config=None)
@@ -36,13 +35,6 @@ def _manifest(registry: RunningRegistry, repository: str, reference: str) -> dic
     )
     with urllib.request.urlopen(request, timeout=5) as response:
         return json.loads(response.read())
-
-
-def _machine_target(offered: dict) -> str:
-    found = [target for target in probe_targets() if target in offered]
-    if not found:
-        pytest.skip(f"this machine ({probe_targets()}) runs none of {sorted(offered)}")
-    return found[0]
 
 
 def _push_two_targets(
@@ -73,7 +65,7 @@ def test_two_target_index_pull_by_tag_and_digest(
         assert manifest["annotations"][mt.ANNOTATION_TARGET] == result.target
 
     # The probe picks this machine's entry: the CPU one on x86_64, the CUDA one on sm_90.
-    mine = _machine_target(files)
+    mine = machine_target(files)
     by_tag = resolve(f"{registry.host}/models/mlp:v1", cache_dir=tmp_path / "cache")
     assert by_tag.downloaded and by_tag.digest == pushed[list(files).index(mine)].digest
     for name, data in files[mine].items():
@@ -111,7 +103,7 @@ def test_describe_lists_targets(registry: RunningRegistry, tiny_contents: Artifa
     described = describe_reference(f"{registry.host}/models/described:v1")
     assert described["digest"] == index.digest  # type: ignore[attr-defined]
     assert {t["target"] for t in described["targets"]} == {"cpu-x86_64", "cuda-sm_90"}
-    mine = _machine_target({"cpu-x86_64": {}, "cuda-sm_90": {}})
+    mine = machine_target({"cpu-x86_64": {}, "cuda-sm_90": {}})
     assert described["selected"] == pushed[["cpu-x86_64", "cuda-sm_90"].index(mine)].digest
     single = describe_reference(pushed[1].ref)
     assert single["config"]["target"] == "cuda-sm_90"
