@@ -9,6 +9,9 @@ packaged artifact kept in the work dir so a registry retry does not recompile.
 from __future__ import annotations
 
 import logging
+import shutil
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from celery import Task
@@ -68,6 +71,17 @@ def _annotations(request: dict[str, Any], trace_id: str | None) -> dict[str, str
     return annotations
 
 
+def _fetcher(task_id: str) -> Callable[[str], Path]:
+    """Pulls an ``oci`` source bundle into this task's scratch folder."""
+
+    def fetch(ref: str) -> Path:
+        from cuvil.frontend.source_bundle import fetch_source_bundle
+
+        return fetch_source_bundle(ref, config.work_dir / "sources" / task_id)
+
+    return fetch
+
+
 def _delivery_tag(task: Task) -> str | None:
     properties = getattr(task.request, "properties", None) or {}
     return properties.get("delivery_tag")
@@ -90,17 +104,17 @@ def compile_target(self: Task, request: dict[str, Any], target: str) -> dict[str
     ):
         on_stage = _reporter(self, target)
         spec = request["spec"]
-        packaged = build_cached(spec, target, config, on_stage, task_id)
         try:
-            result = publish(
-                packaged, spec, target, on_stage, _annotations(request, telemetry.trace_id_of(span))
-            )
+            packaged = build_cached(spec, target, config, on_stage, task_id, _fetcher(task_id))
+            annotations = _annotations(request, telemetry.trace_id_of(span))
+            result = publish(packaged, spec, target, on_stage, annotations)
         except RegistryError as error:
             if not error.retryable:
                 raise CompileFailed(f"registry refused the push: {error}") from None
             raise _retry_registry(self, error) from None
         result["traceId"] = telemetry.trace_id_of(span)
     forget_cached(config, task_id)
+    shutil.rmtree(config.work_dir / "sources" / task_id, ignore_errors=True)
     return result
 
 

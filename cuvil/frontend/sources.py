@@ -191,15 +191,19 @@ def _huggingface(source: Mapping[str, Any]) -> tuple[str, torch.nn.Module]:
 
 def load_source_bundle(directory: str | Path, class_name: str | None = None) -> torch.nn.Module:
     """A source bundle: ``config.json`` + safetensors weights + a transformers class name
-    (``class_name``, else the config's ``architectures[0]``); never remote code."""
+    (``class_name``, else the bundle's, else the config's ``architectures[0]``); never remote
+    code (see ``cuvil.frontend.source_bundle`` for the OCI form)."""
     import json
 
     import transformers
+
+    from cuvil.frontend.source_bundle import bundle_model_class
 
     directory = Path(directory)
     config_file = directory / "config.json"
     if not config_file.is_file():
         raise SourceError(f"source bundle {directory} has no config.json")
+    class_name = class_name or bundle_model_class(directory)
     if class_name is None:
         architectures = json.loads(config_file.read_text()).get("architectures") or []
         class_name = architectures[0] if architectures else None
