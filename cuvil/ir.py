@@ -111,6 +111,18 @@ class Node:
                 return arg
         return default
 
+    def int_arg(self, key: str, default: int = 0) -> int:
+        value = self.arg(key, default)
+        if not isinstance(value, int | float):
+            raise TypeError(f"%{self.name}: argument {key!r} is {value!r}, not a number")
+        return int(value)
+
+    def float_arg(self, key: str, default: float = 0.0) -> float:
+        value = self.arg(key, default)
+        if not isinstance(value, int | float):
+            raise TypeError(f"%{self.name}: argument {key!r} is {value!r}, not a number")
+        return float(value)
+
     @property
     def type(self) -> TensorType:
         return self.types[0]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,14 +26,31 @@ from cuvil.frontend.export import ExportedModel, export_model
 from cuvil.ir import Graph
 from cuvil.ir_text import print_graph
 from cuvil.ir_verify import verify_graph
+from cuvil.passes.cleanup import (
+    eliminate_common_subexpressions,
+    fold_constants,
+    remove_identities,
+)
 from cuvil.passes.dead_code import eliminate_dead_code
+from cuvil.passes.fusion import fold_batch_norm, fuse_epilogues, fuse_transformer_blocks
+from cuvil.passes.layout import to_channels_last
+from cuvil.passes.program import Program
 from cuvil.runtime.model import CompiledModel, target_device
 from cuvil.runtime.signature import Signature
 from cuvil.verify import compare_outputs, worst_relative_error
 
 STAGES = ("export", "import", "verify_ir", "passes", "plan", "verify")
 PRECISIONS = ("fp32",)
-PASSES: tuple[tuple[str, Callable[[Graph], Graph]], ...] = (("dead_code", eliminate_dead_code),)
+PASSES: tuple[tuple[str, Callable[[Program], Program]], ...] = (
+    ("dead_code", lambda program: replace(program, graph=eliminate_dead_code(program.graph))),
+    ("identities", remove_identities),
+    ("cse", eliminate_common_subexpressions),
+    ("constant_fold", fold_constants),
+    ("fold_batch_norm", fold_batch_norm),
+    ("fuse_transformer_blocks", fuse_transformer_blocks),
+    ("fuse_epilogues", fuse_epilogues),
+    ("layout", to_channels_last),
+)
 
 tracer = trace.get_tracer("cuvil.pipeline")
 
@@ -78,13 +95,29 @@ def check_options(options: CompileOptions) -> None:
         )
 
 
-def run_passes(graph: Graph) -> tuple[Graph, list[dict[str, Any]]]:
+def run_passes(program: Program, run: _Run) -> tuple[Program, list[dict[str, Any]]]:
     applied = []
     for name, apply in PASSES:
-        before = len(graph.nodes)
-        graph = verify_graph(apply(graph))
-        applied.append({"name": name, "ops_before": before, "ops_after": len(graph.nodes)})
-    return graph, applied
+        before, hits_before = len(program.graph.nodes), dict(program.hits)
+        start = time.perf_counter()
+        program = apply(program)
+        verify_graph(program.graph)
+        hits = {
+            k: v - hits_before.get(k, 0)
+            for k, v in program.hits.items()
+            if v - hits_before.get(k, 0)
+        }
+        applied.append(
+            {
+                "name": name,
+                "ops_before": before,
+                "ops_after": len(program.graph.nodes),
+                "hits": hits,
+                "seconds": round(time.perf_counter() - start, 4),
+            }
+        )
+        run.dump(f"pass-{name}", program.graph)
+    return program, applied
 
 
 def eager_outputs(model: torch.nn.Module, exported: ExportedModel) -> tuple[list[Any], Any]:
@@ -111,7 +144,8 @@ def compile_model(
             run.dump("import", graph)
         ops_before = len(graph.nodes)
         with run.stage("passes"):
-            graph, applied = run_passes(graph)
+            program, applied = run_passes(Program(graph, frontend.weights), run)
+            graph = program.graph
             run.dump("passes", graph)
         signature = Signature.of_graph(graph)
         config = {
@@ -125,7 +159,7 @@ def compile_model(
         }
         inputs = _named_inputs(signature, exported)
         with run.stage("plan"):
-            contents = ArtifactContents(config, graph, frontend.weights)
+            contents = ArtifactContents(config, graph, dict(program.weights))
             flat_reference, output_spec = eager_outputs(model, exported)
             compiled = CompiledModel(contents, output_spec=output_spec)
         with run.stage("verify"):
@@ -147,7 +181,8 @@ def compile_model(
             "outputs": [error.to_json() for error in errors],
             "max_relative_to_scale": worst_relative_error(errors),
         },
-        "weights_bytes": sum(t.numel() * t.element_size() for t in frontend.weights.values()),
+        "fusions": dict(program.hits),
+        "weights_bytes": sum(t.numel() * t.element_size() for t in program.weights.values()),
     }
     return compiled
 

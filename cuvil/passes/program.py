@@ -41,7 +41,9 @@ class Program:
 
 def const_node(name: str, key: str, tensor: torch.Tensor, origin: str = "") -> Node:
     shape = tuple(sympy.Integer(size) for size in tensor.shape)
-    return Node(name, "const", (("key", key),), (TensorType(dtype_name(tensor.dtype), shape),), origin)
+    return Node(
+        name, "const", (("key", key),), (TensorType(dtype_name(tensor.dtype), shape),), origin
+    )
 
 
 class NameSource:

@@ -30,11 +30,18 @@ class V:
 
 
 @dataclass(frozen=True)
+class L:
+    """Matches any literal argument (not a value); captured under ``name``."""
+
+    name: str
+
+
+@dataclass(frozen=True)
 class P:
     """Matches a node whose op is one of ``ops`` and whose named arguments match."""
 
     ops: str | tuple[str, ...]
-    args: Mapping[str, P | V | Any] = field(default_factory=dict)
+    args: Mapping[str, P | V | L | Any] = field(default_factory=dict)
     name: str | None = None  # capture the node itself
 
     def op_set(self) -> tuple[str, ...]:
@@ -46,8 +53,10 @@ class Match:
     root: Node
     nodes: dict[str, Node]  # captured nodes by pattern name
     values: dict[str, Value]  # captured values by V name
+    literals: dict[str, Any]  # captured literals by L name
     interior: list[Node]  # every matched node except the root
     program: Program
+    users: Mapping[str, list[Node]] = field(default_factory=dict)
 
     def node(self, name: str) -> Node:
         return self.nodes[name]
@@ -71,7 +80,9 @@ class Rewriter:
 
 # A replacement returns the new nodes (the last one's first output replaces the root's value,
 # or an explicit mapping old value -> new value), or None to decline.
-Replacement = Callable[[Match, Rewriter], "list[Node] | tuple[list[Node], dict[Value, Value]] | None"]
+Replacement = Callable[
+    [Match, Rewriter], "list[Node] | tuple[list[Node], dict[Value, Value]] | None"
+]
 Condition = Callable[[Match], bool]
 
 
@@ -95,6 +106,17 @@ def _match(
             return False
         previous = found.values.setdefault(pattern.name, arg)
         return previous == arg
+    if isinstance(pattern, L):
+        if isinstance(arg, Value) or (
+            isinstance(arg, tuple) and any(isinstance(a, Value) for a in arg)
+        ):
+            return False
+        found.literals[pattern.name] = arg
+        return True
+    if isinstance(pattern, tuple):
+        if not isinstance(arg, tuple) or len(arg) != len(pattern):
+            return False
+        return all(_match(p, a, graph, found, users) for p, a in zip(pattern, arg, strict=True))
     if not isinstance(pattern, P):
         return bool(pattern == arg)
     if not isinstance(arg, Value) or arg.index != 0:
@@ -119,8 +141,10 @@ def _match_node(
     return True
 
 
-def find_match(rule: Rule, node: Node, program: Program, users: Mapping[str, list[Node]]) -> Match | None:
-    found = Match(node, {}, {}, [], program)
+def find_match(
+    rule: Rule, node: Node, program: Program, users: Mapping[str, list[Node]]
+) -> Match | None:
+    found = Match(node, {}, {}, {}, [], program, users)
     if not _match_node(rule.pattern, node, program.graph, found, users):
         return None
     matched = {n.name for n in found.interior} | {node.name}
@@ -143,13 +167,33 @@ def apply_rules(program: Program, rules: Iterable[Rule], max_rounds: int = 20) -
     return program.with_hits(hits)
 
 
-def _one_round(program: Program, rules: tuple[Rule, ...], hits: dict[str, int]) -> tuple[Program, bool]:
+def _one_round(
+    program: Program, rules: tuple[Rule, ...], hits: dict[str, int]
+) -> tuple[Program, bool]:
+    """Choose matches consumers-first (so the largest pattern at the end of a chain wins), then
+    rebuild producers-first, re-matching each chosen root on the graph as rewritten so far."""
     graph = program.graph
     users = graph.users()
+    chosen: dict[str, Rule] = {}
+    claimed: set[str] = set()
+    for node in reversed(graph.nodes):
+        if node.name in claimed:
+            continue
+        for rule in rules:
+            match = find_match(rule, node, program, users)
+            if match is None:
+                continue
+            names = {n.name for n in match.interior} | {node.name}
+            if names & claimed:
+                continue
+            chosen[node.name] = rule
+            claimed |= names
+            break
+    if not chosen:
+        return program, False
     rewriter = Rewriter(NameSource(graph, program.weights), {})
     redirect: dict[Value, Value] = {}
     out: list[Node] = []
-    # Matching sees the graph as rewritten so far: one lookup table updated as nodes are emitted.
     view = replace(graph)
     by_name = dict(graph.by_name)
     object.__setattr__(view, "_by_name", by_name)
@@ -157,27 +201,29 @@ def _one_round(program: Program, rules: tuple[Rule, ...], hits: dict[str, int]) 
     for node in graph.nodes:
         node = replace(node, args=tuple((k, map_values(a, redirect)) for k, a in node.args))
         by_name[node.name] = node
-        for rule in rules:
-            match = find_match(rule, node, current, users)
-            if match is None:
-                continue
-            result = rule.replacement(match, rewriter)
-            if result is None:
-                continue
-            new_nodes, mapping = result if isinstance(result, tuple) else (result, {})
-            if not mapping:
-                mapping = {node.value(): new_nodes[-1].value()}
-            out.extend(new_nodes)
-            by_name.update({n.name: n for n in new_nodes})
-            redirect.update(mapping)
-            hits[rule.name] += 1
-            break
-        else:
+        chosen_rule = chosen.get(node.name)
+        match = find_match(chosen_rule, node, current, users) if chosen_rule is not None else None
+        result = (
+            chosen_rule.replacement(match, rewriter)
+            if chosen_rule is not None and match is not None
+            else None
+        )
+        if result is None:
             out.append(node)
+            continue
+        new_nodes, mapping = result if isinstance(result, tuple) else (result, {})
+        if not mapping:
+            mapping = {node.value(): new_nodes[-1].value()}
+        out.extend(new_nodes)
+        by_name.update({n.name: n for n in new_nodes})
+        redirect.update(mapping)
+        hits[rule.name] += 1
     if not redirect:
         return program, False
     outputs = tuple((name, redirect.get(value, value)) for name, value in graph.outputs)
     new_graph = eliminate_dead_code(replace(graph, nodes=tuple(out), outputs=outputs))
     weights = dict(program.weights) | rewriter.new_weights
     live = {str(n.arg("key")) for n in new_graph.nodes if n.op == "const"}
-    return replace(program, graph=new_graph, weights={k: v for k, v in weights.items() if k in live}), True
+    return replace(
+        program, graph=new_graph, weights={k: v for k, v in weights.items() if k in live}
+    ), True

@@ -40,8 +40,8 @@ def _runtime_order(dynamic: Sequence[str], expected: Sequence[str]) -> None:
 
 
 def conv2d_kernel(args: Mapping[str, Any], dynamic: Sequence[str]) -> Callable[..., Any]:
-    """``cuvil.conv2d(input, weight, bias, stride, padding, dilation, groups, activation, residual)``:
-    activation(conv(input) + residual), channels-last, weight prepacked."""
+    """``cuvil.conv2d(input, weight, bias, stride, padding, dilation, groups, activation,
+    residual)``: activation(conv(input) + residual), channels-last, weight prepacked."""
     _runtime_order(dynamic, ("input", "residual"))
     weight: torch.Tensor = args["weight"]
     bias = args.get("bias")
@@ -64,8 +64,19 @@ def conv2d_kernel(args: Mapping[str, Any], dynamic: Sequence[str]) -> Callable[.
         x = x.contiguous(memory_format=channels_last)
         residual = residual.contiguous(memory_format=channels_last)
         return mkldnn._convolution_pointwise.binary(
-            x, residual, packed, bias, padding, stride, dilation, groups, "add", None,
-            attr, scalars, algorithm,
+            x,
+            residual,
+            packed,
+            bias,
+            padding,
+            stride,
+            dilation,
+            groups,
+            "add",
+            None,
+            attr,
+            scalars,
+            algorithm,
         )
 
     return conv_add
@@ -84,7 +95,9 @@ def linear_kernel(args: Mapping[str, Any], dynamic: Sequence[str]) -> Callable[.
             raise ValueError("cuvil.linear fuses an activation or a residual add, not both")
 
         def linear_add(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-            return mkldnn._linear_pointwise.binary(x.contiguous(), residual.contiguous(), packed, bias, "add")
+            return mkldnn._linear_pointwise.binary(
+                x.contiguous(), residual.contiguous(), packed, bias, "add"
+            )
 
         return linear_add
 
@@ -141,13 +154,17 @@ def attention_kernel(args: Mapping[str, Any], dynamic: Sequence[str]) -> Callabl
     sdpa = F.scaled_dot_product_attention
     if "mask" in dynamic:
 
-        def masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        def masked(
+            q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+        ) -> torch.Tensor:
             return sdpa(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
 
         return masked
 
+    constant_mask = args.get("mask")  # a mask baked into the model, or None
+
     def unmasked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return sdpa(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
+        return sdpa(q, k, v, attn_mask=constant_mask, is_causal=causal, scale=scale, enable_gqa=gqa)
 
     return unmasked
 

@@ -117,8 +117,16 @@ class ExecutionPlan:
             raise PlanError(f"%{node.name}: {node.op}: {error}") from None
         fills = tuple((i, self._slot[value]) for i, (_, value) in enumerate(runtime))
         self._read_slots.update(slot for _, slot in fills)
-        return Step(kernel, (None,) * len(runtime), {}, fills, (), self._outputs(node),
-                    self._release(node, last_use), node.name)
+        return Step(
+            kernel,
+            (None,) * len(runtime),
+            {},
+            fills,
+            (),
+            self._outputs(node),
+            self._release(node, last_use),
+            node.name,
+        )
 
     def _outputs(self, node: Node) -> tuple[int, ...]:
         return tuple(self._slot[Value(node.name, i)] for i in range(len(node.types)))

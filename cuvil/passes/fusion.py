@@ -1,0 +1,26 @@
+"""The fusion passes: each applies one family of rule sets to a fixpoint."""
+
+from __future__ import annotations
+
+from cuvil.passes.program import Program
+from cuvil.passes.rewrite import apply_rules
+from cuvil.passes.rules_epilogue import rules_conv_epilogue, rules_linear_epilogue
+from cuvil.passes.rules_fold import rules_fold_batch_norm
+from cuvil.passes.rules_norms import rules_layer_norm, rules_rms_norm, rules_rope, rules_swiglu
+from cuvil.passes.rules_transformer import rules_attention, rules_gelu
+
+rules_transformer = (
+    rules_gelu + rules_attention + rules_layer_norm + rules_rms_norm + rules_swiglu + rules_rope
+)
+
+
+def fold_batch_norm(program: Program) -> Program:
+    return apply_rules(program, rules_fold_batch_norm)
+
+
+def fuse_transformer_blocks(program: Program) -> Program:
+    return apply_rules(program, rules_transformer)
+
+
+def fuse_epilogues(program: Program) -> Program:
+    return apply_rules(program, rules_conv_epilogue + rules_linear_epilogue)

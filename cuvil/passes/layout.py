@@ -1,0 +1,93 @@
+"""Layout: channels-last through convolution chains, conversions only at the borders.
+
+The CPU backend runs convolutions channels-last (NHWC in memory). This pass marks every value
+inside a chain of layout-preserving ops as ``channels_last`` and inserts one explicit ``clone``
+at each border: into the chain before the first convolution, out of it before an op that needs
+the default layout (a view, anything not known to preserve the layout) and before graph outputs.
+
+    # conv(x)            -> conv(to_channels_last(x))      (x contiguous)
+    # view(y)            -> view(to_contiguous(y))         (y channels_last)
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from cuvil.ir import Enum, Node, TensorType, Value, map_values
+from cuvil.passes.program import NameSource, Program
+
+CHANNELS_LAST = "channels_last"
+PRODUCERS = {"cuvil.conv2d"}
+PRESERVING = {
+    "aten.relu.default",
+    "aten.hardtanh.default",
+    "aten.silu.default",
+    "aten.gelu.default",
+    "aten.sigmoid.default",
+    "aten.hardswish.default",
+    "aten.add.Tensor",
+    "aten.mul.Tensor",
+    "aten.max_pool2d.default",
+    "aten.avg_pool2d.default",
+    "aten.adaptive_avg_pool2d.default",
+}
+
+
+def _clone(name: str, source: Value, source_type: TensorType, layout: str) -> Node:
+    memory_format = "channels_last" if layout == CHANNELS_LAST else "contiguous_format"
+    args = (("self", source), ("memory_format", Enum("memory_format", memory_format)))
+    return Node(name, "aten.clone.default", args, (replace(source_type, layout=layout),))
+
+
+def to_channels_last(program: Program) -> Program:
+    graph = program.graph
+    if not any(node.op in PRODUCERS for node in graph.nodes):
+        return program
+    names = NameSource(graph, program.weights)
+    layout: dict[Value, str] = {}
+    types: dict[Value, TensorType] = {}
+    converted: dict[tuple[Value, str], Value] = {}
+    nodes: list[Node] = []
+    borders = 0
+
+    def convert(value: Value, wanted: str) -> Value:
+        nonlocal borders
+        if layout.get(value, "contiguous") == wanted:
+            return value
+        if (value, wanted) not in converted:
+            clone = _clone(names.fresh(f"{value.node}_{wanted}"), value, types[value], wanted)
+            nodes.append(clone)
+            layout[clone.value()], types[clone.value()] = wanted, clone.type
+            converted[(value, wanted)] = clone.value()
+            borders += 1
+        return converted[(value, wanted)]
+
+    for node in graph.nodes:
+        rank4 = [v for v in node.inputs if types[v].rank == 4]
+        if node.op in PRODUCERS:  # the data operands, not the weights
+            data = [node.arg("input"), node.arg("residual")]
+            wanted = {v: CHANNELS_LAST for v in rank4 if v in data}
+            out_layout = CHANNELS_LAST
+        elif node.op in PRESERVING and any(layout.get(v) == CHANNELS_LAST for v in rank4):
+            wanted = {v: CHANNELS_LAST for v in rank4}
+            out_layout = CHANNELS_LAST
+        else:
+            wanted = {v: "contiguous" for v in node.inputs if layout.get(v) == CHANNELS_LAST}
+            out_layout = "contiguous"
+        mapping = {v: convert(v, w) for v, w in wanted.items()}
+        if mapping:
+            node = replace(node, args=tuple((k, map_values(a, mapping)) for k, a in node.args))
+        if out_layout == CHANNELS_LAST:
+            node = replace(
+                node,
+                types=tuple(
+                    replace(t, layout=CHANNELS_LAST) if t.rank == 4 else t for t in node.types
+                ),
+            )
+        nodes.append(node)
+        for index, tensor_type in enumerate(node.types):
+            types[Value(node.name, index)] = tensor_type
+            layout[Value(node.name, index)] = tensor_type.layout
+    outputs = tuple((name, convert(value, "contiguous")) for name, value in graph.outputs)
+    new_graph = replace(graph, nodes=tuple(nodes), outputs=outputs)
+    return replace(program, graph=new_graph).with_hits({"layout_borders": borders})

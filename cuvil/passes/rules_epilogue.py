@@ -1,0 +1,145 @@
+"""Epilogue fusion: a convolution or linear layer absorbs its bias, its activation and a residual
+add, becoming one ``cuvil.conv2d`` / ``cuvil.linear`` that the backend runs as one primitive.
+
+    # act(conv(x) + r) -> cuvil.conv2d(x, activation=act, residual=r)
+    # act(conv(x))     -> cuvil.conv2d(x, activation=act)
+    # conv(x) + r      -> cuvil.conv2d(x, residual=r)
+    # act(linear(x))   -> cuvil.linear(x, activation=act)
+    # linear(x) + r    -> cuvil.linear(x, residual=r)
+Unfused layers are lowered to the same ops, so the backend has one path for each.
+"""
+
+from __future__ import annotations
+
+from cuvil.ir import Arg, Node, Value
+from cuvil.passes.rewrite import Condition, Match, P, Rewriter, Rule, V
+
+CONV = "aten.conv2d.default"
+LINEAR = "aten.linear.default"
+ADD = "aten.add.Tensor"
+
+# aten op -> activation name understood by the backend (hardtanh only as relu6, see below)
+ACTIVATION_OPS = {
+    "aten.relu.default": "relu",
+    "aten.gelu.default": "gelu",
+    "aten.silu.default": "silu",
+    "aten.hardswish.default": "hardswish",
+    "aten.hardtanh.default": "relu6",
+    "aten.tanh.default": "tanh",
+    "aten.sigmoid.default": "sigmoid",
+}
+ACTIVATIONS = tuple(ACTIVATION_OPS)
+
+
+def activation_of(node: Node) -> str | None:
+    name = ACTIVATION_OPS.get(node.op)
+    if name == "gelu" and node.arg("approximate", "none") == "tanh":
+        return "gelu_tanh"
+    if name == "relu6" and (node.arg("min_val", -1.0), node.arg("max_val", 1.0)) != (0.0, 6.0):
+        return None
+    return name
+
+
+def _layer(op: str) -> P:
+    return P(op, {"input": V("x")}, name="layer")
+
+
+def _shapes(layer: str) -> dict[str, P]:
+    """The five epilogue shapes over one layer op, largest first."""
+    add = {"self": _layer(layer), "other": V("residual")}
+    add_swapped = {"self": V("residual"), "other": _layer(layer)}
+    return {
+        "add_act": P(ACTIVATIONS, {"self": P(ADD, add, name="add")}, name="act"),
+        "add_act_swapped": P(ACTIVATIONS, {"self": P(ADD, add_swapped, name="add")}, name="act"),
+        "act": P(ACTIVATIONS, {"self": _layer(layer)}, name="act"),
+        "add": P(ADD, add, name="add"),
+        "add_swapped": P(ADD, add_swapped, name="add"),
+        "plain": _layer(layer),
+    }
+
+
+def is_fusable(match: Match) -> bool:
+    """Constant weights of the right rank; a known activation; an add without alpha whose
+    residual has exactly the layer's output type (no broadcasting)."""
+    layer = match.node("layer")
+    weight = layer.arg("weight")
+    tensor = match.program.const_tensor(weight) if isinstance(weight, Value) else None
+    rank = 4 if layer.op == CONV else 2
+    if tensor is None or tensor.dim() != rank:
+        return False
+    bias = layer.arg("bias")
+    if bias is not None and (
+        not isinstance(bias, Value) or match.program.const_tensor(bias) is None
+    ):
+        return False
+    if layer.op == CONV and (
+        layer.type.rank != 4 or match.program.graph.type_of(match.values["x"]).rank != 4
+    ):
+        return False
+    if "act" in match.nodes and activation_of(match.node("act")) is None:
+        return False
+    if "add" in match.nodes:
+        add = match.node("add")
+        residual_type = match.program.graph.type_of(match.values["residual"])
+        if add.arg("alpha", 1) != 1 or residual_type != layer.type:
+            return False
+    return True
+
+
+def is_linear_fusable(match: Match) -> bool:
+    # oneDNN's linear takes an activation or a residual, not both.
+    return is_fusable(match) and not ("act" in match.nodes and "add" in match.nodes)
+
+
+def fuse(match: Match, rewriter: Rewriter) -> list[Node]:
+    layer = match.node("layer")
+    activation = activation_of(match.node("act")) if "act" in match.nodes else "none"
+    residual = match.values.get("residual")
+    root = match.root
+    args: tuple[tuple[str, Arg], ...]
+    if layer.op == CONV:
+        args = (
+            ("input", match.values["x"]),
+            ("weight", layer.arg("weight")),
+            ("bias", layer.arg("bias")),
+            ("stride", _pair(layer.arg("stride", (1, 1)))),
+            ("padding", _pair(layer.arg("padding", (0, 0)))),
+            ("dilation", _pair(layer.arg("dilation", (1, 1)))),
+            ("groups", layer.arg("groups", 1)),
+            ("activation", activation),
+            ("residual", residual),
+        )
+        op = "cuvil.conv2d"
+    else:
+        args = (
+            ("input", match.values["x"]),
+            ("weight", layer.arg("weight")),
+            ("bias", layer.arg("bias")),
+            ("activation", activation),
+            ("residual", residual),
+        )
+        op = "cuvil.linear"
+    name = rewriter.names.fresh(
+        f"{layer.name}_fused" if root is not layer else f"{layer.name}_lowered"
+    )
+    return [Node(name, op, args, root.types, layer.origin)]
+
+
+def _pair(value: object) -> tuple[int, int]:
+    if isinstance(value, int):
+        return (value, value)
+    assert isinstance(value, tuple)
+    return (
+        (int(value[0]), int(value[-1])) if len(value) in (1, 2) else (int(value[0]), int(value[1]))
+    )
+
+
+def _rules(prefix: str, layer: str, condition: Condition) -> tuple[Rule, ...]:
+    return tuple(
+        Rule(f"{prefix}_{shape}".removesuffix("_swapped"), pattern, fuse, condition)
+        for shape, pattern in _shapes(layer).items()
+    )
+
+
+rules_conv_epilogue = _rules("conv", CONV, is_fusable)
+rules_linear_epilogue = _rules("linear", LINEAR, is_linear_fusable)

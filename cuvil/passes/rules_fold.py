@@ -1,0 +1,86 @@
+"""BatchNorm folding: inference-mode BatchNorm after a convolution or a linear layer becomes part
+of that layer's weights and bias (scale = gamma / sqrt(var + eps)).
+
+    # bn(conv(x, w, b)) -> conv(x, w * scale, (b - mean) * scale + beta)
+    # bn(linear(x, w, b)) -> linear(x, w * scale, (b - mean) * scale + beta)
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from cuvil.ir import Node, Value
+from cuvil.passes.program import const_node
+from cuvil.passes.rewrite import Match, P, Rewriter, Rule, V
+
+BATCH_NORM = "aten._native_batch_norm_legit_no_training.default"
+CONV = "aten.conv2d.default"
+LINEAR = "aten.linear.default"
+
+
+def _batch_norm_of(layer: str) -> P:
+    return P(
+        BATCH_NORM,
+        {"input": P(layer, {"input": V("x"), "weight": V("w")}, name="layer")},
+        name="bn",
+    )
+
+
+def is_foldable(match: Match) -> bool:
+    """Weights and statistics are constants, and only the normalised output is used."""
+    bn, layer = match.node("bn"), match.node("layer")
+    needed = [layer.arg("weight"), bn.arg("running_mean"), bn.arg("running_var")]
+    optional = [layer.arg("bias"), bn.arg("weight"), bn.arg("bias")]
+    if not all(isinstance(v, Value) and match.program.const_tensor(v) is not None for v in needed):
+        return False
+    if not all(
+        v is None or (isinstance(v, Value) and match.program.const_tensor(v) is not None)
+        for v in optional
+    ):
+        return False
+    users = match.users[bn.name]
+    return all(value.index == 0 for user in users for value in user.inputs if value.node == bn.name)
+
+
+def _const(match: Match, value: object) -> torch.Tensor | None:
+    return match.program.const_tensor(value) if isinstance(value, Value) else None
+
+
+def fold_into_layer(match: Match, rewriter: Rewriter) -> tuple[list[Node], dict[Value, Value]]:
+    bn, layer = match.node("bn"), match.node("layer")
+    weight = _const(match, layer.arg("weight"))
+    mean, var = _const(match, bn.arg("running_mean")), _const(match, bn.arg("running_var"))
+    assert weight is not None and mean is not None and var is not None
+    eps = bn.float_arg("eps", 1e-5)
+    gamma = _const(match, bn.arg("weight"))
+    beta = _const(match, bn.arg("bias"))
+    bias = _const(match, layer.arg("bias"))
+    compute = torch.float64  # fold in double, store in the weight's dtype
+    scale = torch.rsqrt(var.to(compute) + eps) * (gamma.to(compute) if gamma is not None else 1.0)
+    shape = (-1,) + (1,) * (weight.dim() - 1)
+    new_weight = (weight.to(compute) * scale.reshape(shape)).to(weight.dtype)
+    base = bias.to(compute) if bias is not None else torch.zeros_like(scale)
+    new_bias = (
+        (base - mean.to(compute)) * scale + (beta.to(compute) if beta is not None else 0.0)
+    ).to(weight.dtype)
+    w_key = rewriter.weight(f"{layer.name}_folded_weight", new_weight)
+    b_key = rewriter.weight(f"{layer.name}_folded_bias", new_bias)
+    w_node = const_node(rewriter.names.fresh(w_key), w_key, new_weight, layer.origin)
+    b_node = const_node(rewriter.names.fresh(b_key), b_key, new_bias, layer.origin)
+    args = dict(layer.args) | {"weight": w_node.value(), "bias": b_node.value()}
+    order = [k for k, _ in layer.args] + [k for k in ("bias",) if k not in dict(layer.args)]
+    folded = replace(
+        layer,
+        name=rewriter.names.fresh(f"{layer.name}_bn"),
+        args=tuple((k, args[k]) for k in order),
+        types=bn.types[:1],
+    )
+    return [w_node, b_node, folded], {bn.value(0): folded.value()}
+
+
+rules_fold_batch_norm = (
+    Rule("conv_bn_fold", _batch_norm_of(CONV), fold_into_layer, is_foldable),
+    Rule("linear_bn_fold", _batch_norm_of(LINEAR), fold_into_layer, is_foldable),
+)
