@@ -61,14 +61,18 @@ class Batcher:
         self._queue: asyncio.Queue[_Job] = asyncio.Queue()
         self._held: collections.deque[_Job] = collections.deque()
         self._executor = ThreadPoolExecutor(instances, thread_name_prefix=f"cuvil-{name}")
-        self._tasks = [
-            asyncio.get_running_loop().create_task(self._serve()) for _ in range(instances)
-        ]
+        # Without batching the executor's own queue is the request queue: one hop fewer.
+        self._tasks = (
+            [asyncio.get_running_loop().create_task(self._serve()) for _ in range(instances)]
+            if self.max_rows > 1
+            else []
+        )
         self._closed = False
+        self._direct = 0  # requests submitted straight to the executor (batching off)
 
     @property
     def pending(self) -> int:
-        return self._queue.qsize() + len(self._held)
+        return self._queue.qsize() + len(self._held) + self._direct
 
     async def submit(
         self, inputs: Mapping[str, torch.Tensor], *, rows: int = 1, key: Hashable = None
@@ -76,7 +80,17 @@ class Batcher:
         """Queue one request; ``rows`` is its batch-dim size, ``key`` what must match to join."""
         if self._closed:
             raise ShuttingDown("the model is being unloaded")
-        job = _Job(inputs, rows, key, asyncio.get_running_loop().create_future())
+        loop = asyncio.get_running_loop()
+        job = _Job(inputs, rows, key, loop.create_future())
+        if not self._tasks:
+            self._direct += 1
+            try:
+                started, results, finished = await loop.run_in_executor(
+                    self._executor, self._execute, [job]
+                )
+            finally:
+                self._direct -= 1
+            return BatchResult(results[0], job.enqueued_ns, started, finished, 1, rows)
         self._queue.put_nowait(job)
         return await job.future
 

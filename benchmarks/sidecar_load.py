@@ -1,0 +1,196 @@
+"""Load test of the gRPC sidecar with NVIDIA's tritonclient (aio): QPS and latency percentiles
+against concurrency, dynamic batching on vs off, and the sidecar's overhead over calling the
+compiled model in process. Prints one JSON document.
+
+    .venv/bin/python benchmarks/sidecar_load.py --models mlp,minilm,resnet50 --duration 3
+
+Each model is compiled once (kept in --artifacts, default /tmp/cuvil-bench-artifacts), then
+served by a sidecar subprocess per batching mode on loopback ports. Requests are batch 1
+(MiniLM: sequence 128). ``overhead_ms`` = sidecar p50 at concurrency 1 without batching minus
+the in-process ``CompiledModel.run`` p50 on the same input. The client runs on the same machine
+and competes with the server for its cores: figures are a floor for the sidecar, not a peer
+comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+DATATYPES = {np.dtype(np.float32): "FP32", np.dtype(np.int64): "INT64"}
+
+
+def example(name: str) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    if name == "mlp":
+        return {"x": rng.standard_normal((1, 784), dtype=np.float32)}
+    if name == "minilm":
+        ids = rng.integers(1000, 30000, (1, 128), dtype=np.int64)
+        return {"input_ids": ids, "attention_mask": np.ones((1, 128), np.int64)}
+    return {"pixel_values": rng.standard_normal((1, 3, 224, 224), dtype=np.float32)}
+
+
+def compiled_artifact(name: str, folder: Path) -> Path:
+    path = folder / f"{name}.cuvil"
+    if path.exists():
+        return path
+    import cuvil
+    from cuvil.models import catalog
+
+    spec = getattr(catalog, name)()
+    model = cuvil.jit(
+        spec.model, spec.example_inputs, dynamic_shapes=spec.dynamic_shapes, name=spec.name
+    )
+    folder.mkdir(parents=True, exist_ok=True)
+    return model.save(path)
+
+
+def in_process_p50(path: Path, inputs: dict[str, np.ndarray], runs: int) -> float:
+    import torch
+
+    from cuvil.runtime.model import load
+
+    model = load(path)
+    tensors = {name: torch.from_numpy(array) for name, array in inputs.items()}
+    for _ in range(3):
+        model.run(tensors)
+    times = []
+    for _ in range(runs):
+        started = time.perf_counter()
+        model.run(tensors)
+        times.append((time.perf_counter() - started) * 1e3)
+    return statistics.median(times)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def start_sidecar(path: Path, batch: int, delay_us: int, log: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("CUVIL_", "OTEL_"))}
+    environ |= {
+        "CUVIL_MODEL": str(path),
+        "CUVIL_GRPC_HOST": "127.0.0.1",
+        "CUVIL_GRPC_PORT": str(port),
+        "CUVIL_METRICS_PORT": "0",
+        "CUVIL_MAX_BATCH_SIZE": str(batch),
+        "CUVIL_MAX_QUEUE_DELAY_US": str(delay_us),
+        "CUVIL_WARMUP_RUNS": "1",
+        "PYTHONPATH": os.pathsep.join([str(REPO / "runtime_sidecar"), str(REPO)]),
+    }
+    process = subprocess.Popen(
+        [sys.executable, "-m", "cuvil_sidecar.main"],
+        env=environ,
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+    )
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"sidecar exited: {log.read_text()[-2000:]}")
+        try:
+            if client.is_server_ready():
+                client.close()
+                return process, f"127.0.0.1:{port}"
+        except Exception:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"sidecar not ready: {log.read_text()[-2000:]}")
+
+
+async def load(
+    url: str, model: str, inputs: dict[str, np.ndarray], concurrency: int, duration_s: float
+) -> dict[str, float]:
+    import tritonclient.grpc.aio as aioclient
+
+    client = aioclient.InferenceServerClient(url)
+    items = []
+    for name, array in inputs.items():
+        item = aioclient.InferInput(name, list(array.shape), DATATYPES[array.dtype])
+        item.set_data_from_numpy(array)
+        items.append(item)
+    for _ in range(2):
+        await client.infer(model, items)
+    latencies: list[float] = []
+    stop = time.perf_counter() + duration_s
+
+    async def worker() -> None:
+        while time.perf_counter() < stop:
+            started = time.perf_counter()
+            await client.infer(model, items)
+            latencies.append((time.perf_counter() - started) * 1e3)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    elapsed = time.perf_counter() - started
+    await client.close()
+    ordered = sorted(latencies)
+
+    def percentile(q: float) -> float:
+        return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 3)
+
+    return {
+        "concurrency": concurrency,
+        "requests": len(ordered),
+        "qps": round(len(ordered) / elapsed, 1),
+        "p50_ms": percentile(0.50),
+        "p95_ms": percentile(0.95),
+        "p99_ms": percentile(0.99),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="mlp,minilm,resnet50")
+    parser.add_argument("--concurrency", default="1,4,16")
+    parser.add_argument("--duration", type=float, default=3.0, help="seconds per setting")
+    parser.add_argument("--max-batch-size", type=int, default=8)
+    parser.add_argument("--queue-delay-us", type=int, default=2000)
+    parser.add_argument("--artifacts", type=Path, default=Path("/tmp/cuvil-bench-artifacts"))
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    levels = [int(c) for c in args.concurrency.split(",")]
+    report: dict[str, object] = {"cpu_count": os.cpu_count(), "models": {}}
+    for name in args.models.split(","):
+        path = compiled_artifact(name, args.artifacts)
+        inputs = example(name)
+        entry: dict[str, object] = {"in_process_p50_ms": round(in_process_p50(path, inputs, 30), 3)}
+        for mode, batch in (("batching_off", 1), ("batching_on", args.max_batch_size)):
+            log = args.artifacts / f"{name}-{mode}.log"
+            process, url = start_sidecar(path, batch, args.queue_delay_us, log)
+            try:
+                entry[mode] = [
+                    asyncio.run(load(url, name, inputs, level, args.duration)) for level in levels
+                ]
+            finally:
+                process.send_signal(signal.SIGTERM)
+                process.wait(30)
+        off = entry["batching_off"]
+        assert isinstance(off, list)
+        entry["overhead_ms"] = round(off[0]["p50_ms"] - float(entry["in_process_p50_ms"]), 3)
+        report["models"][name] = entry  # type: ignore[index]
+        print(json.dumps({name: entry}), file=sys.stderr, flush=True)
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""The model manager in process (no gRPC): not ready with a reason when the artifact is bad,
+tag/file polling swaps in a new digest, a corrupt one is refused while the old keeps serving;
+plus the configuration parser and the sidecar's import boundary."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from cuvil_sidecar.config import ConfigError, SidecarConfig
+from cuvil_sidecar.errors import ModelNotFound, ModelNotReady
+from cuvil_sidecar.manager import ModelManager
+from cuvil_sidecar.metrics import Metrics
+from cuvil_sidecar.source import ModelSource
+
+from tests.cuvil_sidecar.conftest import REPO
+
+
+def corrupt_copy(source: Path, target: Path) -> Path:
+    data = bytearray(source.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 8] = bytes(255 - b for b in data[middle : middle + 8])
+    target.write_bytes(bytes(data))
+    return target
+
+
+def swap_in(source: Path, target: Path) -> None:
+    staging = target.with_name(target.name + ".staging")
+    shutil.copyfile(source, staging)
+    os.replace(staging, target)
+
+
+def test_bad_first_artifact_is_not_ready_and_says_why(mlp_artifact: Path, tmp_path: Path) -> None:
+    bad = corrupt_copy(mlp_artifact, tmp_path / "bad.cuvil")
+
+    async def scenario() -> None:
+        manager = ModelManager(SidecarConfig(model=str(bad)), ModelSource(str(bad)), Metrics())
+        assert await manager.load() is False
+        ready, reason = manager.readiness()
+        assert not ready
+        assert "digest" in reason or "not a Cuvil artifact" in reason, reason
+        with pytest.raises(ModelNotReady, match="not ready"):
+            manager.acquire("mlp", "")
+        await manager.close()
+
+    asyncio.run(scenario())
+
+
+def test_polling_swaps_new_digest_and_refuses_corrupt(
+    mlp_artifact: Path, mlp_artifact_v2: Path, tmp_path: Path
+) -> None:
+    served = tmp_path / "served.cuvil"
+    shutil.copyfile(mlp_artifact, served)
+    corrupt = corrupt_copy(mlp_artifact, tmp_path / "corrupt.cuvil")
+
+    async def wait(condition, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+
+    async def scenario() -> None:
+        config = SidecarConfig(model=str(served), warmup_runs=1, poll_interval_s=0.1)
+        metrics = Metrics()
+        manager = ModelManager(config, ModelSource(str(served)), metrics)
+        assert await manager.load()
+        assert manager.current is not None
+        first = manager.current
+        with pytest.raises(ModelNotFound, match="serves only 'mlp'"):
+            manager.acquire("other", "")
+        held = manager.acquire("mlp", "")  # an in-flight request on the old model
+        poller = asyncio.create_task(manager.poll(config.poll_interval_s))
+        swap_in(mlp_artifact_v2, served)
+        await wait(lambda: manager.current is not first)
+        second = manager.current
+        assert second is not None and second.digest != first.digest
+        assert not first.batcher._closed  # still finishing its in-flight request
+        held.release()
+        await wait(lambda: first.batcher._closed)
+        swap_in(corrupt, served)
+        await wait(lambda: metrics.value("cuvil_model_reloads", result="refused") == 1)
+        assert manager.current is second
+        await asyncio.sleep(0.5)  # the same bad digest is not retried on every poll
+        assert metrics.value("cuvil_model_reloads", result="refused") == 1
+        poller.cancel()
+        await manager.close()
+
+    asyncio.run(scenario())
+
+
+def test_config_from_environment() -> None:
+    config = SidecarConfig.from_env(
+        {"CUVIL_MODEL": "/models/m.cuvil", "CUVIL_MAX_BATCH_SIZE": "16", "CUVIL_GRPC_PORT": "9"}
+    )
+    assert (config.model, config.max_batch_size, config.grpc_port) == ("/models/m.cuvil", 16, 9)
+    assert config.batching and config.metrics_port == 8002
+    assert not SidecarConfig.from_env({"CUVIL_MODEL": "m", "CUVIL_MAX_BATCH_SIZE": "1"}).batching
+    with pytest.raises(ConfigError, match="CUVIL_MODEL is not set"):
+        SidecarConfig.from_env({})
+    with pytest.raises(ConfigError, match="CUVIL_GRPC_PORT='x' is not an integer"):
+        SidecarConfig.from_env({"CUVIL_MODEL": "m", "CUVIL_GRPC_PORT": "x"})
+
+
+def test_sidecar_imports_only_runtime_and_artifact() -> None:
+    probe = (
+        "import sys, cuvil_sidecar.main, cuvil_sidecar.server;"
+        "print(' '.join(m for m in sys.modules if m.startswith(('cuvil.', 'tritonclient'))))"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", probe], check=True, capture_output=True, text=True, cwd=REPO
+    ).stdout.split()
+    allowed = ("cuvil.runtime", "cuvil.artifact", "cuvil.api", "cuvil.dtypes", "cuvil.ir")
+    allowed += ("cuvil.shape_expr",)
+    assert [m for m in loaded if not m.startswith(allowed)] == []
