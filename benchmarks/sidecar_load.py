@@ -64,7 +64,7 @@ def in_process_p50(path: Path, inputs: dict[str, np.ndarray], runs: int) -> floa
 
     model = load(path)
     tensors = {name: torch.from_numpy(array) for name, array in inputs.items()}
-    for _ in range(3):
+    for _ in range(10):
         model.run(tensors)
     times = []
     for _ in range(runs):
@@ -168,26 +168,26 @@ def main() -> int:
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     levels = [int(c) for c in args.concurrency.split(",")]
-    report: dict[str, object] = {"cpu_count": os.cpu_count(), "models": {}}
+    models: dict[str, dict[str, object]] = {}
     for name in args.models.split(","):
         path = compiled_artifact(name, args.artifacts)
         inputs = example(name)
-        entry: dict[str, object] = {"in_process_p50_ms": round(in_process_p50(path, inputs, 30), 3)}
+        in_process = round(in_process_p50(path, inputs, 200), 3)
+        entry: dict[str, object] = {"in_process_p50_ms": in_process}
         for mode, batch in (("batching_off", 1), ("batching_on", args.max_batch_size)):
             log = args.artifacts / f"{name}-{mode}.log"
             process, url = start_sidecar(path, batch, args.queue_delay_us, log)
             try:
-                entry[mode] = [
-                    asyncio.run(load(url, name, inputs, level, args.duration)) for level in levels
-                ]
+                rows = [asyncio.run(load(url, name, inputs, c, args.duration)) for c in levels]
             finally:
                 process.send_signal(signal.SIGTERM)
                 process.wait(30)
-        off = entry["batching_off"]
-        assert isinstance(off, list)
-        entry["overhead_ms"] = round(off[0]["p50_ms"] - float(entry["in_process_p50_ms"]), 3)
-        report["models"][name] = entry  # type: ignore[index]
+            entry[mode] = rows
+            if mode == "batching_off":
+                entry["overhead_ms"] = round(rows[0]["p50_ms"] - in_process, 3)
+        models[name] = entry
         print(json.dumps({name: entry}), file=sys.stderr, flush=True)
+    report = {"cpu_count": os.cpu_count(), "load_average": os.getloadavg(), "models": models}
     print(json.dumps(report, indent=2))
     return 0
 
