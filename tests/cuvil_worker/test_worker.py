@@ -263,15 +263,19 @@ def test_a_worker_killed_mid_compile_loses_nothing(
 def test_two_workers_share_four_compiles(
     app: Celery, env_for: Any, registry: RunningRegistry, logs: Path
 ) -> None:
-    env = env_for()
+    """Also checks the lease: with a 1.5 s visibility timeout, compiles that run longer than
+    that must still be received exactly once (their message is kept fresh while they run)."""
+    env = env_for(CUVIL_VISIBILITY_TIMEOUT="1.5", CUVIL_RESTORE_INTERVAL="1")
     one = start_worker(env, logs, queues="cuvil.test.seq,cuvil.test.par", name="one")
     two = start_worker(env, logs, queues="cuvil.test.par", name="two")
     try:
         one.wait_ready()
         two.wait_ready()
+        ids: list[str] = []
 
         def run_four(queue: str) -> float:
             requests = [compilation_request(mlp_spec(registry, queue=queue)) for _ in range(4)]
+            ids.extend(contract.target_task_id(r, "cpu-x86_64") for r in requests)
             started = time.monotonic()
             for request in requests:
                 contract.submit_compilation(app, request)
@@ -280,13 +284,20 @@ def test_two_workers_share_four_compiles(
                 assert progress.phase == contract.PHASE_SUCCEEDED, progress.error
             return time.monotonic() - started
 
-        run_four("cuvil.test.par")  # warm both workers (first-task imports)
+        run_four("cuvil.test.par")  # warm both workers
         sequential = run_four("cuvil.test.seq")
         parallel = run_four("cuvil.test.par")
         print(f"\n4 compiles: 1 worker {sequential:.2f}s, 2 workers {parallel:.2f}s "
               f"({parallel / sequential:.2f}x)")  # fmt: skip
         assert parallel <= 0.65 * sequential, (sequential, parallel)
-        assert "cuvil.compile[" in two.log and "cuvil.compile[" in one.log
+
+        both = one.log + two.log
+        runtimes = [
+            float(t) for t in re.findall(r"cuvil\.compile\[.*?\] succeeded in ([0-9.]+)s", both)
+        ]
+        assert max(runtimes) > 1.5, "no compile outlived the visibility timeout: lease untested"
+        for task_id in ids:
+            assert both.count(f"cuvil.compile[{task_id}] received") == 1, f"{task_id} redelivered"
     finally:
         one.stop()
         two.stop()
