@@ -50,16 +50,13 @@ NotFoundError (also a LookupError), DigestMismatchError, NoMatchingTargetError.
 from __future__ import annotations
 
 from cuvil.artifact.api import (
-    attach_referrer,
-    describe_reference,
-    fetch_referrer,
-    list_referrers,
     pull_artifact,
     push_artifact,
     push_index,
     resolve_digest,
     resolve_model,
 )
+from cuvil.artifact.describe import describe_reference
 from cuvil.artifact.errors import (
     AuthenticationError,
     DigestMismatchError,
@@ -69,6 +66,7 @@ from cuvil.artifact.errors import (
     RegistryUnavailableError,
 )
 from cuvil.artifact.oci_types import PushResult, Referrer
+from cuvil.artifact.referrers import attach_referrer, fetch_referrer, list_referrers
 from cuvil.artifact.registry_config import RegistryConfig
 from cuvil.artifact.targets import probe_targets, select_entry
 

@@ -1,4 +1,4 @@
-"""Push, pull, resolve and referrers, written once against ``Store`` (registry or local layout).
+"""Push, pull and resolve, written once against ``Store`` (registry or local layout).
 
 The flow of a pull (``resolve``): reference -> digest (a HEAD for a tag; nothing for a digest)
 -> manifest or index (node cache first) -> the index entry for this machine -> the node cache's
@@ -8,38 +8,30 @@ digest (or the digest a tag last resolved to on this node) still loads from the 
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import tarfile
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from cuvil.artifact import media_types as mt
-from cuvil.artifact.cache import NodeCache, artifact_files
+from cuvil.artifact.cache import NodeCache
 from cuvil.artifact.errors import (
     DigestMismatchError,
     NoMatchingTargetError,
-    NotFoundError,
     RegistryError,
     RegistryUnavailableError,
 )
 from cuvil.artifact.manifests import (
     Blob,
     build_artifact_manifest,
-    build_descriptor,
     build_index,
-    build_referrer_manifest,
-    build_referrers_index,
     canonical_json,
     parse_manifest,
-    referrer_descriptor,
-    referrers_tag,
 )
-from cuvil.artifact.oci_types import PushResult, Referrer
+from cuvil.artifact.oci_types import PushResult
 from cuvil.artifact.reference import (
     Reference,
     is_artifact_path,
@@ -50,7 +42,7 @@ from cuvil.artifact.reference import (
 )
 from cuvil.artifact.registry_config import RegistryConfig
 from cuvil.artifact.store import Store, open_store
-from cuvil.artifact.targets import entry_target, probe_targets, select_entry
+from cuvil.artifact.targets import entry_target, select_entry
 
 ConfigArg = RegistryConfig | str | Path | None
 log = logging.getLogger(__name__)
@@ -81,7 +73,7 @@ def _source_files(source: Any) -> dict[str, bytes]:
     return encode_files(source)
 
 
-def _upload(store: Store, blobs: Sequence[Blob]) -> None:
+def upload_blobs(store: Store, blobs: Sequence[Blob]) -> None:
     for blob in blobs:
         if not store.has_blob(blob.digest):
             store.put_blob(blob)
@@ -99,7 +91,7 @@ def push_artifact(
         raise ValueError(f"push to a tag or a bare repository, not to a digest: {ref}")
     manifest, blobs = build_artifact_manifest(_source_files(source), annotations)
     store = open_store(reference, RegistryConfig.coerce(registry_config), create=True)
-    _upload(store, blobs)
+    upload_blobs(store, blobs)
     data = canonical_json(manifest)
     digest = store.put_manifest(data, mt.OCI_MANIFEST, reference.tag)
     labels = manifest.get("annotations", {})
@@ -151,84 +143,6 @@ def push_index(
     return PushResult(
         str(reference.with_digest(digest)), digest, len(data), mt.OCI_INDEX, tag=reference.tag
     )
-
-
-def _subject(reference: Reference, store: Store) -> tuple[str, dict[str, Any]]:
-    digest = store.resolve(reference.reference)
-    data, media_type = store.get_manifest(digest)
-    return digest, build_descriptor(media_type, data)
-
-
-def _referrers_index(store: Store, digest: str) -> dict[str, Any] | None:
-    found = store.referrers(digest)
-    if found is not None:
-        return found
-    try:
-        data, _ = store.get_manifest(referrers_tag(digest))
-    except NotFoundError:
-        return None
-    return parse_manifest(data, f"referrers of {digest}")
-
-
-def attach_referrer(
-    subject: str,
-    data: bytes,
-    *,
-    media_type: str,
-    artifact_type: str,
-    annotations: Mapping[str, str] | None = None,
-    registry_config: ConfigArg = None,
-) -> str:
-    reference = parse_model_reference(subject)
-    store = open_store(reference, RegistryConfig.coerce(registry_config))
-    digest, descriptor = _subject(reference, store)
-    manifest, blobs = build_referrer_manifest(
-        descriptor, data, media_type, artifact_type, annotations
-    )
-    _upload(store, blobs)
-    manifest_data = canonical_json(manifest)
-    referrer = store.put_manifest(manifest_data, mt.OCI_MANIFEST, None)
-    index = build_referrers_index(
-        _referrers_index(store, digest), referrer_descriptor(manifest, manifest_data)
-    )
-    store.put_manifest(canonical_json(index), mt.OCI_INDEX, referrers_tag(digest))
-    return referrer
-
-
-def list_referrers(
-    subject: str, *, artifact_type: str | None = None, registry_config: ConfigArg = None
-) -> list[Referrer]:
-    reference = parse_model_reference(subject)
-    store = open_store(reference, RegistryConfig.coerce(registry_config))
-    digest = store.resolve(reference.reference)
-    return _list_referrers(store, digest, artifact_type)
-
-
-def _list_referrers(store: Store, digest: str, artifact_type: str | None) -> list[Referrer]:
-    index = _referrers_index(store, digest) or {"manifests": []}
-    return [
-        Referrer(
-            entry["digest"],
-            entry.get("artifactType", ""),
-            entry["size"],
-            entry.get("annotations", {}),
-        )
-        for entry in index["manifests"]
-        if artifact_type is None or entry.get("artifactType") == artifact_type
-    ]
-
-
-def fetch_referrer(subject: str, digest: str, *, registry_config: ConfigArg = None) -> bytes:
-    reference = parse_model_reference(subject)
-    store = open_store(reference, RegistryConfig.coerce(registry_config))
-    manifest = parse_manifest(store.get_manifest(digest)[0], f"referrer {digest}")
-    layers = manifest.get("layers", [])
-    if not layers:
-        raise RegistryError(f"referrer {digest} has no content layer")
-    with tempfile.TemporaryDirectory(prefix="cuvil-referrer-") as folder:
-        path = Path(folder) / "data"
-        store.fetch_blob(layers[0]["digest"], path)
-        return path.read_bytes()
 
 
 @dataclass(frozen=True)
@@ -352,46 +266,3 @@ def pull_artifact(
     for name in names:
         shutil.copyfile(source / name, output / name)
     return output
-
-
-def describe_reference(reference: str, *, registry_config: ConfigArg = None) -> dict[str, Any]:
-    """Manifest or index, targets, annotations and referrers of a reference."""
-    ref = parse_model_reference(reference)
-    store = open_store(ref, RegistryConfig.coerce(registry_config))
-    digest = store.resolve(ref.reference)
-    data, _ = store.get_manifest(digest)
-    document = parse_manifest(data, str(ref))
-    described: dict[str, Any] = {
-        "reference": str(ref),
-        "digest": digest,
-        "mediaType": document.get("mediaType"),
-        "artifactType": document.get("artifactType"),
-        "annotations": document.get("annotations", {}),
-        "referrers": [vars(r) for r in _list_referrers(store, digest, None)],
-    }
-    children = document.get("manifests") if document.get("mediaType") == mt.OCI_INDEX else None
-    if children is None:
-        described["files"] = {
-            name: {"digest": d["digest"], "size": d["size"], "mediaType": d["mediaType"]}
-            for name, d in artifact_files(document).items()
-        }
-        with tempfile.TemporaryDirectory(prefix="cuvil-inspect-") as folder:
-            store.fetch_blob(document["config"]["digest"], Path(folder) / "config.json")
-            described["config"] = json.loads((Path(folder) / "config.json").read_text())
-        return described
-    described["targets"] = [
-        {
-            "target": entry_target(entry),
-            "precision": entry.get("annotations", {}).get(mt.ANNOTATION_PRECISION),
-            "digest": entry["digest"],
-            "size": entry["size"],
-            "referrers": [vars(r) for r in _list_referrers(store, entry["digest"], None)],
-        }
-        for entry in children
-    ]
-    try:
-        described["selected"] = select_entry(children)["digest"]
-    except NoMatchingTargetError:
-        described["selected"] = None
-    described["machine_targets"] = probe_targets()
-    return described

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cuvil.artifact import NoMatchingTargetError, select_entry
@@ -128,6 +128,7 @@ def test_references() -> None:
         parse_registry_reference("r.io/m@sha256:short")
 
 
+@settings(deadline=None, max_examples=50)
 @given(st.dictionaries(st.sampled_from(["a", "b", "c"]), st.text(max_size=5), max_size=3))
 def test_annotations_never_change_the_layers(annotations: dict[str, str]) -> None:
     plain, _ = build_artifact_manifest(FILES)

@@ -19,7 +19,8 @@ from cuvil.artifact import (
     resolve_digest,
 )
 from cuvil.artifact import media_types as mt
-from cuvil.artifact.api import describe_reference, resolve
+from cuvil.artifact.api import resolve
+from cuvil.artifact.describe import describe_reference
 from cuvil.artifact.files import ArtifactContents
 from cuvil.artifact.manifests import referrers_tag
 from cuvil.artifact.registry_config import RegistryConfig
