@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ DEFAULT_MAX_BYTES = 20 * 2**30
 MANIFEST_FILE = "manifest.json"
 STAMP_FILE = ".verified"
 LAST_USED_FILE = ".last-used"
+STALE_TMP_S = 24 * 3600
 _CHUNK = 1 << 20
 
 
@@ -221,4 +223,13 @@ class NodeCache:
                 continue
             total -= size
             evicted.append(digest)
+        self._sweep_tmp()
         return evicted
+
+    def _sweep_tmp(self, older_than_s: float = STALE_TMP_S) -> None:
+        """Remove what crashed downloads left in tmp/ (a live download touches its folder)."""
+        cutoff = time.time() - older_than_s
+        for leftover in (self.root / "tmp").iterdir():
+            with contextlib.suppress(OSError):
+                if leftover.stat().st_mtime < cutoff:
+                    shutil.rmtree(leftover, ignore_errors=True)
