@@ -32,7 +32,12 @@ from cuvil.passes.cleanup import (
     remove_identities,
 )
 from cuvil.passes.dead_code import eliminate_dead_code
-from cuvil.passes.fusion import fold_batch_norm, fuse_epilogues, fuse_transformer_blocks
+from cuvil.passes.fusion import (
+    canonicalize_activations,
+    fold_batch_norm,
+    fuse_epilogues,
+    fuse_transformer_blocks,
+)
 from cuvil.passes.layout import to_channels_last
 from cuvil.passes.program import Program
 from cuvil.runtime.model import CompiledModel, target_device
@@ -44,6 +49,7 @@ PRECISIONS = ("fp32",)
 PASSES: tuple[tuple[str, Callable[[Program], Program]], ...] = (
     ("dead_code", lambda program: replace(program, graph=eliminate_dead_code(program.graph))),
     ("identities", remove_identities),
+    ("canonicalize_activations", canonicalize_activations),
     ("cse", eliminate_common_subexpressions),
     ("constant_fold", fold_constants),
     ("fold_batch_norm", fold_batch_norm),

@@ -9,9 +9,12 @@ from cuvil.passes.rules_fold import rules_fold_batch_norm
 from cuvil.passes.rules_norms import rules_layer_norm, rules_rms_norm, rules_rope, rules_swiglu
 from cuvil.passes.rules_transformer import rules_attention, rules_gelu
 
-rules_transformer = (
-    rules_gelu + rules_attention + rules_layer_norm + rules_rms_norm + rules_swiglu + rules_rope
-)
+rules_transformer = rules_attention + rules_layer_norm + rules_rms_norm + rules_swiglu + rules_rope
+
+
+def canonicalize_activations(program: Program) -> Program:
+    """Before CSE, which would share the ``x * 0.5`` of two GELUs and hide both patterns."""
+    return apply_rules(program, rules_gelu)
 
 
 def fold_batch_norm(program: Program) -> Program:

@@ -217,7 +217,8 @@ def _one_round(
         out.extend(new_nodes)
         by_name.update({n.name: n for n in new_nodes})
         redirect.update(mapping)
-        hits[rule.name] += 1
+        assert chosen_rule is not None
+        hits[chosen_rule.name] += 1
     if not redirect:
         return program, False
     outputs = tuple((name, redirect.get(value, value)) for name, value in graph.outputs)

@@ -25,6 +25,7 @@ ACTIVATION_OPS = {
     "aten.silu.default": "silu",
     "aten.hardswish.default": "hardswish",
     "aten.hardtanh.default": "relu6",
+    "aten.relu6.default": "relu6",
     "aten.tanh.default": "tanh",
     "aten.sigmoid.default": "sigmoid",
 }
@@ -35,7 +36,10 @@ def activation_of(node: Node) -> str | None:
     name = ACTIVATION_OPS.get(node.op)
     if name == "gelu" and node.arg("approximate", "none") == "tanh":
         return "gelu_tanh"
-    if name == "relu6" and (node.arg("min_val", -1.0), node.arg("max_val", 1.0)) != (0.0, 6.0):
+    if node.op == "aten.hardtanh.default" and (
+        node.arg("min_val", -1.0),
+        node.arg("max_val", 1.0),
+    ) != (0.0, 6.0):
         return None
     return name
 
@@ -86,11 +90,6 @@ def is_fusable(match: Match) -> bool:
     return True
 
 
-def is_linear_fusable(match: Match) -> bool:
-    # oneDNN's linear takes an activation or a residual, not both.
-    return is_fusable(match) and not ("act" in match.nodes and "add" in match.nodes)
-
-
 def fuse(match: Match, rewriter: Rewriter) -> list[Node]:
     layer = match.node("layer")
     activation = activation_of(match.node("act")) if "act" in match.nodes else "none"
@@ -134,12 +133,14 @@ def _pair(value: object) -> tuple[int, int]:
     )
 
 
-def _rules(prefix: str, layer: str, condition: Condition) -> tuple[Rule, ...]:
+def _rules(prefix: str, layer: str, condition: Condition, shapes: set[str]) -> tuple[Rule, ...]:
     return tuple(
         Rule(f"{prefix}_{shape}".removesuffix("_swapped"), pattern, fuse, condition)
         for shape, pattern in _shapes(layer).items()
+        if shape.removesuffix("_swapped") in shapes
     )
 
 
-rules_conv_epilogue = _rules("conv", CONV, is_fusable)
-rules_linear_epilogue = _rules("linear", LINEAR, is_linear_fusable)
+rules_conv_epilogue = _rules("conv", CONV, is_fusable, {"add_act", "act", "add", "plain"})
+# oneDNN's linear takes an activation or a residual add, not both
+rules_linear_epilogue = _rules("linear", LINEAR, is_fusable, {"act", "add", "plain"})

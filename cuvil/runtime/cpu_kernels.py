@@ -60,6 +60,8 @@ def conv2d_kernel(args: Mapping[str, Any], dynamic: Sequence[str]) -> Callable[.
 
         return conv
 
+    unary = None if attr == "none" else attr  # oneDNN wants no unary post-op, not "none"
+
     def conv_add(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         x = x.contiguous(memory_format=channels_last)
         residual = residual.contiguous(memory_format=channels_last)
@@ -74,9 +76,9 @@ def conv2d_kernel(args: Mapping[str, Any], dynamic: Sequence[str]) -> Callable[.
             groups,
             "add",
             None,
-            attr,
+            unary,
             scalars,
-            algorithm,
+            algorithm or None,
         )
 
     return conv_add
