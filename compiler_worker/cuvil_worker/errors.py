@@ -41,6 +41,25 @@ class GateFailed(CompileFailed):
         return cls(f"gate {gate} failed: measured {measured:.6g}, required {relation} {limit:.6g}")
 
 
+class CompileTimeLimit(CompileFailed):
+    """The compile ran past its soft time limit (CUVIL_TASK_TIME_LIMIT)."""
+
+    reason = "TimeLimitExceeded"
+
+
+def caused_by(error: BaseException, kind: type[BaseException]) -> bool:
+    """Whether ``kind`` is ``error`` or anywhere in its cause/context chain (the exporter wraps
+    whatever it meets, a time-limit signal included)."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, kind):
+            return True
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return False
+
+
 class RegistryFault(Exception):
     """The registry could not take the push now; the task retries with backoff."""
 

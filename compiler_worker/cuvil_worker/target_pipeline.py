@@ -26,7 +26,7 @@ from opentelemetry import trace
 from cuvil_worker import checks
 from cuvil_worker.config import WorkerConfig
 from cuvil_worker.contract import STATE_COMPILING, STATE_PUSHING, STATE_VALIDATING
-from cuvil_worker.errors import CompileFailed, InvalidSpec, ModelNotCompilable
+from cuvil_worker.errors import CompileFailed, InvalidSpec, ModelNotCompilable, caused_by
 
 JIT_STAGES = ("export", "import", "verify_ir", "passes", "plan", "verify")
 STAGES = ("load", *JIT_STAGES, "validate", "benchmark", "gates", "package", "push")
@@ -82,6 +82,8 @@ def stage_span(
 
 
 def _compile(loaded: Any, target: str, precision: str, on_stage: StageFn) -> Any:
+    from celery.exceptions import SoftTimeLimitExceeded
+
     import cuvil
     from cuvil.frontend.export import ExportError
 
@@ -96,7 +98,11 @@ def _compile(loaded: Any, target: str, precision: str, on_stage: StageFn) -> Any
             on_stage=on_stage,
         )
     except ExportError as error:
+        if caused_by(error, SoftTimeLimitExceeded):
+            raise SoftTimeLimitExceeded() from None
         raise ModelNotCompilable(str(error)) from None
+    except SoftTimeLimitExceeded:
+        raise
     except ValueError as error:  # unsupported target or precision: the spec asks too much
         raise InvalidSpec(str(error)) from None
     except (MemoryError, KeyboardInterrupt):

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from celery import Task
+from celery.exceptions import SoftTimeLimitExceeded
 from celery.result import AsyncResult
 
 from cuvil_worker import telemetry
@@ -27,7 +28,13 @@ from cuvil_worker.contract import (
     target_task_id,
     targets_of,
 )
-from cuvil_worker.errors import CompileFailed, IndexIncomplete, InvalidSpec, RegistryFault
+from cuvil_worker.errors import (
+    CompileFailed,
+    CompileTimeLimit,
+    IndexIncomplete,
+    InvalidSpec,
+    RegistryFault,
+)
 from cuvil_worker.lease import message_lease
 from cuvil_worker.target_pipeline import (
     ANNOTATION_COMPILATION,
@@ -41,13 +48,17 @@ from cuvil_worker.target_pipeline import (
 log = logging.getLogger(__name__)
 
 
-def _reporter(task: Task, target: str | None) -> Any:
-    def on_stage(stage: str) -> None:
-        state = STATE_OF_STAGE.get(stage)
-        if state is not None and task.request.id:
-            task.update_state(state=state, meta={"stage": stage, "target": target})
+class StageReporter:
+    """Publishes each pipeline stage as a custom task state; remembers the last one."""
 
-    return on_stage
+    def __init__(self, task: Task, target: str | None) -> None:
+        self.task, self.target, self.stage = task, target, "queued"
+
+    def __call__(self, stage: str) -> None:
+        self.stage = stage
+        state = STATE_OF_STAGE.get(stage)
+        if state is not None and self.task.request.id:
+            self.task.update_state(state=state, meta={"stage": stage, "target": self.target})
 
 
 def _already_done(task: Task) -> Any:
@@ -102,7 +113,7 @@ def compile_target(self: Task, request: dict[str, Any], target: str) -> dict[str
             request.get("traceparent"), "cuvil.compile_target", target=target
         ) as span,
     ):
-        on_stage = _reporter(self, target)
+        on_stage = StageReporter(self, target)
         spec = request["spec"]
         try:
             packaged = build_cached(spec, target, config, on_stage, task_id, _fetcher(task_id))
@@ -112,6 +123,11 @@ def compile_target(self: Task, request: dict[str, Any], target: str) -> dict[str
             if not error.retryable:
                 raise CompileFailed(f"registry refused the push: {error}") from None
             raise _retry_registry(self, error) from None
+        except SoftTimeLimitExceeded:
+            raise CompileTimeLimit(
+                f"{target}: time limit of {config.soft_time_limit:.0f}s exceeded "
+                f"(stage {on_stage.stage}); raise CUVIL_TASK_TIME_LIMIT for bigger models"
+            ) from None
         result["traceId"] = telemetry.trace_id_of(span)
     forget_cached(config, task_id)
     shutil.rmtree(config.work_dir / "sources" / task_id, ignore_errors=True)
@@ -151,7 +167,7 @@ def push_index_task(self: Task, request: dict[str, Any]) -> dict[str, Any]:
         for r in results
     ]
     with telemetry.continued(request.get("traceparent"), "cuvil.push_index") as span:
-        _reporter(self, None)("index")
+        StageReporter(self, None)("index")
         annotations = _annotations(request, telemetry.trace_id_of(span))
         try:
             index = push_index(f"{repository}:{tag}", entries, annotations=annotations)
