@@ -222,6 +222,30 @@ def test_permanent_failures_fail_at_once_with_their_reason(
         assert not tag_exists(registry, spec["output"]["repository"], "v1")
 
 
+def test_cancel_stops_a_running_compile(
+    app: Celery, worker: WorkerProcess, registry: RunningRegistry
+) -> None:
+    spec = mlp_spec(registry, source={"builtin": {"name": "resnet18"}})
+    del spec["inputs"], spec["dynamicDims"]
+    request = compilation_request(spec)
+    target_id = contract.target_task_id(request, "cpu-x86_64")
+    contract.submit_compilation(app, request)
+    wait_state(app, target_id, ("COMPILING",), timeout=60)
+    contract.cancel_compilation(app, request)
+    progress = contract.read_progress(app, request)
+    assert progress.phase == contract.PHASE_FAILED and progress.error is not None
+    assert "cancelled" in progress.error
+    deadline = time.monotonic() + 30
+    while "Terminating" not in worker.log and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert f"Terminating {target_id}" in worker.log, worker.log[-2000:]
+    time.sleep(1.0)
+    assert AsyncResult(target_id, app=app).state == "REVOKED"
+    assert not tag_exists(registry, spec["output"]["repository"], "v1")
+    assert contract.submit_compilation(app, request) == contract.chord_task_id(request)
+    assert worker.log.count(f"cuvil.compile[{target_id}] received") == 1, "resurrected"
+
+
 def test_a_worker_killed_mid_compile_loses_nothing(
     app: Celery, env_for: Any, registry: RunningRegistry, logs: Path
 ) -> None:
