@@ -41,6 +41,13 @@ def jit(
     return compile_model(model, example_inputs, dynamic_shapes, options)
 
 
-def load(path: str | Path) -> CompiledModel:
-    """Load a saved artifact (file or directory) in any process; no model code is needed."""
-    return load_artifact(path)
+def load(path_or_ref: str | Path, *, cache_dir: str | Path | None = None) -> CompiledModel:
+    """Load an artifact in any process, without the model's code: a file or directory written by
+    ``save``, a local OCI layout (``oci:DIR[:tag]``), or a registry reference (by tag or digest;
+    the entry for this machine is picked from an index, every digest checked, the node cache used).
+    """
+    if Path(path_or_ref).exists():
+        return load_artifact(path_or_ref)
+    from cuvil.artifact import resolve_model
+
+    return load_artifact(resolve_model(str(path_or_ref), cache_dir=cache_dir))

@@ -11,15 +11,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from cuvil.api import load
 from cuvil.dtypes import torch_dtype
-from cuvil.runtime.model import CompiledModel, load
+from cuvil.runtime.model import CompiledModel
 from cuvil.shape_expr import compile_expr
 from cuvil.verify import compare_outputs
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("run", help="run an artifact and time it")
-    parser.add_argument("path", help="artifact file or directory")
+    parser.add_argument("path", help="artifact file or directory, oci:DIR[:tag], or registry ref")
     parser.add_argument(
         "--input",
         action="append",

@@ -1,0 +1,127 @@
+"""Generality: models built from other transformers configs (vision and text, encoders and
+decoders) compile with the full pass pipeline and match eager fp32 at several shapes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import transformers as tf
+
+import cuvil
+from cuvil.verify import compare_output
+
+TOLERANCE = 1e-4
+batch = cuvil.Dim("batch", min=1, max=8)
+seq = cuvil.Dim("seq", min=2, max=64)
+
+
+def _text(vocab: int) -> Callable[[int, int], dict[str, torch.Tensor]]:
+    def make(b: int, s: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": torch.randint(0, vocab, (b, s))}
+
+    return make
+
+
+def _image(size: int, channels: int = 3) -> Callable[[int, int], dict[str, torch.Tensor]]:
+    def make(b: int, s: int) -> dict[str, torch.Tensor]:
+        return {"pixel_values": torch.randn(b, channels, size, size)}
+
+    return make
+
+
+TEXT_SHAPES = {"input_ids": {0: batch, 1: seq}}
+IMAGE_SHAPES = {"pixel_values": {0: batch}}
+
+
+def bert_eager() -> Any:
+    config = tf.BertConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        vocab_size=500,
+    )
+    return tf.BertModel._from_config(config, attn_implementation="eager")
+
+
+def gpt2() -> Any:
+    return tf.GPT2Model(
+        tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=500, use_cache=False)
+    )
+
+
+def qwen2() -> Any:
+    config = tf.Qwen2Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=500,
+        use_cache=False,
+    )
+    return tf.Qwen2ForCausalLM(config)
+
+
+def vit() -> Any:
+    config = tf.ViTConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        image_size=32,
+        patch_size=8,
+    )
+    return tf.ViTModel(config)
+
+
+def convnext() -> Any:
+    return tf.ConvNextModel(tf.ConvNextConfig(hidden_sizes=[16, 32], depths=[1, 1], num_stages=2))
+
+
+def resnet_basic() -> Any:
+    config = tf.ResNetConfig(
+        hidden_sizes=[16, 32], depths=[1, 1], layer_type="basic", embedding_size=16
+    )
+    return tf.ResNetModel(config)
+
+
+def mobilenet_v2() -> Any:
+    return tf.MobileNetV2Model(tf.MobileNetV2Config(depth_multiplier=0.35, image_size=64))
+
+
+Factory = Callable[[], Any]
+Inputs = Callable[[int, int], dict[str, torch.Tensor]]
+MODELS: dict[str, tuple[Factory, Inputs, dict]] = {
+    "bert_eager_attention": (bert_eager, _text(500), TEXT_SHAPES),
+    "gpt2": (gpt2, _text(500), TEXT_SHAPES),
+    "qwen2_gqa": (qwen2, _text(500), TEXT_SHAPES),
+    "vit": (vit, _image(32), IMAGE_SHAPES),
+    "convnext": (convnext, _image(64), IMAGE_SHAPES),
+    "resnet18_basic": (resnet_basic, _image(64), IMAGE_SHAPES),
+    "mobilenet_v2": (mobilenet_v2, _image(64), IMAGE_SHAPES),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(MODELS))
+def test_model_family_matches_eager(name: str) -> None:
+    make_model, make_inputs, shapes = MODELS[name]
+    torch.manual_seed(0)
+    model = make_model().eval()
+    compiled = cuvil.jit(model, make_inputs(2, 8), dynamic_shapes=shapes, name=name)
+    assert compiled.report["verification"]["max_relative_to_scale"] <= TOLERANCE
+    for b, s in ((1, 5), (3, 17)):
+        inputs = make_inputs(b, s)
+        with torch.no_grad():
+            expected = model(**inputs)
+        outputs = compiled.run(inputs)
+        for key, value in outputs.items():
+            reference = expected.get(key)
+            if reference is None:
+                continue
+            error = compare_output(key, value, reference)
+            assert error.relative_to_scale <= TOLERANCE, (name, b, s, error)
