@@ -14,6 +14,7 @@ from celery import Celery, signals
 from cuvil_worker import telemetry
 from cuvil_worker.config import WorkerConfig
 from cuvil_worker.contract import create_app
+from cuvil_worker.lease import BrokerLease, is_redis
 
 log = logging.getLogger(__name__)
 config = WorkerConfig.from_env()
@@ -52,6 +53,24 @@ def _on_worker_init(**_: Any) -> None:
 
         with torch.no_grad():
             torch.export.export(torch.nn.Linear(4, 4), (torch.zeros(2, 4),))
+
+
+_lease: BrokerLease | None = None
+
+
+@signals.worker_ready.connect
+def _on_worker_ready(**_: Any) -> None:
+    """Start keeping held messages fresh (main process, after the pool has forked)."""
+    global _lease
+    if is_redis(config.broker_url) and _lease is None:
+        _lease = BrokerLease(config.broker_url, config.visibility_timeout)
+        _lease.start()
+
+
+@signals.worker_shutdown.connect
+def _on_worker_shutdown(**_: Any) -> None:
+    if _lease is not None:
+        _lease.stop()
 
 
 @signals.worker_process_init.connect

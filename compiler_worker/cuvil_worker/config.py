@@ -66,7 +66,8 @@ class WorkerConfig:
 
     @property
     def soft_time_limit(self) -> float:
-        return max(self.task_time_limit - 30.0, self.task_time_limit * 0.9)
+        # Room between soft and hard limit for the task to fail cleanly (a quarter, at most 30 s).
+        return self.task_time_limit - min(30.0, self.task_time_limit * 0.25)
 
     def backoff(self, retries: int) -> float:
         """Seconds before registry retry number ``retries`` (0-based): 2, 4, 8, … capped."""

@@ -1,6 +1,6 @@
 """The Celery tasks: thin wrappers that sort errors into "fail now" and "retry later".
 
-``cuvil.compile(request, target)``: one target (``target_pipeline``), acks late, leased, its
+``cuvil.compile(request, target)``: one target (``target_pipeline``), acks late, its
 packaged artifact kept in the work dir so a registry retry does not recompile.
 ``cuvil.push_index(request)``: the chord callback; reads every target's result by its task id
 (so a redelivered target can never add a second entry), pushes the index under the tag.
@@ -35,7 +35,6 @@ from cuvil_worker.errors import (
     InvalidSpec,
     RegistryFault,
 )
-from cuvil_worker.lease import message_lease
 from cuvil_worker.target_pipeline import (
     ANNOTATION_COMPILATION,
     ANNOTATION_TRACE_ID,
@@ -93,11 +92,6 @@ def _fetcher(task_id: str) -> Callable[[str], Path]:
     return fetch
 
 
-def _delivery_tag(task: Task) -> str | None:
-    properties = getattr(task.request, "properties", None) or {}
-    return properties.get("delivery_tag")
-
-
 @app.task(bind=True, name=TASK_COMPILE, acks_late=True)
 def compile_target(self: Task, request: dict[str, Any], target: str) -> dict[str, Any]:
     from cuvil.artifact import RegistryError
@@ -107,12 +101,9 @@ def compile_target(self: Task, request: dict[str, Any], target: str) -> dict[str
     if done is not None:
         return dict(done)
     task_id = self.request.id or target_task_id(request, target)
-    with (
-        message_lease(config.broker_url, _delivery_tag(self), config.visibility_timeout),
-        telemetry.continued(
-            request.get("traceparent"), "cuvil.compile_target", target=target
-        ) as span,
-    ):
+    with telemetry.continued(
+        request.get("traceparent"), "cuvil.compile_target", target=target
+    ) as span:
         on_stage = StageReporter(self, target)
         spec = request["spec"]
         try:
@@ -125,7 +116,7 @@ def compile_target(self: Task, request: dict[str, Any], target: str) -> dict[str
             raise _retry_registry(self, error) from None
         except SoftTimeLimitExceeded:
             raise CompileTimeLimit(
-                f"{target}: time limit of {config.soft_time_limit:.0f}s exceeded "
+                f"{target}: time limit of {config.soft_time_limit:g}s exceeded "
                 f"(stage {on_stage.stage}); raise CUVIL_TASK_TIME_LIMIT for bigger models"
             ) from None
         result["traceId"] = telemetry.trace_id_of(span)

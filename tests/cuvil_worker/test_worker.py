@@ -26,6 +26,7 @@ from tests.cuvil_worker.otlp_receiver import OtlpReceiver
 from tests.cuvil_worker.workers import (
     WorkerProcess,
     compilation_request,
+    idle_cpu_seconds,
     start_worker,
     wait_done,
     wait_state,
@@ -309,15 +310,27 @@ def test_two_workers_share_four_compiles(
             return time.monotonic() - started
 
         run_four("cuvil.test.par")  # warm both workers
-        # This machine's 2 cores are shared with other sessions, whose load swings the ratio
-        # (0.55-0.67 seen); up to three rounds, each a fresh sequential/parallel pair.
-        rounds: list[tuple[float, float]] = []
-        while len(rounds) < 3 and not any(p <= 0.65 * s for s, p in rounds):
-            rounds.append((run_four("cuvil.test.seq"), run_four("cuvil.test.par")))
-            sequential, parallel = rounds[-1]
+
+        def measured(queue: str) -> tuple[float, float]:
+            """Wall time of four compiles, and how many cores sat idle meanwhile."""
+            idle = idle_cpu_seconds()
+            wall = run_four(queue)
+            return wall, (idle_cpu_seconds() - idle) / wall
+
+        # The 2 cores are shared with other sessions whose load swings the ratio: up to two
+        # rounds, each recording how much CPU the machine left idle during the parallel run.
+        rounds: list[tuple[float, float, float]] = []
+        while len(rounds) < 2 and not any(p <= 0.65 * s for s, p, _ in rounds):
+            sequential, _ = measured("cuvil.test.seq")
+            parallel, idle = measured("cuvil.test.par")
+            rounds.append((sequential, parallel, idle))
             print(f"\n4 compiles: 1 worker {sequential:.2f}s, 2 workers {parallel:.2f}s "
-                  f"({parallel / sequential:.2f}x)")  # fmt: skip
-        assert any(p <= 0.65 * s for s, p in rounds), rounds
+                  f"({parallel / sequential:.2f}x; idle cores meanwhile {idle:.2f})")  # fmt: skip
+        if not any(p <= 0.65 * s for s, p, _ in rounds):
+            # Slow while cores sat idle is our fault; slow on a saturated machine is not.
+            if max(i for _, _, i in rounds) < 0.3:
+                pytest.skip(f"other work saturated both cores (seq, par, idle): {rounds}")
+            raise AssertionError(f"2 workers not <= 0.65x with idle CPU: {rounds}")
 
         both = one.log + two.log
         runtimes = [
@@ -335,10 +348,11 @@ def test_a_compile_past_its_time_limit_fails_with_the_reason(
     app: Celery, env_for: Any, registry: RunningRegistry, logs: Path
 ) -> None:
     queue = "cuvil.test.limit"
-    limited = start_worker(env_for(CUVIL_TASK_TIME_LIMIT="4"), logs, queues=queue, name="limited")
+    limited = start_worker(env_for(CUVIL_TASK_TIME_LIMIT="6"), logs, queues=queue, name="limited")
     try:
         limited.wait_ready()
-        # ResNet-18 takes well over 4 s to build and export on any machine of this kind.
+        # ResNet-18 takes well over 6 s to build and export on any machine of this kind;
+        # the soft limit (4.5 s) fails it cleanly before the hard one (6 s) kills it.
         spec = mlp_spec(registry, source={"builtin": {"name": "resnet18"}}, queue=queue)
         del spec["inputs"], spec["dynamicDims"]
         request = compilation_request(spec)
@@ -346,7 +360,7 @@ def test_a_compile_past_its_time_limit_fails_with_the_reason(
         progress = wait_done(app, request, timeout=60, workers=[limited])
         assert progress.phase == contract.PHASE_FAILED
         assert "CompileTimeLimit" in (progress.error or ""), progress.error
-        assert "time limit of 4s exceeded" in (progress.error or ""), progress.error
+        assert "time limit of 4.5s exceeded" in (progress.error or ""), progress.error
         target_id = contract.target_task_id(request, "cpu-x86_64")
         assert limited.log.count(f"cuvil.compile[{target_id}] received") == 1
     finally:

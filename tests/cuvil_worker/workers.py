@@ -138,3 +138,9 @@ def wait_state(
             return result.state, result.info
         time.sleep(0.05)
     raise TimeoutError(f"{task_id} never reached {states} (now {result.state})")
+
+
+def idle_cpu_seconds() -> float:
+    """Machine-wide idle CPU time so far (all cores, idle + iowait), from /proc/stat."""
+    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    return (int(fields[3]) + int(fields[4])) / os.sysconf("SC_CLK_TCK")
