@@ -22,13 +22,21 @@ def jit(
     name: str | None = None,
     dump_dir: str | Path | None = None,
     on_stage: Callable[[str], None] | None = None,
+    disable_passes: tuple[str, ...] = (),
+    patterns: tuple[Any, ...] | None = None,
+    tolerance: float = 1e-4,
+    on_mismatch: str = "fallback",
 ) -> CompiledModel:
     """Compile ``model`` for ``target``; ``dynamic_shapes`` is what torch.export.export takes.
 
     ``example_inputs`` is a tensor, a tuple of positional inputs, or a dict of keyword inputs.
     The result is verified against eager PyTorch on the examples before it is returned
-    (``compiled.report["verification"]``).
+    (``compiled.report["verification"]``). If it differs by more than ``tolerance`` (relative to
+    the output's scale), the passes are bisected: the responsible pass is named in
+    ``report["bisection"]`` and left out (``on_mismatch="fallback"``) or the compile fails
+    (``"raise"``). ``patterns`` defaults to those accepted by ``cuvil.patterns.register_pattern``.
     """
+    from cuvil.patterns import registered_patterns
     from cuvil.pipeline import CompileOptions, compile_model
 
     options = CompileOptions(
@@ -37,6 +45,10 @@ def jit(
         name=name,
         dump_dir=Path(dump_dir) if dump_dir is not None else None,
         on_stage=on_stage,
+        disable_passes=tuple(disable_passes),
+        patterns=tuple(registered_patterns() if patterns is None else patterns),
+        tolerance=tolerance,
+        on_mismatch=on_mismatch,
     )
     return compile_model(model, example_inputs, dynamic_shapes, options)
 

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -40,13 +41,15 @@ from cuvil.passes.fusion import (
 )
 from cuvil.passes.layout import to_channels_last
 from cuvil.passes.program import Program
+from cuvil.passes.rewrite import Rule, apply_rules
 from cuvil.runtime.model import CompiledModel, target_device
 from cuvil.runtime.signature import Signature
-from cuvil.verify import compare_outputs, worst_relative_error
+from cuvil.verify import OutputError, compare_outputs, worst_relative_error
 
 STAGES = ("export", "import", "verify_ir", "passes", "plan", "verify")
 PRECISIONS = ("fp32",)
-PASSES: tuple[tuple[str, Callable[[Program], Program]], ...] = (
+PassFunction = Callable[[Program], Program]
+PASSES: tuple[tuple[str, PassFunction], ...] = (
     ("dead_code", lambda program: replace(program, graph=eliminate_dead_code(program.graph))),
     ("identities", remove_identities),
     ("canonicalize_activations", canonicalize_activations),
@@ -68,6 +71,10 @@ class CompileOptions:
     name: str | None = None
     dump_dir: Path | None = None
     on_stage: Callable[[str], None] | None = None
+    disable_passes: tuple[str, ...] = ()
+    patterns: tuple[Rule, ...] = ()  # user rewrite rules (see cuvil.patterns)
+    tolerance: float = 1e-4  # max error relative to the output scale, else bisect
+    on_mismatch: str = "fallback"  # "fallback": compile without the culprit pass; "raise"
 
 
 @dataclass
@@ -95,15 +102,31 @@ def check_options(options: CompileOptions) -> None:
     device = target_device(options.target)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"target {options.target!r} needs a CUDA device; none is visible here")
+    unknown = set(options.disable_passes) - {name for name, _ in PASSES}
+    if unknown:
+        raise ValueError(f"unknown pass(es) {sorted(unknown)}; passes: {[n for n, _ in PASSES]}")
+    if options.on_mismatch not in ("fallback", "raise"):
+        raise ValueError(f"on_mismatch must be 'fallback' or 'raise', not {options.on_mismatch!r}")
     if options.precision not in PRECISIONS:
         raise ValueError(
             f"precision {options.precision!r} is not supported; choose from {PRECISIONS}"
         )
 
 
-def run_passes(program: Program, run: _Run) -> tuple[Program, list[dict[str, Any]]]:
+def passes_for(options: CompileOptions) -> tuple[tuple[str, PassFunction], ...]:
+    """The pass list, with the user's patterns (if any) right before the built-in fusions."""
+    if not options.patterns:
+        return PASSES
+    user = ("user_patterns", partial(apply_rules, rules=tuple(options.patterns)))
+    index = [name for name, _ in PASSES].index("fold_batch_norm")
+    return (*PASSES[:index], user, *PASSES[index:])
+
+
+def run_passes(
+    program: Program, run: _Run, passes: tuple[tuple[str, PassFunction], ...]
+) -> tuple[Program, list[dict[str, Any]]]:
     applied = []
-    for name, apply in PASSES:
+    for name, apply in passes:
         before, hits_before = len(program.graph.nodes), dict(program.hits)
         start = time.perf_counter()
         program = apply(program)
@@ -133,6 +156,38 @@ def eager_outputs(model: torch.nn.Module, exported: ExportedModel) -> tuple[list
     return flat, spec
 
 
+class VerificationError(AssertionError):
+    """Compiled outputs differ from eager beyond the tolerance; names the pass responsible."""
+
+
+def lower(
+    program: Program, run: _Run, disabled: frozenset[str]
+) -> tuple[Program, list[dict[str, Any]]]:
+    active = tuple((name, apply) for name, apply in passes_for(run.options) if name not in disabled)
+    return run_passes(program, run, active)
+
+
+def build(program: Program, config: dict[str, Any], output_spec: Any) -> CompiledModel:
+    return CompiledModel(
+        ArtifactContents(config, program.graph, dict(program.weights)), output_spec=output_spec
+    )
+
+
+def measure(compiled: CompiledModel, inputs: dict, expected: dict) -> list[OutputError]:
+    return compare_outputs(compiled.run(inputs), expected)
+
+
+def bisect_passes(program: Program, run: _Run, check: Callable[[Program], float]) -> str | None:
+    """The first pass whose addition pushes the error over the tolerance (passes run in order)."""
+    names = [name for name, _ in passes_for(run.options)]
+    for count in range(1, len(names) + 1):
+        disabled = frozenset(names[count:])
+        candidate, _ = lower(program, _Run(run.options), disabled)
+        if check(candidate) > run.options.tolerance:
+            return names[count - 1]
+    return None
+
+
 def compile_model(
     model: torch.nn.Module, example_inputs: Any, dynamic_shapes: Any, options: CompileOptions
 ) -> CompiledModel:
@@ -146,14 +201,12 @@ def compile_model(
             name = options.name or type(model).__name__
             frontend = convert_exported_program(exported.program, name, exported.dim_names)
         with run.stage("verify_ir"):
-            graph = verify_graph(frontend.graph)
-            run.dump("import", graph)
-        ops_before = len(graph.nodes)
+            imported = Program(verify_graph(frontend.graph), frontend.weights)
+            run.dump("import", imported.graph)
         with run.stage("passes"):
-            program, applied = run_passes(Program(graph, frontend.weights), run)
-            graph = program.graph
-            run.dump("passes", graph)
-        signature = Signature.of_graph(graph)
+            program, applied = lower(imported, run, frozenset(options.disable_passes))
+            run.dump("passes", program.graph)
+        signature = Signature.of_graph(program.graph)
         config = {
             "name": name,
             "cuvil_version": cuvil.__version__,
@@ -165,28 +218,48 @@ def compile_model(
         }
         inputs = _named_inputs(signature, exported)
         with run.stage("plan"):
-            contents = ArtifactContents(config, graph, dict(program.weights))
             flat_reference, output_spec = eager_outputs(model, exported)
-            compiled = CompiledModel(contents, output_spec=output_spec)
-        with run.stage("verify"):
-            actual = compiled.run(inputs)
             expected = dict(zip(signature.output_names, flat_reference, strict=True))
-            errors = compare_outputs(actual, expected)
-    contents.golden = {f"input.{k}": v for k, v in inputs.items()} | {
+            compiled = build(program, config, output_spec)
+        with run.stage("verify"):
+            errors = measure(compiled, inputs, expected)
+            bisection = None
+            if worst_relative_error(errors) > options.tolerance:
+
+                def check(candidate: Program) -> float:
+                    return worst_relative_error(
+                        measure(build(candidate, config, None), inputs, expected)
+                    )
+
+                culprit = bisect_passes(imported, run, check)
+                bisection = {"error": worst_relative_error(errors), "culprit": culprit}
+                if options.on_mismatch == "raise" or culprit is None:
+                    raise VerificationError(
+                        f"compiled {name} differs from eager by {bisection['error']:.3g} of the "
+                        f"output scale (tolerance {options.tolerance}); responsible pass: {culprit}"
+                    )
+                disabled = frozenset(options.disable_passes) | {culprit}
+                program, applied = lower(imported, run, disabled)
+                config["passes"] = [entry["name"] for entry in applied]
+                compiled = build(program, config, output_spec)
+                errors = measure(compiled, inputs, expected)
+    compiled.contents.golden = {f"input.{k}": v for k, v in inputs.items()} | {
         f"output.{k}": v for k, v in expected.items()
     }
     config["report"] = {
         "compile_seconds": round(time.perf_counter() - started, 3),
         "stages": run.stages,
-        "ops_before": ops_before,
-        "ops_after": len(graph.nodes),
-        "op_histogram": graph.op_histogram(),
+        "ops_before": len(imported.graph.nodes),
+        "ops_after": len(program.graph.nodes),
+        "op_histogram": program.graph.op_histogram(),
         "passes": applied,
         "notes": exported.notes,
         "verification": {
             "outputs": [error.to_json() for error in errors],
             "max_relative_to_scale": worst_relative_error(errors),
+            "tolerance": options.tolerance,
         },
+        "bisection": bisection,
         "fusions": dict(program.hits),
         "weights_bytes": sum(t.numel() * t.element_size() for t in program.weights.values()),
     }
