@@ -93,11 +93,11 @@ def check_pattern(
         inputs = tuple(_perturb(a, generator) for a in args)
         with torch.no_grad():
             expected = model(*inputs)
-        error = compare_output("output", compiled(*inputs), expected)
-        if error.relative_to_scale > tolerance:
+        difference = compare_output("output", compiled(*inputs), expected)
+        if difference.relative_to_scale > tolerance:
             raise PatternRejected(
                 f"pattern {rule.name!r} changes results: trial {trial} differs by "
-                f"{error.relative_to_scale:.3g} of the output scale"
+                f"{difference.relative_to_scale:.3g} of the output scale"
             )
 
 
