@@ -37,8 +37,6 @@ class ModelSource:
         return str(resolve_digest(self.reference))
 
     def fetch(self) -> Path:
-        if self.is_local:
-            return Path(self.reference)
         from cuvil.artifact import resolve_model
 
         return Path(resolve_model(self.reference, cache_dir=self.cache_dir))

@@ -12,6 +12,7 @@ itself); an artifact may list more in ``config["shape_buckets"]`` (symbol -> siz
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -30,6 +31,8 @@ from cuvil.shape_expr import compile_expr
 from cuvil_sidecar.source import ModelSource
 
 log = logging.getLogger("cuvil_sidecar.startup")
+
+MANIFEST_FILE = "manifest.json"  # written by cuvil.artifact's node cache beside the files
 
 
 class StartupError(RuntimeError):
@@ -72,6 +75,9 @@ def load_checked(
     except (ArtifactError, OSError, ValueError, KeyError) as error:
         raise StartupError(f"loading {path} failed: {error}") from error
     digest = "sha256:" + hashlib.sha256(files[mt.CONFIG_FILE]).hexdigest()
+    annotations = manifest_annotations(path)
+    if annotations:
+        model.config["annotations"] = annotations | dict(model.config.get("annotations") or {})
     if model.device.type == "cuda" and not torch.cuda.is_available():
         raise StartupError(f"{path} targets {model.config.get('target')} but no GPU is visible")
     symbol = batch_symbol(model.signature)
@@ -89,6 +95,17 @@ def load_checked(
     seconds = time.perf_counter() - started
     log.info("loaded %s (%s) in %.2f s, buckets %s", model.name, digest, seconds, buckets)
     return LoadedModel(model, digest, source_digest, path, symbol, tuple(buckets), seconds)
+
+
+def manifest_annotations(path: Path) -> dict[str, str]:
+    """The OCI manifest's annotations, when the artifact came through the node cache (which keeps
+    the verified manifest.json beside the files)."""
+    try:
+        manifest = json.loads((path / MANIFEST_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    annotations = manifest.get("annotations") if isinstance(manifest, dict) else None
+    return {str(k): str(v) for k, v in (annotations or {}).items()}
 
 
 def batch_symbol(signature: Signature) -> str | None:

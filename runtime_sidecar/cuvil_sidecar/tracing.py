@@ -33,9 +33,14 @@ from opentelemetry.trace import Link, SpanContext, TraceFlags
 log = logging.getLogger("cuvil_sidecar.tracing")
 tracer = trace.get_tracer("cuvil_sidecar")
 
-# Where an artifact may carry the trace of the compile that made it (W3C traceparent or a bare
-# 32-hex trace id), in its config's "annotations" (copied from the OCI manifest) or top level.
-COMPILE_TRACE_KEYS = ("dev.cuvil.compile.traceparent", "dev.cuvil.compile.trace-id")
+# Where an artifact carries the trace of the compile that made it (a bare 32-hex trace id, as
+# the worker annotates its manifests, or a W3C traceparent): the OCI manifest's annotations
+# (merged into config["annotations"] at load), the config's own annotations, or its top level.
+COMPILE_TRACE_KEYS = (
+    "dev.cuvil.trace-id",
+    "dev.cuvil.compile.traceparent",
+    "dev.cuvil.compile.trace-id",
+)
 
 
 def configure(environ: Mapping[str, str] | None = None) -> Any:

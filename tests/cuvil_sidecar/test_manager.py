@@ -118,3 +118,35 @@ def test_sidecar_imports_only_runtime_and_artifact() -> None:
     allowed = ("cuvil.runtime", "cuvil.artifact", "cuvil.api", "cuvil.dtypes", "cuvil.ir")
     allowed += ("cuvil.shape_expr",)
     assert [m for m in loaded if not m.startswith(allowed)] == []
+
+
+def test_oci_layout_tag_polling_and_compile_trace_link(
+    mlp_artifact: Path, mlp_artifact_v2: Path, tmp_path: Path
+) -> None:
+    """CUVIL_MODEL as an OCI layout tag: resolved through cuvil.artifact into the node cache;
+    moving the tag is picked up by polling; the worker's trace-id annotation on the manifest
+    becomes the compile link."""
+    from cuvil.artifact import push_artifact
+
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    reference = f"oci:{tmp_path / 'layout'}:serving"
+    push_artifact(mlp_artifact, reference, annotations={"dev.cuvil.trace-id": trace_id})
+
+    async def scenario() -> None:
+        config = SidecarConfig(model=reference, cache_dir=tmp_path / "cache", warmup_runs=1)
+        manager = ModelManager(config, ModelSource(reference, config.cache_dir), Metrics())
+        assert await manager.load()
+        first = manager.current
+        assert first is not None
+        assert [f"{link.context.trace_id:032x}" for link in first.links] == [trace_id]
+        poller = asyncio.create_task(manager.poll(0.1))
+        push_artifact(mlp_artifact_v2, reference)
+        deadline = time.monotonic() + 60
+        while manager.current is first:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        assert manager.current is not None and manager.current.links == ()
+        poller.cancel()
+        await manager.close()
+
+    asyncio.run(scenario())

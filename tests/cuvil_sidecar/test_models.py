@@ -77,7 +77,9 @@ def infer_both_ways(
 
 
 def test_minilm(minilm_artifact: Path, minilm_spec, tmp_path: Path) -> None:
-    sidecar = Sidecar(minilm_artifact, tmp_path / "minilm.log", CUVIL_MAX_BATCH_SIZE="4")
+    sidecar = Sidecar(
+        minilm_artifact, tmp_path / "minilm.log", CUVIL_MAX_BATCH_SIZE="4", CUVIL_WARMUP_RUNS="1"
+    )
     try:
         watch_start_up(sidecar, "minilm")
         client = grpcclient.InferenceServerClient(sidecar.url)
@@ -102,7 +104,9 @@ def test_minilm(minilm_artifact: Path, minilm_spec, tmp_path: Path) -> None:
 
 
 def test_resnet50(resnet_artifact: Path, resnet_spec, tmp_path: Path) -> None:
-    sidecar = Sidecar(resnet_artifact, tmp_path / "resnet.log", CUVIL_MAX_BATCH_SIZE="4")
+    sidecar = Sidecar(
+        resnet_artifact, tmp_path / "resnet.log", CUVIL_MAX_BATCH_SIZE="4", CUVIL_WARMUP_RUNS="1"
+    )
     try:
         watch_start_up(sidecar, "resnet50")
         pixels = torch.randn(1, 3, 224, 224, generator=torch.Generator().manual_seed(4))
