@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from cuvil.artifact import describe_reference, resolve_model
 from cuvil.artifact.files import read_artifact
 from cuvil.artifact.reference import is_artifact_path, is_oci_reference
 from cuvil.cli.oci_commands import add_registry_arguments, print_description, registry_config_from
+from cuvil.ir_dot import graph_to_dot, render_svg
 from cuvil.ir_text import print_graph
 from cuvil.runtime.signature import Signature
 
@@ -18,6 +20,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("path", help="artifact file or directory, or a registry/oci: REF")
     parser.add_argument("--ir", action="store_true", help="print the IR text")
     parser.add_argument("--json", action="store_true", help="print config and histogram as JSON")
+    parser.add_argument("--dot", type=Path, help="write a Graphviz picture of the graph (DOT)")
+    parser.add_argument("--svg", type=Path, help="write the picture as SVG (needs Graphviz)")
     add_registry_arguments(parser)
     parser.set_defaults(handler=run_inspect)
 
@@ -50,12 +54,32 @@ def run_inspect(args: argparse.Namespace) -> int:
         print(f"  {count:5d}  {op}")
     report = config.get("report", {})
     if report:
-        verification = report.get("verification", {}).get("max_relative_to_scale")
-        print(
-            f"compile: {report.get('compile_seconds')}s, verified max error {verification} of scale"
-        )
+        print_report(report)
     for name, entry in sorted(config.get("files", {}).items()):
         print(f"  {name}: {entry['size']} bytes {entry['digest']}")
     if args.ir:
         print(print_graph(graph), end="")
+    if args.dot or args.svg:
+        dot_text = graph_to_dot(graph)
+        if args.dot:
+            args.dot.write_text(dot_text)
+        if args.svg:
+            args.svg.write_bytes(render_svg(dot_text))
+        print(f"picture: {args.dot or ''} {args.svg or ''}".strip())
     return 0
+
+
+def print_report(report: dict) -> None:
+    """Compile time per stage, op counts before and after, and how often each pattern fired."""
+    verification = report.get("verification", {}).get("max_relative_to_scale")
+    stages = ", ".join(f"{s['name']} {s['seconds']:.2f}s" for s in report.get("stages", []))
+    print(f"compile: {report.get('compile_seconds')}s ({stages})")
+    print(f"ops: {report.get('ops_before')} before passes, {report.get('ops_after')} after")
+    print(f"verified: max error {verification} of the output scale")
+    fusions = report.get("fusions") or {}
+    if fusions:
+        print(
+            "patterns: " + ", ".join(f"{name} x{count}" for name, count in sorted(fusions.items()))
+        )
+    if report.get("bisection"):
+        print(f"bisection: {report['bisection']}")

@@ -35,14 +35,28 @@ def test_inspect_shows_signature_histogram_and_ir(artifact: Path) -> None:
     result = cuvil("inspect", str(artifact), "--ir")
     assert result.returncode == 0, result.stderr
     assert "symbol batch in [1, 4]" in result.stdout
-    assert "aten.linear.default" in result.stdout
+    assert "cuvil.linear" in result.stdout
     assert "graph @small {" in result.stdout
+
+
+def test_inspect_draws_the_fused_graph(artifact: Path, tmp_path: Path) -> None:
+    dot, svg = tmp_path / "g.dot", tmp_path / "g.svg"
+    result = cuvil("inspect", str(artifact), "--dot", str(dot), "--svg", str(svg))
+    assert result.returncode == 0, result.stderr
+    assert "patterns: linear_act x1, linear_plain x1" in result.stdout
+    text = dot.read_text()
+    assert "cuvil.linear" in text and "const" not in text
+    assert (
+        svg.read_bytes().lstrip().startswith((b"<?xml", b"<svg"))
+        and b"cuvil.linear" in svg.read_bytes()
+    )
 
 
 def test_run_on_golden_inputs_compares_with_eager(artifact: Path) -> None:
     result = cuvil("run", str(artifact), "--runs", "3")
     assert result.returncode == 0, result.stderr
-    assert "vs eager output: max abs 0" in result.stdout
+    line = next(x for x in result.stdout.splitlines() if "vs eager output" in x)
+    assert float(line.split("max abs ")[1].split(",")[0]) < 1e-5
     assert "latency over 3 runs" in result.stdout
 
 
