@@ -91,6 +91,10 @@ def validate(
         "max_abs_error": max((o["max_abs_error"] for o in worst.values()), default=0.0),
         "max_relative_to_scale": max((o["relative_to_scale"] for o in worst.values()), default=0.0),
         "min_cosine": min((o["cosine"] for o in worst.values()), default=1.0),
+        "min_top1_agreement": min(
+            (o["top1_agreement"] for o in worst.values() if o["top1_agreement"] is not None),
+            default=None,
+        ),
     }
     if outside:
         raise VerificationFailed(
@@ -139,11 +143,17 @@ def benchmark(
     }
 
 
+def _or_one(value: float | None) -> float:
+    """Top-1 agreement of a model without class-like outputs: nothing can disagree."""
+    return 1.0 if value is None else value
+
+
 # gate name -> (what it reads from the report, how the measured value must compare)
 GATES: dict[str, tuple[Callable[[dict[str, Any]], float], str]] = {
     "maxAbsError": (lambda r: r["validation"]["max_abs_error"], "<="),
     "maxRelativeError": (lambda r: r["validation"]["max_relative_to_scale"], "<="),
     "minCosine": (lambda r: r["validation"]["min_cosine"], ">="),
+    "minTop1Agreement": (lambda r: _or_one(r["validation"]["min_top1_agreement"]), ">="),
     "minSpeedup": (lambda r: r["benchmark"]["speedup"], ">="),
     "maxLatencyP99Ms": (lambda r: r["benchmark"]["compiled_p99_ms"], "<="),
 }

@@ -24,7 +24,8 @@ from celery import Celery, chord
 TASK_COMPILE = "cuvil.compile"
 TASK_INDEX = "cuvil.push_index"
 
-# Custom task states; their meta is {"stage": <pipeline stage>, "target": <target>}.
+# Custom task states; their meta is {"stage": <pipeline stage>, "target": <target>,
+# "worker": <worker hostname>}.
 STATE_COMPILING = "COMPILING"
 STATE_VALIDATING = "VALIDATING"
 STATE_PUSHING = "PUSHING"

@@ -26,7 +26,7 @@ from opentelemetry import trace
 from cuvil_worker import checks
 from cuvil_worker.config import WorkerConfig
 from cuvil_worker.contract import STATE_COMPILING, STATE_PUSHING, STATE_VALIDATING
-from cuvil_worker.errors import CompileFailed, InvalidSpec, ModelNotCompilable, caused_by
+from cuvil_worker.errors import InvalidSpec, ModelNotCompilable, caused_by
 
 JIT_STAGES = ("export", "import", "verify_ir", "passes", "plan", "verify")
 STAGES = ("load", *JIT_STAGES, "validate", "benchmark", "gates", "package", "push")
@@ -214,7 +214,3 @@ def publish(
         "pushSeconds": seconds["push"],
         "report": packaged.report,
     }
-
-
-def is_permanent(error: BaseException) -> bool:
-    return isinstance(error, CompileFailed)

@@ -57,7 +57,8 @@ class StageReporter:
         self.stage = stage
         state = STATE_OF_STAGE.get(stage)
         if state is not None and self.task.request.id:
-            self.task.update_state(state=state, meta={"stage": stage, "target": self.target})
+            meta = {"stage": stage, "target": self.target, "worker": self.task.request.hostname}
+            self.task.update_state(state=state, meta=meta)
 
 
 def _already_done(task: Task) -> Any:
