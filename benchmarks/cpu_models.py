@@ -12,6 +12,7 @@ records its error in its row; the others go on. See benchmarks/README.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import functools
 import gc
@@ -21,7 +22,7 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -166,9 +167,36 @@ def run_case(name: str, peers: list[str], options: argparse.Namespace, workdir: 
         except Exception as error:  # one failing peer must not stop the others
             rows[peer] = {"error": f"{type(error).__name__}: {error}"[:2000]}
         gc.collect()
+    rows = merge_reused(rows, options.reused.get("models", {}).get(name, {}).get("rows", {}))
     best, ratios = summarise(rows)
     shapes = {key: list(tensor.shape) for key, tensor in inputs.items()}
     return {"inputs": shapes, "rows": rows, "best_fp32_peer": best, "ratios": ratios}
+
+
+def merge_reused(rows: dict[str, dict], reused: dict[str, dict]) -> dict[str, dict]:
+    """Rows measured now, plus those of an earlier run (``--reuse``) for peers not run now."""
+    merged = {}
+    for peer in PEERS:
+        if peer in rows:
+            merged[peer] = rows[peer]
+        elif peer in reused:
+            merged[peer] = {**reused[peer], "reused": True}
+    return merged
+
+
+@contextlib.contextmanager
+def stdout_to_stderr() -> Iterator[None]:
+    """Exporters print graphs to stdout (Python and C++): keep stdout for the JSON alone."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def environment(options: argparse.Namespace) -> dict[str, Any]:
@@ -216,10 +244,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--max-seconds", type=float, default=120.0, help="cap on timed seconds per peer"
     )
+    parser.add_argument(
+        "--reuse",
+        type=Path,
+        help="an earlier run's JSON: its rows fill in peers not run now (marked reused)",
+    )
     parser.add_argument("--out", type=Path, help="also write the JSON here")
     options = parser.parse_args(argv)
     if options.runs < 1 or options.warmup < 0 or options.threads < 1:
         parser.error("--runs and --threads must be >= 1, --warmup >= 0")
+    options.reused = json.loads(options.reuse.read_text()) if options.reuse else {}
     return options
 
 
@@ -228,6 +262,12 @@ def benchmark(options: argparse.Namespace) -> dict[str, Any]:
     peers = select(list(PEERS), options.peers, "peer")
     torch.set_num_threads(options.threads)
     document: dict[str, Any] = {"environment": environment(options), "models": {}}
+    if options.reuse:
+        earlier = options.reused.get("environment", {})
+        document["environment"]["reused"] = {
+            "file": str(options.reuse),
+            "date": earlier.get("date"),
+        }
     with scratch_dir() as workdir:
         for name in models:
             document["models"][name] = run_case(name, peers, options, Path(workdir))
@@ -236,7 +276,8 @@ def benchmark(options: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     options = parse_args(argv)
-    document = benchmark(options)
+    with stdout_to_stderr():
+        document = benchmark(options)
     text = json.dumps(document, indent=2, default=str)
     print(text)
     if options.out is not None:

@@ -51,3 +51,18 @@ def test_select_expands_prefixes() -> None:
     ]
     with pytest.raises(SystemExit):
         cpu_models.select(names, "vgg", "model")
+
+
+def test_reuse_fills_in_rows_not_run(tmp_path: Path) -> None:
+    earlier = tmp_path / "earlier.json"
+    row = {"precision": "fp32", "median_ms": 2.0, "p90_ms": 3.0, "runs": 2, "setup_seconds": 0}
+    earlier.write_text(json.dumps({"models": {"mlp": {"rows": {"onnxruntime": row}}}}))
+    out = tmp_path / "bench.json"
+    argv = ["--models", "mlp", "--peers", "eager", "--runs", "2", "--warmup", "0"]
+    assert cpu_models.main([*argv, "--reuse", str(earlier), "--out", str(out)]) == 0
+
+    result = json.loads(out.read_text())["models"]["mlp"]
+    assert list(result["rows"]) == ["eager", "onnxruntime"]
+    assert result["rows"]["onnxruntime"]["reused"] is True
+    assert "reused" not in result["rows"]["eager"]
+    assert result["best_fp32_peer"]["name"] in {"eager", "onnxruntime"}
