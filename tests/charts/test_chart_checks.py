@@ -100,3 +100,14 @@ def test_check_examples_rejects_a_bad_manifest(tmp_path: Path) -> None:
     )
     assert done.returncode == 1
     assert "'precison' was unexpected" in done.stdout
+
+
+def test_two_worker_entries_with_one_name_fail(helm_run: HelmRun, tmp_path: Path) -> None:
+    values = tmp_path / "twice.yaml"
+    values.write_text(
+        "workers:\n  queues:\n    - {name: cpu, targets: [cpu-x86_64]}\n"
+        "    - {name: cpu, targets: [cuda-sm_90]}\n"
+    )
+    done = helm_run("template", "cuvil", str(CHART), "-f", str(values))
+    assert done.returncode != 0
+    assert 'workers.queues: the name "cpu" appears twice' in done.stderr
