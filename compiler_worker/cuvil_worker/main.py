@@ -13,7 +13,9 @@ import sys
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="cuvil-worker", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="cuvil-worker", description="A Celery worker for Cuvil compile tasks."
+    )
     parser.add_argument(
         "--queues",
         "-Q",

@@ -128,14 +128,15 @@ def build(
             loaded = load_source(spec, bundle_fetcher=bundle_fetcher)
         except ValueError as error:  # SourceError, ModelSourceError: the spec names no model
             raise InvalidSpec(str(error)) from None
-    compiled = _compile(loaded, target, str(spec.get("precision") or "fp32"), on_stage)
+    precision = str(spec.get("precision") or "fp32")
+    compiled = _compile(loaded, target, precision, on_stage)
     validation = dict(spec.get("validation") or {})
     samples = loaded.sample_inputs(int(validation.get("samples", checks.DEFAULT_SAMPLES)))
     report: dict[str, Any] = {"target": target, "compile": compiled.report}
     with stage_span("validate", on_stage, seconds):
         output_names = list(compiled.signature.output_names)
         report["validation"] = checks.validate(
-            compiled, loaded.model, samples, output_names, validation
+            compiled, loaded.model, samples, output_names, validation, precision
         )
     with stage_span("benchmark", on_stage, seconds):
         report["benchmark"] = checks.benchmark(

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from celery import Task
-from celery.exceptions import SoftTimeLimitExceeded
+from celery.exceptions import Retry, SoftTimeLimitExceeded
 from celery.result import AsyncResult
 
 from cuvil_worker import telemetry
@@ -95,17 +95,31 @@ def _fetcher(task_id: str) -> Callable[[str], Path]:
 
 @app.task(bind=True, name=TASK_COMPILE, acks_late=True)
 def compile_target(self: Task, request: dict[str, Any], target: str) -> dict[str, Any]:
-    from cuvil.artifact import RegistryError
-
     check_request(request)
     done = _already_done(self)
     if done is not None:
         return dict(done)
     task_id = self.request.id or target_task_id(request, target)
+    try:
+        result = _compile_and_push(self, request, target, task_id)
+    except Retry:
+        raise  # the packaged artifact stays in the work dir for the next try
+    except BaseException:
+        _forget(task_id)
+        raise
+    _forget(task_id)
+    return result
+
+
+def _compile_and_push(
+    task: Task, request: dict[str, Any], target: str, task_id: str
+) -> dict[str, Any]:
+    from cuvil.artifact import RegistryError
+
     with telemetry.continued(
         request.get("traceparent"), "cuvil.compile_target", target=target
     ) as span:
-        on_stage = StageReporter(self, target)
+        on_stage = StageReporter(task, target)
         spec = request["spec"]
         try:
             packaged = build_cached(spec, target, config, on_stage, task_id, _fetcher(task_id))
@@ -113,17 +127,20 @@ def compile_target(self: Task, request: dict[str, Any], target: str) -> dict[str
             result = publish(packaged, spec, target, on_stage, annotations)
         except RegistryError as error:
             if not error.retryable:
-                raise CompileFailed(f"registry refused the push: {error}") from None
-            raise _retry_registry(self, error) from None
+                raise CompileFailed(f"registry refused: {error}") from None
+            raise _retry_registry(task, error) from None
         except SoftTimeLimitExceeded:
             raise CompileTimeLimit(
                 f"{target}: time limit of {config.soft_time_limit:g}s exceeded "
                 f"(stage {on_stage.stage}); raise CUVIL_TASK_TIME_LIMIT for bigger models"
             ) from None
         result["traceId"] = telemetry.trace_id_of(span)
+    return result
+
+
+def _forget(task_id: str) -> None:
     forget_cached(config, task_id)
     shutil.rmtree(config.work_dir / "sources" / task_id, ignore_errors=True)
-    return result
 
 
 def _target_results(request: dict[str, Any]) -> list[dict[str, Any]]:

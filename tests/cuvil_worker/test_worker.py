@@ -206,8 +206,8 @@ def test_permanent_failures_fail_at_once_with_their_reason(
         dynamicDims={"batch": {"min": 1, "max": 64}, "features": {"min": 784, "max": 1024}},
     )
     gated = mlp_spec(registry, gates={"maxAbsError": 1e-3, "minSpeedup": 1000.0})
-    bf16 = mlp_spec(registry, precision="bf16")
-    requests = [compilation_request(s) for s in (unexportable, gated, bf16)]
+    fp16 = mlp_spec(registry, precision="fp16")  # not implemented by the CPU backend
+    requests = [compilation_request(s) for s in (unexportable, gated, fp16)]
     for request in requests:
         contract.submit_compilation(app, request)
     outcomes = [wait_done(app, r, timeout=120, workers=[worker]) for r in requests]
@@ -218,9 +218,10 @@ def test_permanent_failures_fail_at_once_with_their_reason(
     assert "features" in export_error, export_error
     gate_error = outcomes[1].error or ""
     assert re.search(r"gate minSpeedup failed: measured [0-9.]+, required >= 1000", gate_error)
-    assert "not supported" in (outcomes[2].error or "") and "bf16" in (outcomes[2].error or "")
+    assert "InvalidSpec" in (outcomes[2].error or ""), outcomes[2].error
+    assert "not supported" in (outcomes[2].error or "") and "fp16" in (outcomes[2].error or "")
 
-    for request, spec in zip(requests, (unexportable, gated, bf16), strict=True):
+    for request, spec in zip(requests, (unexportable, gated, fp16), strict=True):
         target_id = contract.target_task_id(request, "cpu-x86_64")
         assert AsyncResult(target_id, app=app).state == "FAILURE"
         assert worker.log.count(f"cuvil.compile[{target_id}] received") == 1, "retried"
