@@ -24,7 +24,7 @@ def jit(
     on_stage: Callable[[str], None] | None = None,
     disable_passes: tuple[str, ...] = (),
     patterns: tuple[Any, ...] | None = None,
-    tolerance: float = 1e-4,
+    tolerance: float | None = None,
     on_mismatch: str = "fallback",
 ) -> CompiledModel:
     """Compile ``model`` for ``target``; ``dynamic_shapes`` is what torch.export.export takes.
@@ -37,7 +37,12 @@ def jit(
     (``"raise"``). ``patterns`` defaults to those accepted by ``cuvil.patterns.register_pattern``.
     """
     from cuvil.patterns import registered_patterns
-    from cuvil.pipeline import CompileOptions, compile_model
+    from cuvil.pipeline import DEFAULT_TOLERANCE, CompileOptions, compile_model
+
+    if precision not in DEFAULT_TOLERANCE:
+        raise ValueError(
+            f"precision {precision!r} is not supported; choose from {sorted(DEFAULT_TOLERANCE)}"
+        )
 
     options = CompileOptions(
         target=target,
@@ -47,7 +52,7 @@ def jit(
         on_stage=on_stage,
         disable_passes=tuple(disable_passes),
         patterns=tuple(registered_patterns() if patterns is None else patterns),
-        tolerance=tolerance,
+        tolerance=DEFAULT_TOLERANCE[precision] if tolerance is None else tolerance,
         on_mismatch=on_mismatch,
     )
     return compile_model(model, example_inputs, dynamic_shapes, options)

@@ -40,6 +40,7 @@ from cuvil.passes.fusion import (
     fuse_transformer_blocks,
 )
 from cuvil.passes.layout import to_channels_last
+from cuvil.passes.precision import to_bf16
 from cuvil.passes.program import Program
 from cuvil.passes.rewrite import Rule, apply_rules
 from cuvil.runtime.model import CompiledModel, target_device
@@ -47,7 +48,9 @@ from cuvil.runtime.signature import Signature
 from cuvil.verify import OutputError, compare_outputs, worst_relative_error
 
 STAGES = ("export", "import", "verify_ir", "passes", "plan", "verify")
-PRECISIONS = ("fp32",)
+PRECISIONS = ("fp32", "bf16")
+# Error budget per precision: max error relative to the output's scale before bisection starts.
+DEFAULT_TOLERANCE = {"fp32": 1e-4, "bf16": 3e-2}
 PassFunction = Callable[[Program], Program]
 PASSES: tuple[tuple[str, PassFunction], ...] = (
     ("dead_code", lambda program: replace(program, graph=eliminate_dead_code(program.graph))),
@@ -114,12 +117,16 @@ def check_options(options: CompileOptions) -> None:
 
 
 def passes_for(options: CompileOptions) -> tuple[tuple[str, PassFunction], ...]:
-    """The pass list, with the user's patterns (if any) right before the built-in fusions."""
-    if not options.patterns:
-        return PASSES
-    user = ("user_patterns", partial(apply_rules, rules=tuple(options.patterns)))
-    index = [name for name, _ in PASSES].index("fold_batch_norm")
-    return (*PASSES[:index], user, *PASSES[index:])
+    """The pass list: the user's patterns (if any) right before the built-in fusions, and the
+    precision pass last when the precision is not fp32."""
+    passes = PASSES
+    if options.patterns:
+        user = ("user_patterns", partial(apply_rules, rules=tuple(options.patterns)))
+        index = [name for name, _ in PASSES].index("fold_batch_norm")
+        passes = (*PASSES[:index], user, *PASSES[index:])
+    if options.precision == "bf16":
+        passes = (*passes, ("precision", to_bf16))
+    return passes
 
 
 def run_passes(

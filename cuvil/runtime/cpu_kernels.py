@@ -32,6 +32,42 @@ ONEDNN_ACTIVATIONS: dict[str, tuple[str, list[float], str]] = {
 
 mkldnn = torch.ops.mkldnn
 
+# The same activations as plain functions, for the ATen fallback path.
+ACTIVATION_FUNCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "none": lambda x: x,
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "silu": F.silu,
+    "hardswish": F.hardswish,
+    "relu6": F.relu6,
+    "tanh": torch.tanh,
+    "sigmoid": torch.sigmoid,
+}
+
+
+def has_onednn_bf16() -> bool:
+    """oneDNN runs bf16 natively only with AVX512-BF16/AMX (or AVX-NE-CONVERT); checked at load."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def _reduced_precision(
+    args: Mapping[str, Any], dynamic: Sequence[str], onednn: KernelFactory, aten: Callable[..., Any]
+) -> Callable[..., Any]:
+    """bf16 weights: compute in bf16, keep fp32 at the op's borders (inputs cast in, result out).
+    oneDNN where the CPU has bf16 instructions; ATen's bf16 kernels otherwise."""
+    if not has_onednn_bf16():
+        return aten
+    bias = args.get("bias")
+    inner = onednn(
+        dict(args) | {"bias": bias.to(torch.bfloat16) if bias is not None else None}, dynamic
+    )
+
+    def run(*values: torch.Tensor) -> torch.Tensor:
+        return inner(*(v.to(torch.bfloat16) for v in values)).float()
+
+    return run
+
 
 def _runtime_order(dynamic: Sequence[str], expected: Sequence[str]) -> None:
     unexpected = [name for name in dynamic if name not in expected]
@@ -47,6 +83,17 @@ def conv2d_kernel(args: Mapping[str, Any], dynamic: Sequence[str]) -> Callable[.
     bias = args.get("bias")
     stride, padding = list(args["stride"]), list(args["padding"])
     dilation, groups = list(args["dilation"]), int(args["groups"])
+    if weight.dtype == torch.bfloat16 and not args.get("_inner"):
+        activate = ACTIVATION_FUNCTIONS[str(args["activation"])]
+        low_bias = bias.to(torch.bfloat16) if bias is not None else None
+
+        def aten_conv(x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+            y = F.conv2d(
+                x.to(torch.bfloat16), weight, low_bias, stride, padding, dilation, groups
+            ).float()
+            return activate(y + residual if residual is not None else y)
+
+        return _reduced_precision(dict(args) | {"_inner": True}, dynamic, conv2d_kernel, aten_conv)
     attr, scalars, algorithm = ONEDNN_ACTIVATIONS[str(args["activation"])]
     packed = mkldnn._reorder_convolution_weight(weight, padding, stride, dilation, groups, None)
     channels_last = torch.channels_last
@@ -90,6 +137,17 @@ def linear_kernel(args: Mapping[str, Any], dynamic: Sequence[str]) -> Callable[.
     _runtime_order(dynamic, ("input", "residual"))
     weight: torch.Tensor = args["weight"]
     bias = args.get("bias")
+    if weight.dtype == torch.bfloat16 and not args.get("_inner"):
+        activate = ACTIVATION_FUNCTIONS[str(args["activation"])]
+        low_bias = bias.to(torch.bfloat16) if bias is not None else None
+
+        def aten_linear(x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+            y = F.linear(x.to(torch.bfloat16), weight, low_bias).float()
+            return activate(y) if residual is None else y + residual
+
+        return _reduced_precision(
+            dict(args) | {"_inner": True}, dynamic, linear_kernel, aten_linear
+        )
     attr, scalars, algorithm = ONEDNN_ACTIVATIONS[str(args["activation"])]
     packed = mkldnn._reorder_linear_weight(weight, None)
     if "residual" in dynamic:
@@ -113,11 +171,22 @@ def swiglu_kernel(args: Mapping[str, Any], dynamic: Sequence[str]) -> Callable[.
     """``cuvil.swiglu(input, gate_up_weight, hidden)``: silu(x Wg^T) * (x Wu^T) with the two
     projections packed into one GEMM."""
     _runtime_order(dynamic, ("input",))
-    packed = mkldnn._reorder_linear_weight(args["gate_up_weight"], None)
     hidden = int(args["hidden"])
+    if args["gate_up_weight"].dtype == torch.bfloat16:
+        weight = args["gate_up_weight"]
+
+        def aten_swiglu(x: torch.Tensor) -> torch.Tensor:
+            gate, up = F.linear(x.to(torch.bfloat16), weight).float().split(hidden, dim=-1)
+            return F.silu(gate) * up
+
+        if not has_onednn_bf16():
+            return aten_swiglu
+    packed = mkldnn._reorder_linear_weight(args["gate_up_weight"], None)
+    low = args["gate_up_weight"].dtype == torch.bfloat16
 
     def swiglu(x: torch.Tensor) -> torch.Tensor:
-        both = mkldnn._linear_pointwise(x.contiguous(), packed, None, "none", [], "")
+        x = x.to(torch.bfloat16) if low else x.contiguous()
+        both = mkldnn._linear_pointwise(x, packed, None, "none", [], "").float()
         gate, up = both.split(hidden, dim=-1)
         return F.silu(gate) * up
 

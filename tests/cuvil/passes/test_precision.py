@@ -1,0 +1,61 @@
+"""bf16: GEMM-like ops get bf16 weights, normalisations stay fp32, results stay within the
+stated error budget (3e-2 of the output scale), and the artifact keeps the bf16 weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import cuvil
+from cuvil.models import mlp, tiny_llama
+from cuvil.pipeline import DEFAULT_TOLERANCE
+from tests.cuvil.passes.rule_cases import ConvBlock
+
+
+@pytest.mark.parametrize("factory", [mlp, tiny_llama], ids=["mlp", "tiny_llama"])
+def test_bf16_stays_within_budget_and_halves_gemm_weights(factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    spec = factory()
+    fp32 = cuvil.jit(spec.model, spec.example_inputs, dynamic_shapes=spec.dynamic_shapes)
+    bf16 = cuvil.jit(
+        spec.model, spec.example_inputs, dynamic_shapes=spec.dynamic_shapes, precision="bf16"
+    )
+    report = bf16.report
+    assert report["fusions"]["bf16_weights"] >= 3
+    assert report["bisection"] is None
+    assert 0 < report["verification"]["max_relative_to_scale"] <= DEFAULT_TOLERANCE["bf16"]
+    assert report["weights_bytes"] < 0.75 * fp32.report["weights_bytes"]
+    dtypes = {tensor.dtype for tensor in bf16.contents.weights.values()}
+    assert torch.bfloat16 in dtypes
+    for node in bf16.graph.nodes:  # norms keep fp32 weights
+        if node.op == "cuvil.rms_norm":
+            weight = node.arg("weight")
+            assert (
+                bf16.contents.weights[str(bf16.graph.node(weight.node).arg("key"))].dtype
+                == torch.float32
+            )
+    loaded = cuvil.load(bf16.save(tmp_path / "m.cuvil"))
+    inputs = {
+        k.removeprefix("input."): v
+        for k, v in bf16.contents.golden.items()
+        if k.startswith("input.")
+    }
+    for name, value in loaded.run(inputs).items():
+        torch.testing.assert_close(value, bf16.run(inputs)[name])
+
+
+def test_bf16_convolutions_match_within_budget() -> None:
+    model = ConvBlock(torch.relu).eval()
+    x = torch.randn(2, 8, 10, 10)
+    compiled = cuvil.jit(model, (x,), precision="bf16")
+    assert compiled.report["fusions"]["bf16_weights"] == 3
+    with torch.no_grad():
+        expected = model(x)
+    error = (compiled(x) - expected).abs().max() / expected.abs().max()
+    assert error <= DEFAULT_TOLERANCE["bf16"]
+
+
+def test_unknown_precision_is_refused() -> None:
+    with pytest.raises(ValueError, match="precision 'int3'"):
+        cuvil.jit(torch.nn.Linear(2, 2), (torch.randn(2, 2),), precision="int3")
