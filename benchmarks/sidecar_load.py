@@ -7,9 +7,10 @@ compiled model in process. Prints one JSON document.
 Each model is compiled once (kept in --artifacts, default /tmp/cuvil-bench-artifacts), then
 served by a sidecar subprocess per batching mode on loopback ports. Requests are batch 1
 (MiniLM: sequence 128). ``overhead_ms`` = sidecar p50 at concurrency 1 without batching minus
-the in-process ``CompiledModel.run`` p50 on the same input. The client runs on the same machine
-and competes with the server for its cores: figures are a floor for the sidecar, not a peer
-comparison.
+the in-process ``CompiledModel.run`` p50 on the same input; ``rpc_floor_p50_ms`` is a bare
+ServerLive round trip through the same client, the part of the overhead that is gRPC and the
+Python client rather than the sidecar's data path. The client runs on the same machine and
+competes with the server for its cores, so the figures overstate the sidecar's own cost.
 """
 
 from __future__ import annotations
@@ -118,6 +119,20 @@ def start_sidecar(path: Path, batch: int, delay_us: int, log: Path) -> tuple[sub
     raise RuntimeError(f"sidecar not ready: {log.read_text()[-2000:]}")
 
 
+async def rpc_floor(url: str, calls: int = 300) -> float:
+    """p50 of ServerLive, the smallest round trip through the same client and server."""
+    import tritonclient.grpc.aio as aioclient
+
+    client = aioclient.InferenceServerClient(url)
+    times = []
+    for _ in range(calls):
+        started = time.perf_counter()
+        await client.is_server_live()
+        times.append((time.perf_counter() - started) * 1e3)
+    await client.close()
+    return statistics.median(times)
+
+
 async def load(
     url: str, model: str, inputs: dict[str, np.ndarray], concurrency: int, duration_s: float
 ) -> dict[str, float]:
@@ -182,6 +197,8 @@ def main() -> int:
             log = args.artifacts / f"{name}-{mode}.log"
             process, url = start_sidecar(path, batch, args.queue_delay_us, log)
             try:
+                if mode == "batching_off":
+                    entry["rpc_floor_p50_ms"] = round(asyncio.run(rpc_floor(url)), 3)
                 rows = [asyncio.run(load(url, name, inputs, c, args.duration)) for c in levels]
             finally:
                 process.send_signal(signal.SIGTERM)
