@@ -21,6 +21,7 @@ from opentelemetry import trace
 from torch.utils import _pytree as pytree
 
 import cuvil
+from cuvil.analysis.memory import plan_memory
 from cuvil.artifact.files import ArtifactContents
 from cuvil.frontend.convert import convert_exported_program
 from cuvil.frontend.export import ExportedModel, export_model
@@ -267,10 +268,21 @@ def compile_model(
             "tolerance": options.tolerance,
         },
         "bisection": bisection,
+        "memory_plan": plan_memory(program.graph, _symbol_values(signature, inputs)).summary(),
         "fusions": dict(program.hits),
         "weights_bytes": sum(t.numel() * t.element_size() for t in program.weights.values()),
     }
     return compiled
+
+
+def _symbol_values(signature: Signature, inputs: dict[str, torch.Tensor]) -> dict[str, int]:
+    """The symbol values of the example inputs (the shapes the memory plan is reported at)."""
+    values: dict[str, int] = {}
+    for spec in signature.inputs:
+        for dim, size in zip(spec.shape, inputs[spec.name].shape, strict=True):
+            if dim.is_Symbol:
+                values[str(dim)] = int(size)
+    return values
 
 
 def _named_inputs(signature: Signature, exported: ExportedModel) -> dict[str, torch.Tensor]:

@@ -57,7 +57,7 @@ def fold_into_layer(match: Match, rewriter: Rewriter) -> tuple[list[Node], dict[
     gamma = _const(match, bn.arg("weight"))
     beta = _const(match, bn.arg("bias"))
     bias = _const(match, layer.arg("bias"))
-    compute = torch.float64  # fold in double, store in the weight's dtype
+    compute = torch.float32  # fold in fp32 (double costs seconds on ResNet-50 for ~1e-7)
     scale = torch.rsqrt(var.to(compute) + eps) * (gamma.to(compute) if gamma is not None else 1.0)
     shape = (-1,) + (1,) * (weight.dim() - 1)
     new_weight = (weight.to(compute) * scale.reshape(shape)).to(weight.dtype)

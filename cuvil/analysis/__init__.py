@@ -1,0 +1,1 @@
+"""Analyses: read-only facts about a Graph (memory plan, shapes)."""
