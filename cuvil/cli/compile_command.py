@@ -23,8 +23,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "-o", "--output", required=True, help="artifact path, or a registry/oci: REF to push to"
     )
-    parser.add_argument("--target", default="cpu", help="cpu (default), cpu-x86_64, cuda-sm_90, …")
-    parser.add_argument("--precision", default="fp32")
+    parser.add_argument(
+        "--target", help="cpu-x86_64, cuda-sm_90, … (default: the YAML's first target, else cpu)"
+    )
+    parser.add_argument("--precision", help="fp32 or bf16 (default: the YAML's, else fp32)")
     parser.add_argument("--dir", action="store_true", help="write the directory form, not one file")
     parser.add_argument(
         "--dump-ir", type=Path, help="dump the IR after each stage into this folder"
@@ -37,6 +39,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run_compile(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     spec = load_factory_spec(args.spec)
+    targets = spec.metadata.get("targets") or []
+    args.target = args.target or (targets[0] if targets else "cpu")
+    args.precision = args.precision or spec.metadata.get("precision") or "fp32"
     columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task(f"compiling {spec.name}", total=len(STAGES))
