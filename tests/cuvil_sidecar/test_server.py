@@ -148,3 +148,16 @@ def test_metrics_move(mlp_sidecar: Sidecar) -> None:
     assert 'cuvil_model_ready{model="mlp",version="1"} 1' in after
     with urllib.request.urlopen(mlp_sidecar.metrics_url + "/v2/health/ready") as response:
         assert response.status == 200
+
+
+def test_reflection_lists_the_services(mlp_sidecar: Sidecar) -> None:
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+        ProtoReflectionDescriptorDatabase,
+    )
+
+    with grpc.insecure_channel(mlp_sidecar.url) as channel:
+        database = ProtoReflectionDescriptorDatabase(channel)
+        services = set(database.get_services())
+        assert {"inference.GRPCInferenceService", "grpc.health.v1.Health"} <= services
+        described = database.FindFileContainingSymbol("inference.GRPCInferenceService")
+        assert "ModelInfer" in [method.name for method in described.service[0].method]
