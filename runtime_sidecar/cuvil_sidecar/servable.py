@@ -37,7 +37,11 @@ class ServedModel:
         self.batch_symbol = loaded.batch_symbol
         self.links = compile_links(model.config)
         self.max_message_bytes = config.max_message_bytes
-        max_rows = config.max_batch_size if config.batching and loaded.batch_symbol else 1
+        max_rows = 1
+        if config.batching and loaded.batch_symbol is not None:
+            # A joined batch must still fit the model's own bound on the batch dim.
+            bound = model.signature.symbol(loaded.batch_symbol).max
+            max_rows = min(config.max_batch_size, bound if bound is not None else 2**31)
         self.batcher = Batcher(
             model.run,
             max_rows=max_rows,

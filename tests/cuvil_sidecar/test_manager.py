@@ -150,3 +150,32 @@ def test_oci_layout_tag_polling_and_compile_trace_link(
         await manager.close()
 
     asyncio.run(scenario())
+
+
+def test_joined_batches_respect_the_models_batch_bound(mlp_artifact: Path) -> None:
+    """CUVIL_MAX_BATCH_SIZE above the model's declared batch max (64) never builds a batch the
+    model would refuse: 3 concurrent requests of 40 rows run as separate batches."""
+    import torch
+
+    async def scenario() -> None:
+        config = SidecarConfig(
+            model=str(mlp_artifact), max_batch_size=128, max_queue_delay_us=50_000, warmup_runs=0
+        )
+        manager = ModelManager(config, ModelSource(str(mlp_artifact)), Metrics())
+        assert await manager.load()
+        model = manager.acquire("mlp", "")
+        assert model.batcher.max_rows == 64
+        x = torch.randn(40, 784)
+        results = await asyncio.gather(
+            *(model.batcher.submit({"x": x}, rows=40, key="same") for _ in range(3))
+        )
+        assert [r.batch_rows for r in results] == [40, 40, 40]
+        assert all(r.outputs["output"].shape == (40, 10) for r in results)
+        small = await asyncio.gather(
+            *(model.batcher.submit({"x": x[:8]}, rows=8, key="same") for _ in range(4))
+        )
+        assert max(r.batch_requests for r in small) > 1
+        model.release()
+        await manager.close()
+
+    asyncio.run(scenario())
