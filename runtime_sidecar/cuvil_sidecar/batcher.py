@@ -121,10 +121,12 @@ class Batcher:
                 started, results, finished = await loop.run_in_executor(
                     self._executor, self._execute, batch
                 )
-            except Exception as error:  # the model itself failed: every caller hears it
-                for job in batch:
-                    if not job.future.done():
-                        job.future.set_exception(error)
+            except Exception as error:
+                if len(batch) > 1:  # one request must not fail the others: run each alone
+                    await self._run_alone(batch)
+                    continue
+                if not first.future.done():
+                    first.future.set_exception(error)
                 continue
             rows = sum(job.rows for job in batch)
             for job, outputs in zip(batch, results, strict=True):
@@ -132,6 +134,22 @@ class Batcher:
                     job.future.set_result(
                         BatchResult(outputs, job.enqueued_ns, started, finished, len(batch), rows)
                     )
+
+    async def _run_alone(self, batch: list[_Job]) -> None:
+        loop = asyncio.get_running_loop()
+        for job in batch:
+            try:
+                started, results, finished = await loop.run_in_executor(
+                    self._executor, self._execute, [job]
+                )
+            except Exception as error:
+                if not job.future.done():
+                    job.future.set_exception(error)
+                continue
+            if not job.future.done():
+                job.future.set_result(
+                    BatchResult(results[0], job.enqueued_ns, started, finished, 1, job.rows)
+                )
 
     async def _gather(self, batch: list[_Job]) -> None:
         """Add compatible jobs to ``batch`` until it is full or the oldest's delay has passed."""
