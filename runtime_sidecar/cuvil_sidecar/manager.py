@@ -125,7 +125,13 @@ class ModelManager:
                 lambda: float(self.current.batcher.pending if self.current else 0),
             )
             self.metrics.reload("ok")
-            log.info("serving %s %s (from %s)", new.name, new.digest, self.source)
+            log.info(
+                "serving %s %s (from %s; %s)",
+                new.name,
+                new.digest,
+                self.source,
+                new.batcher.mode,
+            )
             if old is None:
                 if self._on_ready is not None:
                     await self._on_ready(True)

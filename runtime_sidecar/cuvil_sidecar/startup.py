@@ -48,6 +48,7 @@ class LoadedModel:
     batch_symbol: str | None
     buckets: tuple[dict[str, int], ...]
     seconds: float
+    fastest_run_ms: float  # quickest warm-up run (smallest bucket): how heavy one call is
 
 
 Progress = Callable[[str], None]
@@ -82,19 +83,22 @@ def load_checked(
         raise StartupError(f"{path} targets {model.config.get('target')} but no GPU is visible")
     symbol = batch_symbol(model.signature)
     buckets = shape_buckets(model, symbol, max_rows)
+    fastest = float("inf")
     for index, bucket in enumerate(buckets, 1):
         progress(f"warming up bucket {index}/{len(buckets)} {bucket}")
         inputs = bucket_inputs(model, bucket)
         try:
             for _ in range(warmup_runs):
+                run_started = time.perf_counter()
                 model.run(inputs)
+                fastest = min(fastest, (time.perf_counter() - run_started) * 1e3)
         except Exception as error:
             raise StartupError(f"warm-up at {bucket} failed: {error}") from error
     progress("checking golden outputs")
     check_golden(model, golden_tolerance)
     seconds = time.perf_counter() - started
     log.info("loaded %s (%s) in %.2f s, buckets %s", model.name, digest, seconds, buckets)
-    return LoadedModel(model, digest, source_digest, path, symbol, tuple(buckets), seconds)
+    return LoadedModel(model, digest, source_digest, path, symbol, tuple(buckets), seconds, fastest)
 
 
 def manifest_annotations(path: Path) -> dict[str, str]:
