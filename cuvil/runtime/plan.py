@@ -106,6 +106,11 @@ class ExecutionPlan:
                     constants[key] = self.initial[slot]
                 else:
                     runtime.append((key, arg))
+                    # Static sizes of run-time operands let kernels pick their packed layout.
+                    shape = self.graph.type_of(arg).shape
+                    constants[f"_{key}_sizes"] = tuple(
+                        int(d) if d.is_Integer else None for d in shape
+                    )
             else:
                 literal, filler = self._compile_arg(arg)
                 if filler is not None:
