@@ -93,7 +93,6 @@ def start_sidecar(path: Path, batch: int, delay_us: int, log: Path) -> tuple[sub
         "CUVIL_METRICS_PORT": "0",
         "CUVIL_MAX_BATCH_SIZE": str(batch),
         "CUVIL_MAX_QUEUE_DELAY_US": str(delay_us),
-        "CUVIL_WARMUP_RUNS": "1",
         "PYTHONPATH": os.pathsep.join([str(REPO / "runtime_sidecar"), str(REPO)]),
     }
     process = subprocess.Popen(
