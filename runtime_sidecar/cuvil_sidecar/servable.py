@@ -20,9 +20,6 @@ from cuvil_sidecar.tracing import compile_links
 log = logging.getLogger("cuvil_sidecar.servable")
 
 VERSION = "1"  # one version is served at a time; a reload replaces it in place
-# Without batching and with one instance, a model whose calls take less than this runs on the
-# event loop itself: handing it to a worker thread and back costs about as much as the call.
-INLINE_BELOW_MS = 1.0
 
 
 class ServedModel:
@@ -52,11 +49,6 @@ class ServedModel:
             instances=config.model_instances,
             on_execute=self._count_execution,
             name=self.name,
-            inline=(
-                max_rows == 1
-                and config.model_instances == 1
-                and loaded.fastest_run_ms < INLINE_BELOW_MS
-            ),
         )
         self._metrics = metrics
         self.in_flight = 0

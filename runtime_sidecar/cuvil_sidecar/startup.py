@@ -97,7 +97,14 @@ def load_checked(
     progress("checking golden outputs")
     check_golden(model, golden_tolerance)
     seconds = time.perf_counter() - started
-    log.info("loaded %s (%s) in %.2f s, buckets %s", model.name, digest, seconds, buckets)
+    log.info(
+        "loaded %s (%s) in %.2f s, buckets %s, fastest warm-up run %.2f ms",
+        model.name,
+        digest,
+        seconds,
+        buckets,
+        fastest,
+    )
     return LoadedModel(model, digest, source_digest, path, symbol, tuple(buckets), seconds, fastest)
 
 
