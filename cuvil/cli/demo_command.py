@@ -1,93 +1,212 @@
-"""``cuvil demo``: the main job on embedded defaults, end to end on this machine.
+"""``cuvil demo``: the main job on embedded defaults (no cluster, no Redis, no registry).
 
-Compiles the bundled models, stores each artifact, loads it back as a fresh artifact would be
-loaded (no model code), checks it against eager PyTorch, times both, and prints the report.
+For each model: compile it through the worker's own per-target pipeline (load, cuvil.jit,
+validation and benchmark against eager, gates, package, push) into a local OCI image layout
+(``oci:OUT/layout:<model>``); then start one ``cuvil-sidecar`` per model with ``CUVIL_MODEL``
+pointing at that reference, send requests with NVIDIA's ``tritonclient.grpc``, check every
+answer against eager PyTorch, and print the fusion report, the latencies and the trace that
+joins the compile spans (this process) to the serving spans (the sidecar, over OTLP).
+Exits 1 when any check fails. The steps live in ``cuvil.demo``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from cuvil.api import jit, load
-from cuvil.cli.spec import load_factory_spec
-from cuvil.verify import compare_outputs
-
 DEFAULT_MODELS = ("cuvil.models:minilm", "cuvil.models:resnet50")
+SIDECAR_ENV = {
+    "CUVIL_MAX_BATCH_SIZE": "4",  # warm-up covers batches 1, 2, 4
+    "OTEL_EXPORTER_OTLP_INSECURE": "true",
+    "OTEL_BSP_SCHEDULE_DELAY": "100",
+    "OTEL_SERVICE_NAME": "cuvil-sidecar",
+}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("demo", help="compile, store, load and run the bundled models")
-    parser.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS), metavar="SPEC")
-    parser.add_argument("--out", type=Path, default=Path("out"), help="where artifacts go")
-    parser.add_argument("--runs", type=int, default=20)
+    parser = subparsers.add_parser(
+        "demo",
+        help="compile the bundled models through the worker pipeline, serve them, check them",
+    )
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        default=list(DEFAULT_MODELS),
+        metavar="SPEC",
+        help="cuvil.models:NAME or a ModelCompilation YAML (default: minilm and resnet50)",
+    )
+    parser.add_argument("--out", type=Path, default=Path("out"), help="layout, cache and logs")
+    parser.add_argument("--requests", type=int, default=20, help="ModelInfer calls per model")
+    parser.add_argument(
+        "--bench-iterations",
+        type=int,
+        default=12,
+        help="the worker's benchmark: timed runs each of eager and cuvil",
+    )
+    parser.add_argument("--no-serve", action="store_true", help="compile and store only")
+    parser.add_argument(
+        "--ready-timeout", type=float, default=180.0, help="seconds a sidecar may take to be ready"
+    )
     parser.set_defaults(handler=run_demo)
 
 
-def median_ms(fn: Callable[[], Any], runs: int) -> float:
-    fn()
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1000)
-    return statistics.median(times)
-
-
-def demo_one(spec_text: str, out: Path, runs: int) -> dict[str, Any]:
-    spec = load_factory_spec(spec_text)
-    compiled = jit(
-        spec.model, spec.example_inputs, dynamic_shapes=spec.dynamic_shapes, name=spec.name
-    )
-    path = compiled.save(out / f"{spec.name}.cuvil")
-    loaded = load(path)
-    inputs = {
-        k.removeprefix("input."): v
-        for k, v in loaded.contents.golden.items()
-        if k.startswith("input.")
-    }
-    expected = {
-        k.removeprefix("output."): v
-        for k, v in loaded.contents.golden.items()
-        if k.startswith("output.")
-    }
-    errors = compare_outputs(loaded.run(inputs), expected)
-    with torch.no_grad():
-        eager_ms = median_ms(lambda: spec.model(**inputs), runs)
-    cuvil_ms = median_ms(lambda: loaded.run(inputs), runs)
-    report = compiled.report
-    return {
-        "model": spec.name,
-        "artifact": str(path),
-        "artifact_bytes": path.stat().st_size,
-        "compile_seconds": report["compile_seconds"],
-        "ops": {"before": report["ops_before"], "after": report["ops_after"]},
-        "top_ops": dict(list(report["op_histogram"].items())[:6]),
-        "inputs": {k: list(v.shape) for k, v in inputs.items()},
-        "max_error_relative_to_scale": max(e.relative_to_scale for e in errors),
-        "latency_ms": {
-            "eager": round(eager_ms, 3),
-            "cuvil": round(cuvil_ms, 3),
-            "speedup": round(eager_ms / cuvil_ms, 3),
-        },
-    }
-
-
 def run_demo(args: argparse.Namespace) -> int:
-    args.out.mkdir(parents=True, exist_ok=True)
-    results = []
-    for spec_text in args.models:
-        print(f"== {spec_text}", flush=True)
-        result = demo_one(spec_text, args.out, args.runs)
-        results.append(result)
-        print(json.dumps(result, indent=2), flush=True)
-    ok = all(r["max_error_relative_to_scale"] <= 1e-4 for r in results)
-    print(json.dumps({"demo": "ok" if ok else "verification failed", "models": len(results)}))
-    return 0 if ok else 1
+    from opentelemetry import trace
+
+    from cuvil.demo import report
+    from cuvil.demo.compilation import demo_model
+    from cuvil.demo.traces import LocalSpans, OtlpReceiver, render_tree
+
+    started = time.perf_counter()
+    models = [demo_model(text) for text in args.models]  # bad --models fail before any work
+    _quiet_progress_bars()
+    local = LocalSpans().install()
+    out: Path = args.out
+    layout = out / "layout"
+    out.mkdir(parents=True, exist_ok=True)
+    tracer = trace.get_tracer("cuvil.demo")
+    runs: list[report.ModelRun] = []
+    roots: dict[str, Any] = {}
+    for model in models:
+        root = tracer.start_span(f"cuvil.demo {model.name}")
+        trace_id = format(root.get_span_context().trace_id, "032x")
+        roots[model.name] = root
+        run = report.ModelRun(model.name, trace_id)
+        runs.append(run)
+        print(f"== {model.name}: compiling ({model.target})", flush=True)
+        with trace.use_span(root, end_on_exit=False):
+            _compile(run, model, layout, args.bench_iterations)
+    receiver = None
+    if not args.no_serve and any(run.compiled for run in runs):
+        receiver = OtlpReceiver().start()
+        try:
+            specs = {model.name: model.spec for model in models}
+            _serve(runs, specs, roots, out, receiver, args, tracer)
+        finally:
+            receiver.stop()
+    for root in roots.values():
+        if root.is_recording():
+            root.end()
+    spans = local.records() + (receiver.spans if receiver else [])
+    for run in runs:
+        _check_trace(run, spans, serve=not args.no_serve)
+        print(f"== trace {run.trace_id} ({run.name})")
+        print("\n".join(render_tree(spans, run.trace_id)))
+    seconds = time.perf_counter() - started
+    print("\n".join(report.summary_lines(runs, seconds, f"oci:{layout}", not args.no_serve)))
+    return 0 if runs and all(run.ok for run in runs) else 1
+
+
+def _quiet_progress_bars() -> None:
+    """transformers' weight-loading bars would interleave with the report."""
+    try:
+        from transformers.utils import logging as transformers_logging
+    except ImportError:
+        return
+    transformers_logging.disable_progress_bar()
+
+
+def _compile(run: Any, model: Any, layout: Path, bench_iterations: int) -> None:
+    from cuvil_worker.errors import CompileFailed
+
+    from cuvil.demo import report
+    from cuvil.demo.compilation import compile_to_layout
+
+    try:
+        run.compiled = compile_to_layout(
+            model, layout, bench_iterations=bench_iterations, on_stage=lambda stage: None
+        )
+    except CompileFailed as error:  # the worker's verdict: bad model, failed check or gate
+        run.failures.append(f"{type(error).__name__}: {error}")
+        print(f"  FAILED: {run.failures[-1]}", flush=True)
+        return
+    print("\n".join(report.compile_lines(run.compiled)), flush=True)
+
+
+def _serve(
+    runs: list[Any],
+    specs: dict[str, dict[str, Any]],
+    roots: dict[str, Any],
+    out: Path,
+    receiver: Any,
+    args: Any,
+    tracer: Any,
+) -> None:
+    """Start every sidecar at once (their start-ups overlap), then query them one by one."""
+    import tritonclient.grpc as grpcclient
+    from cuvil_worker import telemetry
+    from opentelemetry import trace
+
+    from cuvil.demo import report
+    from cuvil.demo.serving import SidecarProcess, send_requests
+    from cuvil.frontend.sources import load_source
+
+    env = SIDECAR_ENV | {
+        "CUVIL_CACHE_DIR": str((out / "cache").resolve()),
+        "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
+    }
+    compiled = [run for run in runs if run.compiled is not None]
+    sidecars = {
+        run.name: SidecarProcess(
+            run.compiled.reference, run.name, out / "logs" / f"sidecar-{run.name}.log", env
+        )
+        for run in compiled
+    }
+    try:
+        for run in compiled:
+            print(f"== {run.name}: serving with cuvil-sidecar", flush=True)
+            sidecar = sidecars[run.name]
+            # The eager reference, loaded as the worker loaded it (seeded, so the same weights).
+            source = load_source(specs[run.name])
+            vocab = int(getattr(getattr(source.model, "config", None), "vocab_size", 0) or 2)
+            client = grpcclient.InferenceServerClient(sidecar.url)
+            try:
+                sidecar.wait_ready(client, args.ready_timeout)
+            except RuntimeError as error:
+                run.failures.append(str(error).splitlines()[0])
+                print(f"  FAILED: {error}", flush=True)
+                continue
+            finally:
+                client.close()
+            context = trace.set_span_in_context(roots[run.name])
+            with tracer.start_as_current_span("cuvil.demo.requests", context=context):
+                run.served = send_requests(
+                    sidecar,
+                    source.model,
+                    source.example_inputs,
+                    count=args.requests,
+                    vocab=vocab,
+                    traceparent=telemetry.current_traceparent(),
+                )
+            run.failures += run.served.failures
+            roots[run.name].end()
+            print("\n".join(report.serve_lines(run.served)), flush=True)
+        wanted = {run.trace_id: args.requests + 1 for run in compiled if run.served}
+        receiver.wait_for(
+            lambda spans: all(_server_spans(spans).get(t, 0) >= n for t, n in wanted.items())
+        )
+    finally:
+        for sidecar in sidecars.values():
+            sidecar.stop()
+
+
+def _server_spans(spans: list[Any]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for span in spans:
+        if span.name.endswith("/ModelInfer"):
+            counts[span.trace_id] = counts.get(span.trace_id, 0) + 1
+    return counts
+
+
+def _check_trace(run: Any, spans: list[Any], *, serve: bool) -> None:
+    """The model's trace holds the worker's compile spans and, when served, the sidecar's."""
+    mine = [span for span in spans if span.trace_id == run.trace_id]
+    for span in mine:
+        run.spans[span.service] = run.spans.get(span.service, 0) + 1
+    names = {span.name for span in mine}
+    if run.compiled is not None and not {"cuvil.compile_target", "cuvil.export"} <= names:
+        run.failures.append("trace lacks the compile spans")
+    if serve and run.served is not None and "cuvil.infer" not in names:
+        run.failures.append("trace lacks the sidecar's serving spans")
