@@ -28,8 +28,22 @@ def assert_close(actual: np.ndarray, expected: torch.Tensor, name: str) -> None:
 def watch_start_up(sidecar: Sidecar, model: str) -> None:
     """From the first moment the port answers: live but not ready, and inference refused with
     UNAVAILABLE; then ready only after the log shows warm-up and the golden check."""
-    client = grpcclient.InferenceServerClient(sidecar.url)
-    sidecar.wait_live(client)
+
+    # A fresh channel per attempt: a channel that failed to connect waits out gRPC's reconnect
+    # backoff (a second or more) and would first answer long after the port opened.
+    def first_answer() -> grpcclient.InferenceServerClient:
+        probe = grpcclient.InferenceServerClient(sidecar.url)
+        try:
+            if probe.is_server_live():
+                return probe
+        except InferenceServerException:
+            pass
+        probe.close()
+        raise ConnectionError("not yet")
+
+    clients: list[grpcclient.InferenceServerClient] = []
+    sidecar.wait_until(lambda: bool(clients.append(first_answer()) or True))
+    client = clients[-1]
     assert client.is_server_ready() is False
     assert client.is_model_ready(model) is False
     with pytest.raises(InferenceServerException) as refused:
@@ -78,7 +92,7 @@ def infer_both_ways(
 
 def test_minilm(minilm_artifact: Path, minilm_spec, tmp_path: Path) -> None:
     sidecar = Sidecar(
-        minilm_artifact, tmp_path / "minilm.log", CUVIL_MAX_BATCH_SIZE="4", CUVIL_WARMUP_RUNS="1"
+        minilm_artifact, tmp_path / "minilm.log", CUVIL_MAX_BATCH_SIZE="4", CUVIL_WARMUP_RUNS="3"
     )
     try:
         watch_start_up(sidecar, "minilm")
@@ -105,7 +119,7 @@ def test_minilm(minilm_artifact: Path, minilm_spec, tmp_path: Path) -> None:
 
 def test_resnet50(resnet_artifact: Path, resnet_spec, tmp_path: Path) -> None:
     sidecar = Sidecar(
-        resnet_artifact, tmp_path / "resnet.log", CUVIL_MAX_BATCH_SIZE="4", CUVIL_WARMUP_RUNS="1"
+        resnet_artifact, tmp_path / "resnet.log", CUVIL_MAX_BATCH_SIZE="4", CUVIL_WARMUP_RUNS="3"
     )
     try:
         watch_start_up(sidecar, "resnet50")
