@@ -69,22 +69,31 @@ def run_demo(args: argparse.Namespace) -> int:
     tracer = trace.get_tracer("cuvil.demo")
     runs: list[report.ModelRun] = []
     roots: dict[str, Any] = {}
-    for model in models:
-        root = tracer.start_span(f"cuvil.demo {model.name}")
-        trace_id = format(root.get_span_context().trace_id, "032x")
-        roots[model.name] = root
-        run = report.ModelRun(model.name, trace_id)
-        runs.append(run)
-        print(f"== {model.name}: compiling ({model.target})", flush=True)
-        with trace.use_span(root, end_on_exit=False):
-            _compile(run, model, layout, args.bench_iterations)
-    receiver = None
-    if not args.no_serve and any(run.compiled for run in runs):
-        receiver = OtlpReceiver().start()
-        try:
+    receiver = None if args.no_serve else OtlpReceiver().start()
+    sidecars: dict[str, Any] = {}
+    try:
+        for model in models:
+            root = tracer.start_span(f"cuvil.demo {model.name}")
+            roots[model.name] = root
+            run = report.ModelRun(model.name, format(root.get_span_context().trace_id, "032x"))
+            runs.append(run)
+            print(f"== {model.name}: compiling ({model.target})", flush=True)
+            with trace.use_span(root, end_on_exit=False):
+                _compile(run, model, layout, args.bench_iterations)
+            if receiver is not None and run.compiled is not None:
+                # Its start-up (imports, pull, warm-up) overlaps the next model's compile.
+                sidecars[run.name] = _start_sidecar(run, out, receiver.endpoint)
+        if receiver is not None and sidecars:
             specs = {model.name: model.spec for model in models}
-            _serve(runs, specs, roots, out, receiver, args, tracer)
-        finally:
+            _serve(runs, sidecars, specs, roots, args, tracer)
+            wanted = {run.trace_id: args.requests + 1 for run in runs if run.served}
+            receiver.wait_for(
+                lambda spans: all(_server_spans(spans).get(t, 0) >= n for t, n in wanted.items())
+            )
+    finally:
+        for sidecar in sidecars.values():
+            sidecar.stop()
+        if receiver is not None:
             receiver.stop()
     for root in roots.values():
         if root.is_recording():
@@ -125,71 +134,67 @@ def _compile(run: Any, model: Any, layout: Path, bench_iterations: int) -> None:
     print("\n".join(report.compile_lines(run.compiled)), flush=True)
 
 
+def _start_sidecar(run: Any, out: Path, otlp_endpoint: str) -> Any:
+    from cuvil.demo.serving import SidecarProcess
+
+    env = SIDECAR_ENV | {
+        "CUVIL_CACHE_DIR": str((out / "cache").resolve()),
+        "OTEL_EXPORTER_OTLP_ENDPOINT": otlp_endpoint,
+    }
+    log = out / "logs" / f"sidecar-{run.name}.log"
+    return SidecarProcess(run.compiled.reference, run.name, log, env)
+
+
 def _serve(
     runs: list[Any],
+    sidecars: dict[str, Any],
     specs: dict[str, dict[str, Any]],
     roots: dict[str, Any],
-    out: Path,
-    receiver: Any,
     args: Any,
     tracer: Any,
 ) -> None:
-    """Start every sidecar at once (their start-ups overlap), then query them one by one."""
+    """Wait until every sidecar is ready, then query them one at a time (so that no start-up
+    competes with the requests being timed)."""
     import tritonclient.grpc as grpcclient
     from cuvil_worker import telemetry
     from opentelemetry import trace
 
     from cuvil.demo import report
-    from cuvil.demo.serving import SidecarProcess, send_requests
+    from cuvil.demo.serving import send_requests
     from cuvil.frontend.sources import load_source
 
-    env = SIDECAR_ENV | {
-        "CUVIL_CACHE_DIR": str((out / "cache").resolve()),
-        "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
-    }
-    compiled = [run for run in runs if run.compiled is not None]
-    sidecars = {
-        run.name: SidecarProcess(
-            run.compiled.reference, run.name, out / "logs" / f"sidecar-{run.name}.log", env
-        )
-        for run in compiled
-    }
-    try:
-        for run in compiled:
-            print(f"== {run.name}: serving with cuvil-sidecar", flush=True)
-            sidecar = sidecars[run.name]
-            # The eager reference, loaded as the worker loaded it (seeded, so the same weights).
-            source = load_source(specs[run.name])
-            vocab = int(getattr(getattr(source.model, "config", None), "vocab_size", 0) or 2)
-            client = grpcclient.InferenceServerClient(sidecar.url)
-            try:
-                sidecar.wait_ready(client, args.ready_timeout)
-            except RuntimeError as error:
-                run.failures.append(str(error).splitlines()[0])
-                print(f"  FAILED: {error}", flush=True)
-                continue
-            finally:
-                client.close()
-            context = trace.set_span_in_context(roots[run.name])
-            with tracer.start_as_current_span("cuvil.demo.requests", context=context):
-                run.served = send_requests(
-                    sidecar,
-                    source.model,
-                    source.example_inputs,
-                    count=args.requests,
-                    vocab=vocab,
-                    traceparent=telemetry.current_traceparent(),
-                )
-            run.failures += run.served.failures
-            roots[run.name].end()
-            print("\n".join(report.serve_lines(run.served)), flush=True)
-        wanted = {run.trace_id: args.requests + 1 for run in compiled if run.served}
-        receiver.wait_for(
-            lambda spans: all(_server_spans(spans).get(t, 0) >= n for t, n in wanted.items())
-        )
-    finally:
-        for sidecar in sidecars.values():
-            sidecar.stop()
+    # The eager references, loaded as the worker loaded them (seeded: the same weights).
+    sources = {name: load_source(specs[name]) for name in sidecars}
+    ready = []
+    for run in runs:
+        if run.name not in sidecars:
+            continue
+        client = grpcclient.InferenceServerClient(sidecars[run.name].url)
+        try:
+            sidecars[run.name].wait_ready(client, args.ready_timeout)
+            ready.append(run)
+        except RuntimeError as error:
+            run.failures.append(str(error).splitlines()[0])
+            print(f"== {run.name}: sidecar FAILED: {error}", flush=True)
+        finally:
+            client.close()
+    for run in ready:
+        print(f"== {run.name}: served by cuvil-sidecar from {run.compiled.reference}", flush=True)
+        source = sources[run.name]
+        vocab = int(getattr(getattr(source.model, "config", None), "vocab_size", 0) or 2)
+        context = trace.set_span_in_context(roots[run.name])
+        with tracer.start_as_current_span("cuvil.demo.requests", context=context):
+            run.served = send_requests(
+                sidecars[run.name],
+                source.model,
+                source.example_inputs,
+                count=args.requests,
+                vocab=vocab,
+                traceparent=telemetry.current_traceparent(),
+            )
+        roots[run.name].end()
+        run.failures += run.served.failures
+        print("\n".join(report.serve_lines(run.served)), flush=True)
 
 
 def _server_spans(spans: list[Any]) -> dict[str, int]:

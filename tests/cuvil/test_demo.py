@@ -70,7 +70,7 @@ def test_demo_compiles_serves_and_checks_the_mlp(tmp_path: Path) -> None:
 def test_demo_without_serving_stores_the_artifact(tmp_path: Path) -> None:
     done, _ = run_demo(tmp_path / "out", "--no-serve")
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    assert "serving with cuvil-sidecar" not in done.stdout
+    assert "served by cuvil-sidecar" not in done.stdout
     assert (tmp_path / "out" / "layout" / "index.json").is_file()
     assert done.stdout.splitlines()[-1].startswith("demo: ok: 1 model(s)")
 
