@@ -155,7 +155,6 @@ def _serve(
 ) -> None:
     """Wait until every sidecar is ready, then query them one at a time (so that no start-up
     competes with the requests being timed)."""
-    import tritonclient.grpc as grpcclient
     from cuvil_worker import telemetry
     from opentelemetry import trace
 
@@ -169,15 +168,12 @@ def _serve(
     for run in runs:
         if run.name not in sidecars:
             continue
-        client = grpcclient.InferenceServerClient(sidecars[run.name].url)
         try:
-            sidecars[run.name].wait_ready(client, args.ready_timeout)
+            sidecars[run.name].wait_ready(args.ready_timeout)
             ready.append(run)
         except RuntimeError as error:
             run.failures.append(str(error).splitlines()[0])
             print(f"== {run.name}: sidecar FAILED: {error}", flush=True)
-        finally:
-            client.close()
     for run in ready:
         print(f"== {run.name}: served by cuvil-sidecar from {run.compiled.reference}", flush=True)
         source = sources[run.name]

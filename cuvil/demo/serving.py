@@ -15,6 +15,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -68,29 +69,44 @@ class SidecarProcess:
             sidecar_command(), env=environ, stdout=self._log, stderr=subprocess.STDOUT
         )
         self.ready_seconds: float | None = None
+        self._settled = threading.Event()  # ready, exited, or stopped
+        threading.Thread(target=self._watch, name=f"watch-{name}", daemon=True).start()
 
     def log_tail(self, chars: int = 2000) -> str:
         return self.log_path.read_text(errors="replace")[-chars:]
 
-    def wait_ready(self, client: Any, timeout_s: float) -> float:
-        """Seconds from spawn to ready (pull, verify, load, warm up, golden check)."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(
-                    f"sidecar for {self.name} exited ({self.process.returncode}):\n"
-                    + self.log_tail()
-                )
-            try:
-                if client.is_server_ready():
-                    self.ready_seconds = time.perf_counter() - self.started
-                    return self.ready_seconds
-            except Exception:  # not listening yet
-                pass
-            time.sleep(0.1)
+    def _watch(self) -> None:
+        """Polls readiness from spawn on, so that ``ready_seconds`` is the sidecar's own time
+        (pull, verify, load, warm up, golden check), whenever the demo gets to wait for it."""
+        import tritonclient.grpc as grpcclient
+
+        client = grpcclient.InferenceServerClient(self.url)
+        try:
+            while not self._settled.is_set() and self.process.poll() is None:
+                try:
+                    if client.is_server_ready():
+                        self.ready_seconds = time.perf_counter() - self.started
+                        break
+                except Exception:  # not listening yet
+                    pass
+                time.sleep(0.2)
+        finally:
+            client.close()
+            self._settled.set()
+
+    def wait_ready(self, timeout_s: float) -> float:
+        """Blocks until the sidecar is ready; its seconds from spawn to ready."""
+        self._settled.wait(timeout_s)
+        if self.ready_seconds is not None:
+            return self.ready_seconds
+        if self.process.poll() is not None:
+            raise RuntimeError(
+                f"sidecar for {self.name} exited ({self.process.returncode}):\n" + self.log_tail()
+            )
         raise RuntimeError(f"sidecar for {self.name} not ready after {timeout_s:.0f} s")
 
     def stop(self) -> None:
+        self._settled.set()
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
