@@ -20,10 +20,12 @@ REPO = Path(__file__).resolve().parents[2]
 REF_NAME = "org.opencontainers.image.ref.name"  # the tag, in an OCI layout's index.json
 
 
-def run_demo(out: Path, *extra: str) -> tuple[subprocess.CompletedProcess[str], float]:
+def run_demo(
+    out: Path, *extra: str, models: str = "cuvil.models:mlp"
+) -> tuple[subprocess.CompletedProcess[str], float]:
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("CUVIL_", "OTEL_"))}
     environ |= {"HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore::FutureWarning"}
-    command = [sys.executable, "-m", "cuvil.cli.main", "demo", "--models", "cuvil.models:mlp"]
+    command = [sys.executable, "-m", "cuvil.cli.main", "demo", "--models", models]
     started = time.monotonic()
     done = subprocess.run(
         [*command, "--out", str(out), "--bench-iterations", "5", *extra],
@@ -81,3 +83,22 @@ def test_demo_refuses_what_the_worker_cannot_compile(
 ) -> None:
     assert main(["demo", "--models", models]) == 2
     assert "the demo compiles through the worker" in capsys.readouterr().err
+
+
+def test_demo_exits_nonzero_when_a_check_fails(tmp_path: Path) -> None:
+    """A gate nothing can meet: the worker refuses the model, the summary says so, exit 1."""
+    spec = tmp_path / "strict.yaml"
+    spec.write_text(
+        "apiVersion: cuvil.dev/v1alpha1\n"
+        "kind: ModelCompilation\n"
+        "metadata: {name: mlp-strict}\n"
+        "spec:\n"
+        "  source: {builtin: {name: mlp}}\n"
+        "  targets: [cpu-x86_64]\n"
+        "  gates: {maxAbsError: 0.0}\n"
+    )
+    done, _ = run_demo(tmp_path / "out", "--no-serve", models=str(spec))
+    assert done.returncode == 1, done.stdout[-4000:] + done.stderr[-4000:]
+    row = next(line for line in done.stdout.splitlines() if line.startswith("mlp-strict "))
+    assert "FAILED: GateFailed: gate maxAbsError failed" in row
+    assert done.stdout.splitlines()[-1].startswith("demo: FAILED: 1 model(s)")
