@@ -80,18 +80,21 @@ class SidecarProcess:
         (pull, verify, load, warm up, golden check), whenever the demo gets to wait for it."""
         import tritonclient.grpc as grpcclient
 
-        client = grpcclient.InferenceServerClient(self.url)
         try:
             while not self._settled.is_set() and self.process.poll() is None:
+                # A fresh channel per probe: a channel that failed to connect waits out gRPC's
+                # reconnect backoff (seconds, growing) before it tries again.
+                client = grpcclient.InferenceServerClient(self.url)
                 try:
                     if client.is_server_ready():
                         self.ready_seconds = time.perf_counter() - self.started
                         break
                 except Exception:  # not listening yet
                     pass
+                finally:
+                    client.close()
                 time.sleep(0.2)
         finally:
-            client.close()
             self._settled.set()
 
     def wait_ready(self, timeout_s: float) -> float:
