@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -114,7 +114,7 @@ def compilation_request(
 
 
 def wait_done(
-    app: Celery, request: Mapping[str, Any], timeout: float = 120.0, workers: list[Any] = ()
+    app: Celery, request: Mapping[str, Any], timeout: float = 120.0, workers: Sequence[Any] = ()
 ) -> contract.Progress:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
