@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from cuvil_worker.checks import call as eager_outputs
 from torch.utils import _pytree as pytree
 
 from cuvil.verify import compare_output
@@ -172,17 +173,6 @@ def request_inputs(
     return pytree.tree_unflatten(made, structure)
 
 
-def eager_outputs(model: torch.nn.Module, inputs: Any) -> list[torch.Tensor]:
-    with torch.no_grad():
-        if isinstance(inputs, Mapping):
-            outputs = model(**inputs)
-        elif isinstance(inputs, tuple | list):
-            outputs = model(*inputs)
-        else:
-            outputs = model(inputs)
-    return [leaf for leaf in pytree.tree_leaves(outputs) if isinstance(leaf, torch.Tensor)]
-
-
 def send_requests(
     sidecar: SidecarProcess,
     model: torch.nn.Module,
@@ -227,7 +217,7 @@ def send_requests(
         client.close()
     for index, (inputs, outputs) in enumerate(answers):
         start = time.perf_counter()
-        expected = eager_outputs(model, inputs)
+        expected = eager_outputs(model, inputs)  # the worker's own eager call
         if index > 0:
             served.eager_ms.append((time.perf_counter() - start) * 1e3)
         if len(outputs) != len(expected):
