@@ -57,7 +57,8 @@ def run_demo(args: argparse.Namespace) -> int:
 
     from cuvil.demo import report
     from cuvil.demo.compilation import demo_model
-    from cuvil.demo.traces import LocalSpans, OtlpReceiver, render_tree
+    from cuvil.demo.traces import LocalSpans, render_tree
+    from cuvil.otlp_receiver import OtlpReceiver
 
     started = time.perf_counter()
     models = [demo_model(text) for text in args.models]  # bad --models fail before any work

@@ -2,37 +2,17 @@
 memory, the sidecar's spans received over OTLP/gRPC on 127.0.0.1, and one tree printed per trace.
 
 The sidecar exports exactly as it would to a collector (``OTEL_EXPORTER_OTLP_ENDPOINT`` points at
-``OtlpReceiver.endpoint``); both sources become ``SpanRecord``s so one printer shows the compile
+``OtlpReceiver.endpoint``); both sources become ``ReceivedSpan``s so one printer shows the compile
 and the serving spans of a model under the same root.
 """
 
 from __future__ import annotations
 
-import threading
-import time
-from collections.abc import Callable, Iterable
-from concurrent import futures
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Iterable
 
-import grpc
 from opentelemetry import trace
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-
-@dataclass(frozen=True)
-class SpanRecord:
-    name: str
-    trace_id: str  # 32 hex
-    span_id: str  # 16 hex
-    parent_id: str  # "" for a root
-    start_ns: int
-    end_ns: int
-    service: str
-
-    @property
-    def ms(self) -> float:
-        return (self.end_ns - self.start_ns) / 1e6
+from cuvil.otlp_receiver import ReceivedSpan
 
 
 class LocalSpans:
@@ -53,18 +33,18 @@ class LocalSpans:
         trace.set_tracer_provider(self.provider)
         return self
 
-    def records(self) -> list[SpanRecord]:
+    def records(self) -> list[ReceivedSpan]:
         records = []
         for span in self.exporter.get_finished_spans():
             context = span.context
             if context is None:
                 continue
             records.append(
-                SpanRecord(
+                ReceivedSpan(
                     name=span.name,
                     trace_id=format(context.trace_id, "032x"),
                     span_id=format(context.span_id, "016x"),
-                    parent_id=format(span.parent.span_id, "016x") if span.parent else "",
+                    parent_span_id=format(span.parent.span_id, "016x") if span.parent else "",
                     start_ns=span.start_time or 0,
                     end_ns=span.end_time or 0,
                     service=self.service,
@@ -73,81 +53,23 @@ class LocalSpans:
         return records
 
 
-class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
-    """A minimal OTLP/gRPC trace collector on 127.0.0.1 that keeps every span it is sent."""
-
-    def __init__(self) -> None:
-        self.spans: list[SpanRecord] = []
-        self._lock = threading.Lock()
-        self._server = grpc.server(futures.ThreadPoolExecutor(2))
-        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self, self._server)
-        port = self._server.add_insecure_port("127.0.0.1:0")
-        self.endpoint = f"http://127.0.0.1:{port}"
-
-    def Export(self, request: Any, context: Any) -> Any:
-        received = []
-        for resource_spans in request.resource_spans:
-            service = next(
-                (
-                    a.value.string_value
-                    for a in resource_spans.resource.attributes
-                    if a.key == "service.name"
-                ),
-                "",
-            )
-            for scope_spans in resource_spans.scope_spans:
-                for span in scope_spans.spans:
-                    received.append(
-                        SpanRecord(
-                            name=span.name,
-                            trace_id=span.trace_id.hex(),
-                            span_id=span.span_id.hex(),
-                            parent_id=span.parent_span_id.hex(),
-                            start_ns=span.start_time_unix_nano,
-                            end_ns=span.end_time_unix_nano,
-                            service=service,
-                        )
-                    )
-        with self._lock:
-            self.spans.extend(received)
-        return trace_service_pb2.ExportTraceServiceResponse()
-
-    def start(self) -> OtlpReceiver:
-        self._server.start()
-        return self
-
-    def stop(self) -> None:
-        self._server.stop(0)
-
-    def wait_for(
-        self, predicate: Callable[[list[SpanRecord]], bool], timeout_s: float = 10.0
-    ) -> list[SpanRecord]:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            with self._lock:
-                spans = list(self.spans)
-            if predicate(spans) or time.monotonic() > deadline:
-                return spans
-            time.sleep(0.1)
-
-
 def current_trace_id() -> str:
     return format(trace.get_current_span().get_span_context().trace_id, "032x")
 
 
-def render_tree(spans: Iterable[SpanRecord], trace_id: str, repeat_limit: int = 1) -> list[str]:
+def render_tree(spans: Iterable[ReceivedSpan], trace_id: str, repeat_limit: int = 1) -> list[str]:
     """The spans of one trace as an indented tree; siblings of one name beyond ``repeat_limit``
     fold into one line (count, p50 ms) so that N requests do not print N subtrees."""
     mine = sorted((s for s in spans if s.trace_id == trace_id), key=lambda s: s.start_ns)
     ids = {s.span_id for s in mine}
-    children: dict[str, list[SpanRecord]] = {}
+    children: dict[str, list[ReceivedSpan]] = {}
     for span in mine:
-        parent = span.parent_id if span.parent_id in ids else ""
+        parent = span.parent_span_id if span.parent_span_id in ids else ""
         children.setdefault(parent, []).append(span)
     lines: list[str] = []
 
     def walk(parent: str, depth: int) -> None:
-        seen: dict[str, list[SpanRecord]] = {}
+        seen: dict[str, list[ReceivedSpan]] = {}
         for span in children.get(parent, []):
             seen.setdefault(span.name, []).append(span)
         for span in children.get(parent, []):

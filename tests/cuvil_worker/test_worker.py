@@ -22,7 +22,7 @@ from celery.result import AsyncResult
 from cuvil_worker import contract
 
 from cuvil.artifact import fetch_referrer, list_referrers
-from tests.cuvil_worker.otlp_receiver import OtlpReceiver
+from cuvil.otlp_receiver import OtlpReceiver
 from tests.cuvil_worker.workers import (
     WorkerProcess,
     compilation_request,
@@ -164,9 +164,9 @@ def test_two_targets_give_an_index_report_referrers_and_one_trace(
               "cuvil.validate", "cuvil.benchmark", "cuvil.package", "cuvil.push",
               "cuvil.push_index"}  # fmt: skip
     deadline = time.monotonic() + 15
-    while not wanted <= {s.name for s in otlp.of_trace(trace_id)} and time.monotonic() < deadline:
+    while not wanted <= {s.name for s in otlp.in_trace(trace_id)} and time.monotonic() < deadline:
         time.sleep(0.1)
-    names = [s.name for s in otlp.of_trace(trace_id)]
+    names = [s.name for s in otlp.in_trace(trace_id)]
     assert wanted <= set(names), f"spans in the trace: {sorted(set(names))}"
     assert names.count("cuvil.compile_target") == 2
 
