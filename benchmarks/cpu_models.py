@@ -3,8 +3,9 @@
     .venv/bin/python -m benchmarks.cpu_models --runs 50 --warmup 10 --out bench.json
 
 For each bundled model at batch 1 (MiniLM also at batch 8), in one process and with the same
-thread count, each peer is prepared (compile / export / convert, timed), warmed up, then timed
-over ``--runs`` calls. Prints one JSON document: per model the rows (median and p90 ms, error
+thread count, every peer is prepared (compile / export / convert, timed) and warmed up, then all
+are timed interleaved, round by round, over ``--runs`` calls each (a host that slows down mid-run
+slows every row alike). Prints one JSON document: per model the rows (median and p90 ms, error
 against eager fp32, setup seconds), the best fp32 peer and Cuvil's ratios. A peer that fails
 records its error in its row; the others go on. See benchmarks/README.md.
 """
@@ -31,7 +32,7 @@ import torch
 if __package__ in (None, ""):  # run as a file: make the `benchmarks` package importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.peers import FP32_PEERS, PEERS, Case, first_tensor, scratch_dir
+from benchmarks.peers import FP32_PEERS, PEERS, Case, Prepared, first_tensor, scratch_dir
 from cuvil.models import catalog
 from cuvil.models.catalog import ModelSpec
 
@@ -90,32 +91,55 @@ def load_spec(factory: str) -> ModelSpec:
     return spec
 
 
+BURST_MS = 20.0  # one peer's turn in a round of interleaved timing
+
+
 def percentile(sorted_ms: list[float], q: float) -> float:
     index = min(len(sorted_ms) - 1, max(0, round(q * (len(sorted_ms) - 1))))
     return sorted_ms[index]
 
 
-def measure(case: Case, peer: str, reference: torch.Tensor, options: argparse.Namespace) -> dict:
-    """Prepare one peer, warm it up, time it, and compare its output with eager fp32.
+def warm(prepared: Prepared, warmup: int) -> float:
+    """The first call (torch.compile compiles there) plus ``warmup - 1`` more; returns the median
+    ms of the warm-up calls after the first, for sizing bursts."""
+    prepared.call()
+    times = []
+    for _ in range(max(1, warmup - 1)):
+        start = time.perf_counter()
+        prepared.call()
+        times.append((time.perf_counter() - start) * 1000.0)
+    return statistics.median(times)
 
-    Timing stops after ``options.runs`` calls or once ``options.max_seconds`` are spent (at
-    least 1 call): on a loaded machine a slow peer cannot hold up the whole benchmark.
-    """
-    prepared = PEERS[peer](case)
-    result = prepared.call()
-    for _ in range(options.warmup - 1):
-        result = prepared.call()
-    times: list[float] = []
-    deadline = time.perf_counter() + options.max_seconds
+
+def time_interleaved(
+    prepared: dict[str, Prepared], warm_ms: dict[str, float], options: argparse.Namespace
+) -> dict[str, list[float]]:
+    """Round robin: each round times one burst of every peer in turn, so a machine that slows
+    down or speeds up mid-run (shared hosts do) moves every row alike and the ratios hold.
+    A burst lasts about BURST_MS (fast models run several calls per turn, so no peer's timing
+    is dominated by another's cache footprint). Stops after ``runs`` calls per peer or once
+    ``max_seconds`` times the peer count are spent (every peer still gets >= 1 call)."""
+    times: dict[str, list[float]] = {name: [] for name in prepared}
+    bursts = {name: max(1, int(BURST_MS / max(warm_ms[name], 1e-3))) for name in prepared}
+    deadline = time.perf_counter() + options.max_seconds * max(1, len(prepared))
     gc.disable()
     try:
-        while len(times) < options.runs and (not times or time.perf_counter() < deadline):
-            start = time.perf_counter()
-            result = prepared.call()
-            times.append((time.perf_counter() - start) * 1000.0)
+        while any(len(t) < options.runs for t in times.values()):
+            for name, peer in prepared.items():
+                for _ in range(min(bursts[name], options.runs - len(times[name]))):
+                    start = time.perf_counter()
+                    peer.call()
+                    times[name].append((time.perf_counter() - start) * 1000.0)
+            if time.perf_counter() > deadline:
+                break
     finally:
         gc.enable()
-    output = prepared.output(result)
+    return times
+
+
+def row_of(prepared: Prepared, times: list[float], reference: torch.Tensor) -> dict[str, Any]:
+    """Median/p90 of the timed calls and the error of one more call against eager fp32."""
+    output = prepared.output(prepared.call())
     row: dict[str, Any] = {
         "precision": prepared.precision,
         "median_ms": round(statistics.median(times), 4),
@@ -160,13 +184,26 @@ def run_case(name: str, peers: list[str], options: argparse.Namespace, workdir: 
     with torch.inference_mode():
         reference = first_tensor(spec.model(**inputs))
     rows: dict[str, dict] = {}
+    prepared: dict[str, Prepared] = {}
+    warm_ms: dict[str, float] = {}
     for peer in peers:
-        print(f"[{name}] {peer} ...", file=sys.stderr, flush=True)
+        print(f"[{name}] preparing {peer} ...", file=sys.stderr, flush=True)
         try:
-            rows[peer] = measure(case, peer, reference, options)
+            prepared[peer] = PEERS[peer](case)
+            warm_ms[peer] = warm(prepared[peer], options.warmup)
         except Exception as error:  # one failing peer must not stop the others
+            prepared.pop(peer, None)
             rows[peer] = {"error": f"{type(error).__name__}: {error}"[:2000]}
-        gc.collect()
+    print(f"[{name}] timing {', '.join(prepared)} interleaved ...", file=sys.stderr, flush=True)
+    times = time_interleaved(prepared, warm_ms, options)
+    for peer in peers:
+        if peer in prepared:
+            try:
+                rows[peer] = row_of(prepared[peer], times[peer], reference)
+            except Exception as error:
+                rows[peer] = {"error": f"{type(error).__name__}: {error}"[:2000]}
+    prepared.clear()
+    gc.collect()
     rows = merge_reused(rows, options.reused.get("models", {}).get(name, {}).get("rows", {}))
     best, ratios = summarise(rows)
     shapes = {key: list(tensor.shape) for key, tensor in inputs.items()}
