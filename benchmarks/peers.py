@@ -244,6 +244,8 @@ def _prepare_cuvil(case: Case, precision: str) -> Prepared:
         "verification_rel_err": verification.get("max_relative_to_scale"),
         "ops_before": report.get("ops_before"),
         "ops_after": report.get("ops_after"),
+        # what ran here: bf16 artifacts compute fp32 GEMMs on CPUs without bf16 instructions
+        "gemm_compute": compiled.execution()["gemm_compute"],
     }
     return Prepared(call, output, seconds, precision, info)
 

@@ -44,6 +44,7 @@ from cuvil.passes.layout import to_channels_last
 from cuvil.passes.precision import to_bf16
 from cuvil.passes.program import Program
 from cuvil.passes.rewrite import Rule, apply_rules
+from cuvil.passes.sibling_linears import fuse_sibling_linears
 from cuvil.runtime.model import CompiledModel, target_device
 from cuvil.runtime.signature import Signature
 from cuvil.verify import OutputError, compare_outputs, worst_relative_error
@@ -62,6 +63,7 @@ PASSES: tuple[tuple[str, PassFunction], ...] = (
     ("fold_batch_norm", fold_batch_norm),
     ("fuse_transformer_blocks", fuse_transformer_blocks),
     ("fuse_epilogues", fuse_epilogues),
+    ("sibling_linears", fuse_sibling_linears),
     ("layout", to_channels_last),
 )
 

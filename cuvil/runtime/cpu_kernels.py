@@ -4,7 +4,8 @@ Each entry of CPU_KERNELS is a factory called once when a plan is built, with th
 constant arguments (weights as tensors, attributes as literals) and the names of the arguments
 that arrive at run time; it returns the function the plan calls with those run-time values.
 Prepacking (``mkldnn._reorder_*_weight``) therefore happens once per load, never per call.
-Activations map onto oneDNN post-ops; a residual add becomes a binary post-op.
+Activations map onto oneDNN post-ops; a residual add becomes a binary post-op. Linear and
+SwiGLU live in linear_kernels.py (two GEMM paths, chosen per shape).
 """
 
 from __future__ import annotations
@@ -15,49 +16,24 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-KernelFactory = Callable[[Mapping[str, Any], Sequence[str]], Callable[..., Any]]
+from cuvil.runtime.linear_kernels import (
+    ONEDNN_ACTIVATIONS,
+    check_runtime_args,
+    compute_precision,
+    linear_kernel,
+    swiglu_kernel,
+)
 
-# activation name in the IR -> (oneDNN post-op, scalars, algorithm)
-ONEDNN_ACTIVATIONS: dict[str, tuple[str, list[float], str]] = {
-    "none": ("none", [], ""),
-    "relu": ("relu", [], ""),
-    "gelu": ("gelu", [], "none"),
-    "gelu_tanh": ("gelu", [], "tanh"),
-    "silu": ("swish", [], ""),
-    "hardswish": ("hardswish", [], ""),
-    "relu6": ("hardtanh", [0.0, 6.0], ""),
-    "tanh": ("tanh", [], ""),
-    "sigmoid": ("sigmoid", [], ""),
-}
+KernelFactory = Callable[[Mapping[str, Any], Sequence[str]], Callable[..., Any]]
 
 mkldnn = torch.ops.mkldnn
 
-# The same activations as plain functions, for the ATen fallback path.
-ACTIVATION_FUNCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "none": lambda x: x,
-    "relu": F.relu,
-    "gelu": F.gelu,
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "silu": F.silu,
-    "hardswish": F.hardswish,
-    "relu6": F.relu6,
-    "tanh": torch.tanh,
-    "sigmoid": torch.sigmoid,
-}
-
-
-def has_onednn_bf16() -> bool:
-    """oneDNN runs bf16 natively only with AVX512-BF16/AMX (or AVX-NE-CONVERT); checked at load."""
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
 
 def _reduced_precision(
-    args: Mapping[str, Any], dynamic: Sequence[str], onednn: KernelFactory, aten: Callable[..., Any]
+    args: Mapping[str, Any], dynamic: Sequence[str], onednn: KernelFactory
 ) -> Callable[..., Any]:
-    """bf16 weights: compute in bf16, keep fp32 at the op's borders (inputs cast in, result out).
-    oneDNN where the CPU has bf16 instructions; ATen's bf16 kernels otherwise."""
-    if not has_onednn_bf16():
-        return aten
+    """bf16 weights on a CPU with bf16 instructions: oneDNN computes in bf16 with fp32 at the
+    op's borders (inputs cast in, result out)."""
     bias = args.get("bias")
     inner = onednn(
         dict(args) | {"bias": bias.to(torch.bfloat16) if bias is not None else None}, dynamic
@@ -67,12 +43,6 @@ def _reduced_precision(
         return inner(*(v.to(torch.bfloat16) for v in values)).float()
 
     return run
-
-
-def _runtime_order(dynamic: Sequence[str], expected: Sequence[str]) -> None:
-    unexpected = [name for name in dynamic if name not in expected]
-    if unexpected:
-        raise ValueError(f"arguments {unexpected} must be constants for this kernel")
 
 
 def pack_conv_weight(
@@ -97,22 +67,15 @@ def pack_conv_weight(
 def conv2d_kernel(args: Mapping[str, Any], dynamic: Sequence[str]) -> Callable[..., Any]:
     """``cuvil.conv2d(input, weight, bias, stride, padding, dilation, groups, activation,
     residual)``: activation(conv(input) + residual), channels-last, weight prepacked."""
-    _runtime_order(dynamic, ("input", "residual"))
+    check_runtime_args(dynamic, ("input", "residual"))
     weight: torch.Tensor = args["weight"]
     bias = args.get("bias")
     stride, padding = list(args["stride"]), list(args["padding"])
     dilation, groups = list(args["dilation"]), int(args["groups"])
     if weight.dtype == torch.bfloat16 and not args.get("_inner"):
-        activate = ACTIVATION_FUNCTIONS[str(args["activation"])]
-        low_bias = bias.to(torch.bfloat16) if bias is not None else None
-
-        def aten_conv(x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-            y = F.conv2d(
-                x.to(torch.bfloat16), weight, low_bias, stride, padding, dilation, groups
-            ).float()
-            return activate(y + residual if residual is not None else y)
-
-        return _reduced_precision(dict(args) | {"_inner": True}, dynamic, conv2d_kernel, aten_conv)
+        if compute_precision(weight.dtype) == "bf16":
+            return _reduced_precision(dict(args) | {"_inner": True}, dynamic, conv2d_kernel)
+        weight, bias = weight.float(), bias.float() if bias is not None else None  # widened
     attr, scalars, algorithm = ONEDNN_ACTIVATIONS[str(args["activation"])]
     packed = pack_conv_weight(weight, padding, stride, dilation, groups, args.get("_input_sizes"))
     channels_last = torch.channels_last
@@ -150,71 +113,9 @@ def conv2d_kernel(args: Mapping[str, Any], dynamic: Sequence[str]) -> Callable[.
     return conv_add
 
 
-def linear_kernel(args: Mapping[str, Any], dynamic: Sequence[str]) -> Callable[..., Any]:
-    """``cuvil.linear(input, weight, bias, activation, residual)``: activation(x W^T + b), or
-    x W^T + b + residual; weight prepacked for oneDNN."""
-    _runtime_order(dynamic, ("input", "residual"))
-    weight: torch.Tensor = args["weight"]
-    bias = args.get("bias")
-    if weight.dtype == torch.bfloat16 and not args.get("_inner"):
-        activate = ACTIVATION_FUNCTIONS[str(args["activation"])]
-        low_bias = bias.to(torch.bfloat16) if bias is not None else None
-
-        def aten_linear(x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-            y = F.linear(x.to(torch.bfloat16), weight, low_bias).float()
-            return activate(y) if residual is None else y + residual
-
-        return _reduced_precision(
-            dict(args) | {"_inner": True}, dynamic, linear_kernel, aten_linear
-        )
-    attr, scalars, algorithm = ONEDNN_ACTIVATIONS[str(args["activation"])]
-    packed = mkldnn._reorder_linear_weight(weight, None)
-    if "residual" in dynamic:
-        if attr != "none":
-            raise ValueError("cuvil.linear fuses an activation or a residual add, not both")
-
-        def linear_add(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-            return mkldnn._linear_pointwise.binary(
-                x.contiguous(), residual.contiguous(), packed, bias, "add"
-            )
-
-        return linear_add
-
-    def linear(x: torch.Tensor) -> torch.Tensor:
-        return mkldnn._linear_pointwise(x.contiguous(), packed, bias, attr, scalars, algorithm)
-
-    return linear
-
-
-def swiglu_kernel(args: Mapping[str, Any], dynamic: Sequence[str]) -> Callable[..., Any]:
-    """``cuvil.swiglu(input, gate_up_weight, hidden)``: silu(x Wg^T) * (x Wu^T) with the two
-    projections packed into one GEMM."""
-    _runtime_order(dynamic, ("input",))
-    hidden = int(args["hidden"])
-    if args["gate_up_weight"].dtype == torch.bfloat16:
-        weight = args["gate_up_weight"]
-
-        def aten_swiglu(x: torch.Tensor) -> torch.Tensor:
-            gate, up = F.linear(x.to(torch.bfloat16), weight).float().split(hidden, dim=-1)
-            return F.silu(gate) * up
-
-        if not has_onednn_bf16():
-            return aten_swiglu
-    packed = mkldnn._reorder_linear_weight(args["gate_up_weight"], None)
-    low = args["gate_up_weight"].dtype == torch.bfloat16
-
-    def swiglu(x: torch.Tensor) -> torch.Tensor:
-        x = x.to(torch.bfloat16) if low else x.contiguous()
-        both = mkldnn._linear_pointwise(x, packed, None, "none", [], "").float()
-        gate, up = both.split(hidden, dim=-1)
-        return F.silu(gate) * up
-
-    return swiglu
-
-
 def rms_norm_kernel(args: Mapping[str, Any], dynamic: Sequence[str]) -> Callable[..., Any]:
     """``cuvil.rms_norm(input, weight, eps)``."""
-    _runtime_order(dynamic, ("input",))
+    check_runtime_args(dynamic, ("input",))
     weight, eps = args["weight"], float(args["eps"])
     shape = [int(weight.shape[-1])]
 
@@ -261,7 +162,7 @@ def attention_kernel(args: Mapping[str, Any], dynamic: Sequence[str]) -> Callabl
 
 def layer_norm_kernel(args: Mapping[str, Any], dynamic: Sequence[str]) -> Callable[..., Any]:
     """``cuvil.layer_norm(input, weight, bias, eps)`` over the last dim."""
-    _runtime_order(dynamic, ("input",))
+    check_runtime_args(dynamic, ("input",))
     weight, bias, eps = args.get("weight"), args.get("bias"), float(args["eps"])
     shape = [int(weight.shape[-1])] if weight is not None else None
 

@@ -17,6 +17,7 @@ from torch.utils import _pytree as pytree
 from cuvil.artifact.files import ArtifactContents, read_artifact, write_artifact
 from cuvil.ir import Graph
 from cuvil.runtime.kernels import Kernel
+from cuvil.runtime.linear_kernels import compute_precision
 from cuvil.runtime.plan import ExecutionPlan
 from cuvil.runtime.signature import InputBinder, InputError, Signature
 
@@ -63,6 +64,17 @@ class CompiledModel:
     @property
     def name(self) -> str:
         return str(self.contents.config.get("name", self.graph.name))
+
+    def execution(self) -> dict[str, Any]:
+        """What runs on this machine: the precision the GEMMs compute in (a bf16 artifact runs
+        fp32 GEMMs on a CPU without bf16 instructions) and the GEMM path each linear chose."""
+        dtypes = {tensor.dtype for tensor in self.contents.weights.values()}
+        has_bf16 = torch.bfloat16 in dtypes
+        return {
+            "weights": "bf16" if has_bf16 else "fp32",
+            "gemm_compute": compute_precision(torch.bfloat16) if has_bf16 else "fp32",
+            "tactics": self._plan.tactic_choices(),
+        }
 
     def run(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Run on named inputs; returns outputs by name. Tensors on the model's device are used

@@ -21,6 +21,17 @@ from cuvil.runtime.kernels import Kernel, call_layout, decode_enum, resolve_kern
 from cuvil.shape_expr import compile_expr
 
 # A filler computes one argument at call time from the slots and the symbol values.
+
+
+def view_as_reshape(tensor: torch.Tensor, size: Sequence[int]) -> torch.Tensor:
+    """``aten.view`` in a plan: the graph is functional (nothing writes through an alias), so a
+    view may as well be a reshape — the same view where one exists, a copy where a pass left a
+    strided tensor (a slice of a merged GEMM) that ``view`` would refuse."""
+    return tensor.reshape(size)
+
+
+# Plan-wide kernels for aten ops, overridable by the caller's table.
+PLAN_KERNELS: dict[str, Kernel] = {"aten.view.default": view_as_reshape}
 Filler = Callable[[list[Any], Mapping[str, int]], Any]
 
 
@@ -50,7 +61,7 @@ class ExecutionPlan:
     ) -> None:
         self.graph = graph
         self.device = torch.device(device)
-        self._kernels = dict(kernels or {})
+        self._kernels = {**PLAN_KERNELS, **(kernels or {})}
         self._slot: dict[Value, int] = {}
         for node in graph.nodes:
             for index in range(len(node.types)):
@@ -245,3 +256,12 @@ class ExecutionPlan:
 
     def kernel_names(self) -> Sequence[str]:
         return [step.name for step in self.steps]
+
+    def tactic_choices(self) -> dict[str, dict[int, str]]:
+        """node -> {row bucket: GEMM path} for the kernels that chose one (see runtime/tactics)."""
+        choices = {}
+        for step in self.steps:
+            tactics = getattr(step.kernel, "tactics", None)
+            if tactics is not None and tactics.chosen:
+                choices[step.name] = tactics.describe()
+        return choices

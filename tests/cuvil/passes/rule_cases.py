@@ -161,6 +161,23 @@ def _attention_inputs(n: int) -> tuple[torch.Tensor, ...]:
     return torch.randn(n, 5, 16), mask
 
 
+class SiblingProjections(nn.Module):
+    """Q/K/V-style linears on one input (one without bias, widths differ), two GELU siblings, and
+    consumers that view a slice in ways only a reshape can (merging the strided dims)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k = nn.Linear(16, 16), nn.Linear(16, 8, bias=False)
+        self.v = nn.Linear(16, 8)
+        self.up1, self.up2 = nn.Linear(16, 12), nn.Linear(16, 12)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        merged = q.view(-1, 16)[:, :8] + k.view(-1, 8) * v.reshape(-1, 8)
+        gated = F.gelu(self.up1(x)) * F.gelu(self.up2(x))
+        return torch.cat((merged.view(x.shape[0], -1), gated.flatten(1)), dim=1)
+
+
 CASES = [
     RuleCase(
         "conv_relu",
@@ -222,4 +239,10 @@ CASES = [
         ({0: batch}, {}, {}),
     ),
     RuleCase("constants", Constants(), lambda n: (torch.randn(n, 6),), ("constant_fold", "cse")),
+    RuleCase(
+        "sibling_linears",
+        SiblingProjections(),
+        lambda n: (torch.randn(n, 5, 16),),
+        ("sibling_linears",),
+    ),
 ]

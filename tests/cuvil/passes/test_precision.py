@@ -11,6 +11,7 @@ import torch
 import cuvil
 from cuvil.models import mlp, tiny_llama
 from cuvil.pipeline import DEFAULT_TOLERANCE
+from cuvil.runtime.linear_kernels import has_onednn_bf16
 from tests.cuvil.passes.rule_cases import ConvBlock
 
 
@@ -35,6 +36,10 @@ def test_bf16_stays_within_budget_and_halves_gemm_weights(factory, tmp_path: Pat
                 bf16.contents.weights[str(bf16.graph.node(weight.node).arg("key"))].dtype
                 == torch.float32
             )
+    execution = bf16.execution()
+    assert execution["weights"] == "bf16"
+    assert execution["gemm_compute"] == ("bf16" if has_onednn_bf16() else "fp32")
+    assert fp32.execution()["gemm_compute"] == "fp32"
     loaded = cuvil.load(bf16.save(tmp_path / "m.cuvil"))
     inputs = {
         k.removeprefix("input."): v

@@ -21,7 +21,7 @@ ALL_RULES = {
     + rules_linear_epilogue
     + rules_fold_batch_norm
 }
-OTHER_REWRITES = {"identity", "cse", "constant_fold", "layout_borders"}
+OTHER_REWRITES = {"identity", "cse", "constant_fold", "layout_borders", "sibling_linears"}
 
 
 def test_every_rule_has_an_equivalence_case() -> None:

@@ -1,0 +1,190 @@
+"""CPU kernels for ``cuvil.linear`` and ``cuvil.swiglu``: two GEMM paths, chosen per shape.
+
+    mkl     addmm (MKL sgemm) on the pre-transposed weight, then the activation in place;
+            a residual is added first (residual + bias) and the GEMM accumulates into it
+    onednn  oneDNN's prepacked linear with the activation or the residual add as a post-op
+
+Neither wins everywhere (see cuvil/runtime/tactics.py for the measured cases), so each linear
+times both the first time it meets a new row-count bucket and keeps the faster. Both paths keep
+their own copy of the weight (oneDNN's blocked layout is opaque to MKL): fp32 linear weights
+take twice their size in memory while loaded.
+
+bf16 weights run in bf16 on CPUs whose oneDNN has bf16 instructions (AVX512-BF16, AMX); on
+others they are widened to fp32 once at load — the fp32 GEMM is 5-10x faster there than ATen's
+emulated bf16, and the result only carries bf16's weight rounding. ``compute_precision()`` says
+which one runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from cuvil.runtime.tactics import Tactics, bucket
+
+mkldnn = torch.ops.mkldnn
+
+# activation name in the IR -> (oneDNN post-op, scalars, algorithm)
+ONEDNN_ACTIVATIONS: dict[str, tuple[str, list[float], str]] = {
+    "none": ("none", [], ""),
+    "relu": ("relu", [], ""),
+    "gelu": ("gelu", [], "none"),
+    "gelu_tanh": ("gelu", [], "tanh"),
+    "silu": ("swish", [], ""),
+    "hardswish": ("hardswish", [], ""),
+    "relu6": ("hardtanh", [0.0, 6.0], ""),
+    "tanh": ("tanh", [], ""),
+    "sigmoid": ("sigmoid", [], ""),
+}
+
+# The same activations applied in place to a fresh GEMM result.
+INPLACE_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "none": lambda y: y,
+    "relu": torch.relu_,
+    "gelu": lambda y: torch.ops.aten.gelu_(y),
+    "gelu_tanh": lambda y: torch.ops.aten.gelu_(y, approximate="tanh"),
+    "silu": lambda y: F.silu(y, inplace=True),
+    "hardswish": lambda y: F.hardswish(y, inplace=True),
+    "relu6": lambda y: F.hardtanh_(y, 0.0, 6.0),
+    "tanh": torch.tanh_,
+    "sigmoid": torch.sigmoid_,
+}
+
+
+def has_onednn_bf16() -> bool:
+    """oneDNN runs bf16 natively only with AVX512-BF16/AMX (or AVX-NE-CONVERT); checked at load."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def compute_precision(weight_dtype: torch.dtype) -> str:
+    """What a GEMM with weights of this dtype computes in on this CPU."""
+    if weight_dtype == torch.bfloat16 and has_onednn_bf16():
+        return "bf16"
+    return "fp32"
+
+
+def check_runtime_args(dynamic: Sequence[str], expected: Sequence[str]) -> None:
+    unexpected = [name for name in dynamic if name not in expected]
+    if unexpected:
+        raise ValueError(f"arguments {unexpected} must be constants for this kernel")
+
+
+def _as_fp32(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    return tensor.float() if tensor is not None else None
+
+
+def linear_kernel(args: Mapping[str, Any], dynamic: Sequence[str]) -> Callable[..., Any]:
+    """``cuvil.linear(input, weight, bias, activation, residual)``: activation(x W^T + b), or
+    x W^T + b + residual."""
+    check_runtime_args(dynamic, ("input", "residual"))
+    activation = str(args["activation"])
+    if "residual" in dynamic and activation != "none":
+        raise ValueError("cuvil.linear fuses an activation or a residual add, not both")
+    weight: torch.Tensor = args["weight"]
+    if compute_precision(weight.dtype) == "bf16":
+        return _bf16_linear(weight, args.get("bias"), activation, "residual" in dynamic)
+    weight, bias = weight.float(), _as_fp32(args.get("bias"))
+    if "residual" in dynamic:
+        return _tactic_linear(_residual_candidates(weight, bias), weight.shape[-1])
+    return _tactic_linear(_activation_candidates(weight, bias, activation), weight.shape[-1])
+
+
+def _tactic_linear(
+    candidates: list[tuple[str, Callable[..., torch.Tensor]]], in_features: int
+) -> Callable[..., Any]:
+    """Flatten leading dims to rows, let the tactics pick the GEMM path per row bucket."""
+    tactics = Tactics(candidates)
+
+    def linear(x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        rows = x.reshape(-1, in_features)
+        flat = [r.reshape(rows.shape[0], -1) for r in rest]
+        y = tactics.choose(bucket(rows.shape[0]), rows, *flat)(rows, *flat)
+        return y.view(*lead, y.shape[-1])
+
+    linear.tactics = tactics  # type: ignore[attr-defined]
+    return linear
+
+
+def _activation_candidates(
+    weight: torch.Tensor, bias: torch.Tensor | None, activation: str
+) -> list[tuple[str, Callable[..., torch.Tensor]]]:
+    transposed = weight.t().contiguous()
+    activate = INPLACE_ACTIVATIONS[activation]
+    attr, scalars, algorithm = ONEDNN_ACTIVATIONS[activation]
+    packed = mkldnn._reorder_linear_weight(weight, None)
+
+    def mkl(x: torch.Tensor) -> torch.Tensor:
+        y = torch.addmm(bias, x, transposed) if bias is not None else torch.mm(x, transposed)
+        return activate(y)
+
+    def onednn(x: torch.Tensor) -> torch.Tensor:
+        return mkldnn._linear_pointwise(x.contiguous(), packed, bias, attr, scalars, algorithm)
+
+    return [("mkl", mkl), ("onednn", onednn)]
+
+
+def _residual_candidates(
+    weight: torch.Tensor, bias: torch.Tensor | None
+) -> list[tuple[str, Callable[..., torch.Tensor]]]:
+    transposed = weight.t().contiguous()
+    packed = mkldnn._reorder_linear_weight(weight, None)
+
+    def mkl(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        # residual + bias into a fresh buffer, then the GEMM accumulates into it (beta = 1)
+        start = torch.add(residual, bias) if bias is not None else residual.clone()
+        return start.addmm_(x, transposed)
+
+    def onednn(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return mkldnn._linear_pointwise.binary(
+            x.contiguous(), residual.contiguous(), packed, bias, "add"
+        )
+
+    return [("mkl", mkl), ("onednn", onednn)]
+
+
+def _bf16_linear(
+    weight: torch.Tensor, bias: torch.Tensor | None, activation: str, residual: bool
+) -> Callable[..., Any]:
+    """oneDNN bf16 with fp32 at the op's borders (inputs cast in, result cast out)."""
+    attr, scalars, algorithm = ONEDNN_ACTIVATIONS[activation]
+    packed = mkldnn._reorder_linear_weight(weight, None)
+    low_bias = bias.to(torch.bfloat16) if bias is not None else None
+    if residual:
+
+        def linear_add(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+            y = mkldnn._linear_pointwise(x.to(torch.bfloat16), packed, low_bias, "none", [], "")
+            return y.float() + residual
+
+        return linear_add
+
+    def linear(x: torch.Tensor) -> torch.Tensor:
+        y = mkldnn._linear_pointwise(
+            x.to(torch.bfloat16), packed, low_bias, attr, scalars, algorithm
+        )
+        return y.float()
+
+    return linear
+
+
+def swiglu_kernel(args: Mapping[str, Any], dynamic: Sequence[str]) -> Callable[..., Any]:
+    """``cuvil.swiglu(input, gate_up_weight, hidden)``: silu(x Wg^T) * (x Wu^T) with the two
+    projections packed into one GEMM (its path chosen like a linear's)."""
+    check_runtime_args(dynamic, ("input",))
+    hidden = int(args["hidden"])
+    weight: torch.Tensor = args["gate_up_weight"]
+    if compute_precision(weight.dtype) == "bf16":
+        gemm = _bf16_linear(weight, None, "none", residual=False)
+    else:
+        candidates = _activation_candidates(weight.float(), None, "none")
+        gemm = _tactic_linear(candidates, weight.shape[-1])
+
+    def swiglu(x: torch.Tensor) -> torch.Tensor:
+        gate, up = gemm(x).split(hidden, dim=-1)
+        return F.silu(gate, inplace=False).mul_(up)
+
+    swiglu.tactics = getattr(gemm, "tactics", None)  # type: ignore[attr-defined]
+    return swiglu

@@ -1,0 +1,141 @@
+"""The two GEMM paths of cuvil.linear agree with F.linear; tactics pick one per row bucket; bf16
+weights run widened to fp32 where the CPU has no bf16 instructions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cuvil.runtime.linear_kernels import (
+    INPLACE_ACTIVATIONS,
+    compute_precision,
+    has_onednn_bf16,
+    linear_kernel,
+    swiglu_kernel,
+)
+from cuvil.runtime.tactics import Tactics, bucket
+
+REFERENCE = {
+    "none": lambda y: y,
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda y: F.gelu(y, approximate="tanh"),
+    "silu": F.silu,
+    "hardswish": F.hardswish,
+    "relu6": F.relu6,
+    "tanh": torch.tanh,
+    "sigmoid": torch.sigmoid,
+}
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    scale = max(float(expected.abs().max()), 1.0)
+    assert float((actual - expected).abs().max()) <= 1e-5 * scale
+
+
+@pytest.mark.parametrize("activation", sorted(INPLACE_ACTIVATIONS))
+def test_every_path_matches_linear_with_activation(activation: str) -> None:
+    torch.manual_seed(0)
+    weight, bias = torch.randn(24, 16), torch.randn(24)
+    kernel = linear_kernel({"weight": weight, "bias": bias, "activation": activation}, ["input"])
+    with torch.inference_mode():
+        for rows in (1, 7, 130):
+            x = torch.randn(2, rows, 16)
+            expected = REFERENCE[activation](F.linear(x, weight, bias))
+            _close(kernel(x), expected)  # the chosen path
+            for _, path in kernel.tactics.candidates:  # and every other one
+                _close(path(x.reshape(-1, 16)).view(2, rows, 24), expected)
+    assert set(kernel.tactics.describe()) == {bucket(2), bucket(14), bucket(260)}
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_every_path_matches_linear_plus_residual(bias: bool) -> None:
+    torch.manual_seed(1)
+    weight = torch.randn(8, 12)
+    b = torch.randn(8) if bias else None
+    kernel = linear_kernel(
+        {"weight": weight, "bias": b, "activation": "none"}, ["input", "residual"]
+    )
+    with torch.inference_mode():
+        x, residual = torch.randn(3, 5, 12), torch.randn(3, 5, 8)
+        expected = F.linear(x, weight, b) + residual
+        _close(kernel(x, residual), expected)
+        for _, path in kernel.tactics.candidates:
+            _close(path(x.reshape(15, 12), residual.reshape(15, 8)).view(3, 5, 8), expected)
+        assert torch.equal(residual, residual.clone())  # the residual is not written to
+
+
+def test_linear_refuses_activation_and_residual_together() -> None:
+    with pytest.raises(ValueError, match="not both"):
+        linear_kernel(
+            {"weight": torch.randn(4, 4), "bias": None, "activation": "relu"}, ["input", "residual"]
+        )
+
+
+def test_tactics_time_each_bucket_once_and_keep_the_faster() -> None:
+    calls: list[str] = []
+
+    def slow(x: int) -> int:
+        calls.append("slow")
+        sum(range(20000))
+        return x
+
+    def fast(x: int) -> int:
+        calls.append("fast")
+        return x
+
+    tactics = Tactics([("slow", slow), ("fast", fast)])
+    assert tactics.choose(8, 1) is fast
+    timed = len(calls)
+    assert timed >= 4 and calls.count("slow") == calls.count("fast")
+    assert tactics.choose(8, 1) is fast and len(calls) == timed  # cached: no more timing
+    assert tactics.describe() == {8: "fast"}
+
+
+def test_tactics_first_disables_timing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUVIL_TACTICS", "first")
+    tactics = Tactics([("a", lambda: "a"), ("b", lambda: "b")])
+    assert tactics.choose(1)() == "a"
+    assert tactics.describe() == {1: "a"}
+
+
+def test_bucket_rounds_up_to_a_power_of_two() -> None:
+    assert [bucket(n) for n in (1, 2, 3, 100, 128, 129)] == [1, 2, 4, 128, 128, 256]
+
+
+def test_bf16_weights_compute_as_the_cpu_allows() -> None:
+    torch.manual_seed(2)
+    weight = torch.randn(32, 16).to(torch.bfloat16)
+    kernel = linear_kernel({"weight": weight, "bias": None, "activation": "none"}, ["input"])
+    x = torch.randn(4, 16)
+    with torch.inference_mode():
+        actual = kernel(x)
+    assert actual.dtype == torch.float32
+    if has_onednn_bf16():
+        assert compute_precision(torch.bfloat16) == "bf16"
+        assert float((actual - F.linear(x, weight.float())).abs().max()) < 0.1
+    else:  # widened once: exactly the fp32 product with the bf16-rounded weight
+        assert compute_precision(torch.bfloat16) == "fp32"
+        _close(actual, F.linear(x, weight.float()))
+
+
+def test_swiglu_matches_its_definition() -> None:
+    torch.manual_seed(3)
+    gate, up = torch.randn(10, 8), torch.randn(10, 8)
+    kernel = swiglu_kernel({"gate_up_weight": torch.cat([gate, up]), "hidden": 10}, ["input"])
+    x = torch.randn(2, 6, 8)
+    with torch.inference_mode():
+        _close(kernel(x), F.silu(F.linear(x, gate)) * F.linear(x, up))
+
+
+def test_compiled_model_reports_the_paths_its_linears_chose() -> None:
+    import cuvil
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    compiled = cuvil.jit(model.eval(), (torch.randn(2, 8),))
+    compiled(torch.randn(2, 8))
+    tactics = compiled.execution()["tactics"]
+    assert len(tactics) == 2
+    assert all(set(choice) == {2} for choice in tactics.values())
+    assert {path for choice in tactics.values() for path in choice.values()} <= {"mkl", "onednn"}
