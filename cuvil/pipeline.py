@@ -28,6 +28,7 @@ from cuvil.frontend.export import ExportedModel, export_model
 from cuvil.ir import Graph
 from cuvil.ir_text import print_graph
 from cuvil.ir_verify import verify_graph
+from cuvil.passes.attention_masks import share_attention_mask_bias
 from cuvil.passes.cleanup import (
     eliminate_common_subexpressions,
     fold_constants,
@@ -62,6 +63,7 @@ PASSES: tuple[tuple[str, PassFunction], ...] = (
     ("constant_fold", fold_constants),
     ("fold_batch_norm", fold_batch_norm),
     ("fuse_transformer_blocks", fuse_transformer_blocks),
+    ("attention_masks", share_attention_mask_bias),
     ("fuse_epilogues", fuse_epilogues),
     ("sibling_linears", fuse_sibling_linears),
     ("layout", to_channels_last),

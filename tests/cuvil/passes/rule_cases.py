@@ -161,6 +161,20 @@ def _attention_inputs(n: int) -> tuple[torch.Tensor, ...]:
     return torch.randn(n, 5, 16), mask
 
 
+class TwoLayersOneMask(nn.Module):
+    """Two attentions sharing a boolean padding mask: converted to a float bias once."""
+
+    def forward(self, q: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        first = F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+        return F.scaled_dot_product_attention(first, q, first, attn_mask=mask)
+
+
+def _masked_inputs(n: int) -> tuple[torch.Tensor, ...]:
+    mask = torch.rand(n, 1, 6, 6) > 0.4
+    mask |= torch.eye(6, dtype=torch.bool)  # every query sees at least itself
+    return torch.randn(n, 2, 6, 4), mask
+
+
 class SiblingProjections(nn.Module):
     """Q/K/V-style linears on one input (one without bias, widths differ), two GELU siblings, and
     consumers that view a slice in ways only a reshape can (merging the strided dims)."""
@@ -239,6 +253,13 @@ CASES = [
         ({0: batch}, {}, {}),
     ),
     RuleCase("constants", Constants(), lambda n: (torch.randn(n, 6),), ("constant_fold", "cse")),
+    RuleCase(
+        "attention_mask_bias",
+        TwoLayersOneMask(),
+        _masked_inputs,
+        ("attention", "attention_mask_bias"),
+        ({0: batch}, {0: batch}),
+    ),
     RuleCase(
         "sibling_linears",
         SiblingProjections(),

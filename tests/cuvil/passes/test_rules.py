@@ -21,7 +21,14 @@ ALL_RULES = {
     + rules_linear_epilogue
     + rules_fold_batch_norm
 }
-OTHER_REWRITES = {"identity", "cse", "constant_fold", "layout_borders", "sibling_linears"}
+OTHER_REWRITES = {
+    "identity",
+    "cse",
+    "constant_fold",
+    "layout_borders",
+    "sibling_linears",
+    "attention_mask_bias",
+}
 
 
 def test_every_rule_has_an_equivalence_case() -> None:
@@ -48,3 +55,21 @@ def test_rule_fires_and_matches_eager(case: RuleCase) -> None:
         scale = expected.abs().max().item()
         error = (actual - expected).abs().max().item()
         assert error <= 1e-5 * max(scale, 1.0), (case.name, n, error, scale)
+
+
+def test_one_mask_bias_serves_every_attention_that_shares_the_mask() -> None:
+    from tests.cuvil.passes.rule_cases import TwoLayersOneMask, _masked_inputs
+
+    compiled = cuvil.jit(TwoLayersOneMask(), _masked_inputs(2))
+    assert compiled.report["fusions"]["attention_mask_bias"] == 1
+    masks = {node.arg("mask") for node in compiled.graph.nodes if node.op == "cuvil.attention"}
+    assert len(masks) == 1 and compiled.graph.type_of(masks.pop()).dtype == "f32"
+
+
+def test_sibling_linears_become_one_gemm_per_group() -> None:
+    from tests.cuvil.passes.rule_cases import SiblingProjections
+
+    compiled = cuvil.jit(SiblingProjections().eval(), (torch.randn(2, 5, 16),))
+    assert compiled.report["fusions"]["sibling_linears"] == 2  # q/k/v and the two GELU ups
+    linears = [node for node in compiled.graph.nodes if node.op == "cuvil.linear"]
+    assert len(linears) == 2
