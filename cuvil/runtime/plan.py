@@ -18,6 +18,7 @@ import torch
 from cuvil.ir import Arg, Enum, Graph, Node, Value
 from cuvil.runtime.cpu_kernels import CPU_KERNELS
 from cuvil.runtime.kernels import Kernel, call_layout, decode_enum, resolve_kernel
+from cuvil.runtime.shape_cache import ShapeCache, shape_only_nodes
 from cuvil.shape_expr import compile_expr
 
 # A filler computes one argument at call time from the slots and the symbol values.
@@ -78,6 +79,21 @@ class ExecutionPlan:
         )
         for slot in self._const_slots - self._read_slots:  # consumed only by prepacking kernels
             self.initial[slot] = None
+        self._split_shape_steps()
+
+    def _split_shape_steps(self) -> None:
+        """Shape-only steps run once per shape (see shape_cache.py), data steps every call."""
+        shape_only = shape_only_nodes(self.graph)
+        self.shape_steps = tuple(step for step in self.steps if step.name in shape_only)
+        self.data_steps = tuple(step for step in self.steps if step.name not in shape_only)
+        kept = {  # shape-only values that data steps read
+            self._slot[value]
+            for node in self.graph.nodes
+            if node.name not in shape_only
+            for value in node.inputs
+            if value.node in shape_only
+        }
+        self.shape_cache = ShapeCache(sorted(kept))
 
     # -- building
 
@@ -231,7 +247,21 @@ class ExecutionPlan:
         slots = list(self.initial)
         for name, slot in self.input_slots:
             slots[slot] = inputs[name]
-        for step in self.steps:
+        if self.shape_steps:
+            key = self.shape_cache.key(symbols)
+            cached = self.shape_cache.get(key)
+            if cached is None:
+                self._execute(self.shape_steps, slots, symbols)
+                self.shape_cache.put(key, slots)
+            else:
+                for slot, value in zip(self.shape_cache.kept_slots, cached, strict=True):
+                    slots[slot] = value
+        self._execute(self.data_steps, slots, symbols)
+        return {name: slots[slot] for name, slot in self.output_slots}
+
+    @staticmethod
+    def _execute(steps: Sequence[Step], slots: list[Any], symbols: Mapping[str, int]) -> None:
+        for step in steps:
             if step.slot_fills or step.computed_fills:
                 args = list(step.args)
                 kwargs = step.kwargs
@@ -252,7 +282,6 @@ class ExecutionPlan:
                     slots[slot] = item
             for slot in step.release:
                 slots[slot] = None
-        return {name: slots[slot] for name, slot in self.output_slots}
 
     def kernel_names(self) -> Sequence[str]:
         return [step.name for step in self.steps]
