@@ -5,9 +5,11 @@ thread and splits every output back along the batch dim, row for row.
 
 Requests that could not join stay at the head of the line for the next batch. With
 ``max_rows <= 1`` (batching off, or a model without a shared batch dim) every request runs alone:
-straight on the worker threads, whose queue is then the request queue. (Running quick models on
-the event loop itself was tried: it saved ~0.1 ms in process but cost throughput under
-concurrency on 2 cores, where decoding the next request overlaps the current run.)
+straight on the worker threads, whose queue is then the request queue, or, when nothing else is
+executing and the model's recent runs took under ``INLINE_RUN_S``, on the event loop itself.
+Handing a run to a worker thread and waking the loop when it is done costs ~0.2 ms on a 2-core
+host, more than a tiny model's whole run; a long run stays on the worker so that the loop keeps
+answering health checks and decoding the next request meanwhile (MiniLM measured slower inline).
 """
 
 from __future__ import annotations
@@ -23,6 +25,11 @@ import torch
 
 from cuvil_sidecar.errors import ShuttingDown
 
+# Runs shorter than this (recent average) skip the worker thread when batching is off and the
+# model is idle: well above the ~0.2 ms hand-off it saves, well below a run worth overlapping.
+INLINE_RUN_S = 0.001
+RECENT_WEIGHT = 0.2  # weight of the newest run in the recent average
+
 RunFn = Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]]
 
 
@@ -34,6 +41,7 @@ class BatchResult:
     finished_ns: int
     batch_requests: int
     batch_rows: int
+    inline: bool = False  # ran on the event loop rather than a worker thread
 
 
 @dataclass
@@ -70,13 +78,19 @@ class Batcher:
             else []
         )
         self._closed = False
-        self._direct = 0  # requests submitted straight to the executor (batching off)
+        self._direct = 0  # requests running alone, inline or on the executor (batching off)
+        self.recent_run_s = float("inf")  # average of recent runs; unknown until the first
 
     @property
     def mode(self) -> str:
         if self.max_rows > 1:
             return f"dynamic batching up to {self.max_rows} rows, {self.max_delay_s * 1e6:.0f} us"
         return "no batching"
+
+    @property
+    def runs_inline(self) -> bool:
+        """Whether the next request, arriving at an idle model, runs on the event loop."""
+        return not self._tasks and self.recent_run_s < INLINE_RUN_S
 
     @property
     def pending(self) -> int:
@@ -91,14 +105,18 @@ class Batcher:
         loop = asyncio.get_running_loop()
         job = _Job(inputs, rows, key, loop.create_future())
         if not self._tasks:
+            inline = self._direct == 0 and self.runs_inline
             self._direct += 1
             try:
-                started, results, finished = await loop.run_in_executor(
-                    self._executor, self._execute, [job]
-                )
+                if inline:
+                    started, results, finished = self._execute([job])
+                else:
+                    started, results, finished = await loop.run_in_executor(
+                        self._executor, self._execute, [job]
+                    )
             finally:
                 self._direct -= 1
-            return BatchResult(results[0], job.enqueued_ns, started, finished, 1, rows)
+            return BatchResult(results[0], job.enqueued_ns, started, finished, 1, rows, inline)
         self._queue.put_nowait(job)
         return await job.future
 
@@ -200,6 +218,11 @@ class Batcher:
         started = time.time_ns()
         outputs = self._run(inputs)
         finished = time.time_ns()
+        took = (finished - started) / 1e9
+        recent = self.recent_run_s
+        self.recent_run_s = (
+            took if recent == float("inf") else recent + RECENT_WEIGHT * (took - recent)
+        )
         if self._on_execute is not None:
             self._on_execute(len(batch), sum(job.rows for job in batch))
         if len(batch) == 1:

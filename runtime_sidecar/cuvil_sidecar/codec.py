@@ -63,7 +63,7 @@ def decode_input(item: InferInput, *, max_bytes: int) -> torch.Tensor:
     if any(dim < 0 for dim in item.shape):
         raise InvalidInput(f"input {item.name!r}: shape {list(item.shape)} has a negative dim")
     elements = math.prod(item.shape)
-    itemsize = torch.empty((), dtype=datatype.torch).element_size()
+    itemsize = datatype.torch.itemsize
     if elements * itemsize > max_bytes:
         raise RequestTooLarge(
             f"input {item.name!r}: shape {list(item.shape)} {item.datatype} declares "
@@ -89,7 +89,9 @@ def _from_raw(item: InferInput, datatype: Datatype, elements: int, itemsize: int
         )
     if elements == 0:
         return torch.empty(item.shape, dtype=datatype.torch)
-    # bytearray: a writable copy the tensor owns (torch warns on read-only buffers). Native
+    # bytearray: a writable copy the tensor owns. Sharing the request's bytes instead would
+    # save ~18 us on ResNet-50's 600 KB input, but torch warns on read-only buffers and a
+    # kernel writing into its input would then write into an immutable bytes object. Native
     # byte order is the protocol's little-endian on every target Cuvil builds for.
     flat = torch.frombuffer(bytearray(raw), dtype=datatype.torch)
     if datatype.torch is torch.bool and bool((flat.view(torch.uint8) > 1).any()):

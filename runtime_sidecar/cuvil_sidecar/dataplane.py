@@ -66,11 +66,7 @@ class DataPlane:
     async def infer(self, request: InferRequest) -> InferResponse:
         model = self.manager.acquire(request.model_name, request.model_version)
         try:
-            with tracing.tracer.start_as_current_span(
-                "cuvil.infer",
-                links=model.links,
-                attributes={"cuvil.model": model.name, "cuvil.model.digest": model.digest},
-            ):
+            with tracing.infer_span(model.name, model.digest, model.links):
                 response = await self._infer(model, request)
         except Exception:
             self.metrics.add("nv_inference_request_failure", model.name, model.version)
@@ -107,6 +103,7 @@ class DataPlane:
             finished_ns=result.finished_ns,
             requests=result.batch_requests,
             rows=result.batch_rows,
+            inline=result.inline,
         )
         outputs = tuple(encode_output(name, result.outputs[name]) for name in wanted)
         self.metrics.request_succeeded(

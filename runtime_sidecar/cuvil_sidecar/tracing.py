@@ -7,7 +7,8 @@ continues the caller's W3C ``traceparent``)::
     /inference.GRPCInferenceService/ModelInfer     (server span, kind SERVER)
       cuvil.infer      decode, wait, encode; linked to the compile trace when the artifact has one
         cuvil.queue    enqueued -> its batch starts executing
-        cuvil.batch    the joined batch this request rode in (requests, rows)
+        cuvil.batch    the joined batch this request rode in (requests, rows, and whether it
+                       ran inline on the event loop; see ``batcher``)
           cuvil.execute   the model run
 
 The batch runs once for many requests, so its spans are recorded afterwards with the measured
@@ -24,7 +25,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from opentelemetry import trace
@@ -32,6 +34,8 @@ from opentelemetry.trace import Link, SpanContext, TraceFlags
 
 log = logging.getLogger("cuvil_sidecar.tracing")
 tracer = trace.get_tracer("cuvil_sidecar")
+_NO_SPAN = nullcontext()
+_enabled = False  # set by configure(): whether a tracer provider records the sidecar's spans
 
 # Where an artifact carries the trace of the compile that made it (a bare 32-hex trace id, as
 # the worker annotates its manifests, or a W3C traceparent): the OCI manifest's annotations
@@ -77,7 +81,20 @@ def configure(environ: Mapping[str, str] | None = None) -> Any:
         else:
             log.warning("OTEL_TRACES_EXPORTER %r is not supported here; ignored", name)
     trace.set_tracer_provider(provider)
+    global _enabled
+    _enabled = True
     return provider
+
+
+def infer_span(model: str, digest: str, links: Sequence[Link]) -> AbstractContextManager[Any]:
+    """The ``cuvil.infer`` span of one request, current while the request is served; nothing
+    at all when ``configure`` installed no tracer provider (a no-op span still costs ~10 us a
+    request, and there is no server span for it to join either)."""
+    if not _enabled:
+        return _NO_SPAN
+    return tracer.start_as_current_span(
+        "cuvil.infer", links=links, attributes={"cuvil.model": model, "cuvil.model.digest": digest}
+    )
 
 
 def server_interceptors(provider: Any) -> list[Any]:
@@ -121,8 +138,11 @@ def record_batch_spans(
     finished_ns: int,
     requests: int,
     rows: int,
+    inline: bool = False,
 ) -> None:
     """The queue/batch/execute spans of one request, under the current (cuvil.infer) span."""
+    if not _enabled:
+        return
     current = trace.get_current_span()
     if not current.get_span_context().is_valid or not current.is_recording():
         return
@@ -131,7 +151,11 @@ def record_batch_spans(
     batch = tracer.start_span(
         "cuvil.batch",
         start_time=started_ns,
-        attributes={"cuvil.batch.requests": requests, "cuvil.batch.rows": rows},
+        attributes={
+            "cuvil.batch.requests": requests,
+            "cuvil.batch.rows": rows,
+            "cuvil.batch.inline": inline,
+        },
     )
     execute = tracer.start_span(
         "cuvil.execute", context=trace.set_span_in_context(batch), start_time=started_ns

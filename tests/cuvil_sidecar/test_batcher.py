@@ -1,14 +1,17 @@
 """The batcher on its own: requests joined up to max_rows, results split back row for row,
-incompatible shapes kept apart, and a request that breaks a joined batch fails alone."""
+incompatible shapes kept apart, a request that breaks a joined batch fails alone, and, with
+batching off, quick runs on the event loop while slow ones stay on the worker thread."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from collections.abc import Mapping
 
 import pytest
 import torch
-from cuvil_sidecar.batcher import Batcher
+from cuvil_sidecar.batcher import INLINE_RUN_S, Batcher
 from cuvil_sidecar.errors import ShuttingDown
 
 
@@ -58,5 +61,76 @@ def test_join_split_and_isolation() -> None:
         await batcher.close()
         with pytest.raises(ShuttingDown, match="unloaded"):
             await batcher.submit({"x": torch.ones(1, 4)}, rows=1, key=(4,))
+
+    asyncio.run(scenario())
+
+
+def test_unbatched_quick_runs_skip_the_worker_thread() -> None:
+    """Batching off: once a run is known to be quick, an idle model runs the next request on the
+    event loop itself; the result, its timings and the execution count are as on a worker."""
+
+    async def scenario() -> None:
+        threads: list[threading.Thread] = []
+        executions: list[int] = []
+
+        def quick(inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            threads.append(threading.current_thread())
+            return double(inputs)
+
+        batcher = Batcher(
+            quick,
+            max_rows=1,
+            max_delay_s=0.0,
+            on_execute=lambda requests, rows: executions.append(rows),
+        )
+        assert not batcher.runs_inline  # how long a run takes is not known yet
+        results = []
+        while len(results) < 50 and not any(result.inline for result in results):
+            # a stall on a loaded host can make a run slow: then later ones go inline
+            x = torch.full((1, 4), float(len(results)))
+            results.append(await batcher.submit({"x": x}))
+            assert torch.equal(results[-1].outputs["y"], x * 2)
+            assert results[-1].enqueued_ns <= results[-1].started_ns <= results[-1].finished_ns
+        assert not results[0].inline and threads[0] is not threading.main_thread()
+        assert results[-1].inline and threads[-1] is threading.main_thread()
+        assert executions == [1] * len(results) and batcher.pending == 0
+        with pytest.raises(RuntimeError, match="NaN"):  # errors reach the caller alike
+            await batcher.submit({"x": torch.full((1, 4), float("nan"))})
+        await batcher.close()
+
+    asyncio.run(scenario())
+
+
+def test_unbatched_slow_runs_stay_on_the_worker_thread() -> None:
+    async def scenario() -> None:
+        threads: list[threading.Thread] = []
+
+        def slow(inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            threads.append(threading.current_thread())
+            time.sleep(2 * INLINE_RUN_S)
+            return double(inputs)
+
+        batcher = Batcher(slow, max_rows=1, max_delay_s=0.0)
+        results = [await batcher.submit({"x": torch.ones(1, 4)}) for _ in range(3)]
+        assert threading.main_thread() not in threads
+        assert not any(result.inline for result in results) and not batcher.runs_inline
+        await batcher.close()
+
+    asyncio.run(scenario())
+
+
+def test_batching_never_runs_inline() -> None:
+    async def scenario() -> None:
+        threads: list[threading.Thread] = []
+
+        def quick(inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            threads.append(threading.current_thread())
+            return double(inputs)
+
+        batcher = Batcher(quick, max_rows=4, max_delay_s=0.0)
+        for _ in range(3):
+            await batcher.submit({"x": torch.ones(1, 4)}, rows=1, key=(4,))
+        assert threading.main_thread() not in threads and not batcher.runs_inline
+        await batcher.close()
 
     asyncio.run(scenario())
