@@ -11,6 +11,10 @@ the in-process ``CompiledModel.run`` p50 on the same input; ``rpc_floor_p50_ms``
 ServerLive round trip through the same client, the part of the overhead that is gRPC and the
 Python client rather than the sidecar's data path. The client runs on the same machine and
 competes with the server for its cores, so the figures overstate the sidecar's own cost.
+``server_c1`` splits the concurrency-1 unbatched run from the sidecar's own ``/metrics``:
+``request_mean_ms`` (decode, run, encode), ``compute_mean_ms`` (the model run alone, to set
+against ``in_process_p50_ms``) and ``outside_ms`` = client p50 minus ``request_mean_ms``
+(gRPC both ways, protobuf, the servicer and the client library).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -83,14 +88,16 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def start_sidecar(path: Path, batch: int, delay_us: int, log: Path) -> tuple[subprocess.Popen, str]:
+def start_sidecar(
+    path: Path, batch: int, delay_us: int, log: Path, metrics_port: int = 0
+) -> tuple[subprocess.Popen, str]:
     port = free_port()
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("CUVIL_", "OTEL_"))}
     environ |= {
         "CUVIL_MODEL": str(path),
         "CUVIL_GRPC_HOST": "127.0.0.1",
         "CUVIL_GRPC_PORT": str(port),
-        "CUVIL_METRICS_PORT": "0",
+        "CUVIL_METRICS_PORT": str(metrics_port),
         "CUVIL_MAX_BATCH_SIZE": str(batch),
         "CUVIL_MAX_QUEUE_DELAY_US": str(delay_us),
         "PYTHONPATH": os.pathsep.join([str(REPO / "runtime_sidecar"), str(REPO)]),
@@ -116,6 +123,41 @@ def start_sidecar(path: Path, batch: int, delay_us: int, log: Path) -> tuple[sub
             pass
         time.sleep(0.1)
     raise RuntimeError(f"sidecar not ready: {log.read_text()[-2000:]}")
+
+
+SERVER_COUNTERS = (
+    "nv_inference_request_success",
+    "nv_inference_exec_count",
+    "nv_inference_request_duration_us",
+    "nv_inference_compute_infer_duration_us",
+)
+
+
+def server_counters(metrics_port: int) -> dict[str, float]:
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    values = dict.fromkeys(SERVER_COUNTERS, 0.0)
+    for line in text.splitlines():
+        name, _, rest = line.partition("{")
+        if name in values:
+            values[name] += float(rest.rsplit(" ", 1)[1])
+    return values
+
+
+def server_split(before: dict[str, float], after: dict[str, float], p50_ms: float) -> dict:
+    """Mean server-side times per request between two scrapes (see the module docstring)."""
+    delta = {name: after[name] - before[name] for name in SERVER_COUNTERS}
+    requests = max(1.0, delta["nv_inference_request_success"])
+    request_ms = delta["nv_inference_request_duration_us"] / requests / 1e3
+    executions = max(1.0, delta["nv_inference_exec_count"])
+    return {
+        "request_mean_ms": round(request_ms, 3),
+        "compute_mean_ms": round(
+            delta["nv_inference_compute_infer_duration_us"] / executions / 1e3, 3
+        ),
+        "outside_ms": round(p50_ms - request_ms, 3),
+    }
 
 
 async def rpc_floor(url: str, calls: int = 300) -> float:
@@ -194,11 +236,18 @@ def main() -> int:
         entry: dict[str, object] = {}
         for mode, batch in (("batching_off", 1), ("batching_on", args.max_batch_size)):
             log = args.artifacts / f"{name}-{mode}.log"
-            process, url = start_sidecar(path, batch, args.queue_delay_us, log)
+            metrics_port = free_port()
+            process, url = start_sidecar(path, batch, args.queue_delay_us, log, metrics_port)
             try:
                 if mode == "batching_off":
                     entry["rpc_floor_p50_ms"] = round(asyncio.run(rpc_floor(url)), 3)
-                rows = [asyncio.run(load(url, name, inputs, c, args.duration)) for c in levels]
+                rows = []
+                for c in levels:
+                    counted = server_counters(metrics_port)
+                    rows.append(asyncio.run(load(url, name, inputs, c, args.duration)))
+                    if mode == "batching_off" and c == 1:
+                        now = server_counters(metrics_port)
+                        entry["server_c1"] = server_split(counted, now, rows[-1]["p50_ms"])
             finally:
                 process.send_signal(signal.SIGTERM)
                 process.wait(30)
