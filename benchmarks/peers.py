@@ -246,6 +246,8 @@ def _prepare_cuvil(case: Case, precision: str) -> Prepared:
         "ops_after": report.get("ops_after"),
         # what ran here: bf16 artifacts compute fp32 GEMMs on CPUs without bf16 instructions
         "gemm_compute": compiled.execution()["gemm_compute"],
+        # intermediates at this case's shape: the arena plan against keeping every one
+        "memory": compiled.memory_plan(inputs),
     }
     return Prepared(call, output, seconds, precision, info)
 

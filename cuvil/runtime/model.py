@@ -76,6 +76,13 @@ class CompiledModel:
             "tactics": self._plan.tactic_choices(),
         }
 
+    def memory_plan(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        """The arena plan for the intermediates at these inputs' shapes (bytes, vs the naive
+        sum of every intermediate); the executor frees each value after its last use."""
+        from cuvil.analysis.memory import plan_memory
+
+        return plan_memory(self.graph, self._binder.bind(inputs)).summary()
+
     def run(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Run on named inputs; returns outputs by name. Tensors on the model's device are used
         in place."""

@@ -48,3 +48,15 @@ def test_views_allocate_nothing_and_extend_their_source() -> None:
         compiled.graph.node(v.node).op not in ("aten.view.default", "aten.unsqueeze.default")
         for v in spans
     )
+
+
+def test_compiled_model_plans_memory_at_the_call_shape() -> None:
+    from cuvil.models import mlp
+
+    spec = mlp()
+    compiled = cuvil.jit(spec.model, spec.example_inputs, dynamic_shapes=spec.dynamic_shapes)
+    small = compiled.memory_plan({"x": torch.randn(1, 784)})
+    large = compiled.memory_plan({"x": torch.randn(64, 784)})
+    assert list(small["at"].values()) == [1]
+    assert 0 < small["arena_bytes"] <= small["naive_bytes"]
+    assert large["arena_bytes"] > 32 * small["arena_bytes"] // 2
