@@ -16,6 +16,9 @@
   (0: reload only on SIGHUP).
 - ``CUVIL_GOLDEN_TOLERANCE`` (0.001): start-up golden check, max abs error / output scale.
 - ``CUVIL_WARMUP_RUNS`` (2): runs per shape bucket during warm-up.
+- ``CUVIL_TORCH_THREADS`` (0 = torch's default, one per core): intra-op threads per model run
+  (ONNX Runtime's ``intra_op_num_threads``). On a node shared with other busy pods, fewer
+  threads than cores avoids runs stalling on a thread the scheduler has parked.
 
 Tracing is configured by the standard ``OTEL_*`` variables (see ``tracing.py``).
 """
@@ -47,6 +50,7 @@ class SidecarConfig:
     poll_interval_s: float = 0.0
     golden_tolerance: float = 1e-3
     warmup_runs: int = 2
+    torch_threads: int = 0
 
     @property
     def batching(self) -> bool:
@@ -79,6 +83,7 @@ class SidecarConfig:
             poll_interval_s=_number(env, "CUVIL_POLL_INTERVAL_S", cls.poll_interval_s),
             golden_tolerance=_number(env, "CUVIL_GOLDEN_TOLERANCE", cls.golden_tolerance),
             warmup_runs=_integer(env, "CUVIL_WARMUP_RUNS", cls.warmup_runs, low=0),
+            torch_threads=_integer(env, "CUVIL_TORCH_THREADS", cls.torch_threads, low=0),
         )
 
 

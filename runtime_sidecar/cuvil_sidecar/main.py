@@ -17,6 +17,10 @@ def run(config: SidecarConfig) -> int:
     )
     from cuvil_sidecar.server import serve
 
+    if config.torch_threads:
+        import torch
+
+        torch.set_num_threads(config.torch_threads)
     asyncio.run(serve(config))
     return 0
 

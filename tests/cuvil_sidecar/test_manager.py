@@ -101,6 +101,9 @@ def test_config_from_environment() -> None:
     assert (config.model, config.max_batch_size, config.grpc_port) == ("/models/m.cuvil", 16, 9)
     assert config.batching and config.metrics_port == 8002
     assert not SidecarConfig.from_env({"CUVIL_MODEL": "m", "CUVIL_MAX_BATCH_SIZE": "1"}).batching
+    assert config.torch_threads == 0  # torch's default
+    one_thread = SidecarConfig.from_env({"CUVIL_MODEL": "m", "CUVIL_TORCH_THREADS": "1"})
+    assert one_thread.torch_threads == 1
     with pytest.raises(ConfigError, match="CUVIL_MODEL is not set"):
         SidecarConfig.from_env({})
     with pytest.raises(ConfigError, match="CUVIL_GRPC_PORT='x' is not an integer"):
