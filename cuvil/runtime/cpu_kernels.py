@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from cuvil.runtime.conv_weights import ConvWeight
 from cuvil.runtime.linear_kernels import (
     ONEDNN_ACTIVATIONS,
     check_runtime_args,
@@ -45,25 +46,6 @@ def _reduced_precision(
     return run
 
 
-def pack_conv_weight(
-    weight: torch.Tensor,
-    padding: list[int],
-    stride: list[int],
-    dilation: list[int],
-    groups: int,
-    input_sizes: Sequence[int | None] | None,
-) -> torch.Tensor:
-    """oneDNN's blocked weight layout for this input geometry. Packing needs the channels and
-    spatial sizes (without them oneDNN may pick a layout it then reorders on every call, 15x
-    slower on strided 1x1 convolutions); with dynamic spatial dims the weight stays plain
-    channels-last, which oneDNN reads directly."""
-    sizes = list(input_sizes or [])
-    if len(sizes) != 4 or any(size is None for size in sizes[1:]):
-        return weight.contiguous(memory_format=torch.channels_last)
-    hint = [1, *(int(size) for size in sizes[1:])]  # type: ignore[arg-type]
-    return mkldnn._reorder_convolution_weight(weight, padding, stride, dilation, groups, hint)
-
-
 def conv2d_kernel(args: Mapping[str, Any], dynamic: Sequence[str]) -> Callable[..., Any]:
     """``cuvil.conv2d(input, weight, bias, stride, padding, dilation, groups, activation,
     residual)``: activation(conv(input) + residual), channels-last, weight prepacked."""
@@ -77,12 +59,13 @@ def conv2d_kernel(args: Mapping[str, Any], dynamic: Sequence[str]) -> Callable[.
             return _reduced_precision(dict(args) | {"_inner": True}, dynamic, conv2d_kernel)
         weight, bias = weight.float(), bias.float() if bias is not None else None  # widened
     attr, scalars, algorithm = ONEDNN_ACTIVATIONS[str(args["activation"])]
-    packed = pack_conv_weight(weight, padding, stride, dilation, groups, args.get("_input_sizes"))
+    weights = ConvWeight(weight, padding, stride, dilation, groups, args.get("_input_sizes"))
     channels_last = torch.channels_last
     if "residual" not in dynamic:
 
         def conv(x: torch.Tensor) -> torch.Tensor:
             x = x.contiguous(memory_format=channels_last)
+            packed = weights.for_batch(x.shape[0])
             return mkldnn._convolution_pointwise(
                 x, packed, bias, padding, stride, dilation, groups, attr, scalars, algorithm
             )
@@ -97,7 +80,7 @@ def conv2d_kernel(args: Mapping[str, Any], dynamic: Sequence[str]) -> Callable[.
         return mkldnn._convolution_pointwise.binary(
             x,
             residual,
-            packed,
+            weights.for_batch(x.shape[0]),
             bias,
             padding,
             stride,
