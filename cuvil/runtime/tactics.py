@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-TIMED_CALLS = 3  # per candidate, after one untimed call; the median decides
+ROUNDS = 5  # timed calls per candidate, interleaved (A B A B ...) after one untimed call each
 
 
 def timing_enabled() -> bool:
@@ -49,18 +49,20 @@ class Tactics:
         return picked[1]
 
     def _time(self, args: tuple[Any, ...]) -> tuple[str, Callable[..., Any]]:
+        """Each candidate's fastest of ROUNDS calls, taken in alternation: a neighbour that
+        steals the CPU for a while slows every candidate alike, and the minimum is the call it
+        did not touch (a median picked oneDNN's slow GELU epilogue under load)."""
         if len(self.candidates) == 1:
             return self.candidates[0]
-        medians = []
         for _, run in self.candidates:
             run(*args)
-            times = []
-            for _ in range(TIMED_CALLS):
+        best = [float("inf")] * len(self.candidates)
+        for _ in range(ROUNDS):
+            for index, (_, run) in enumerate(self.candidates):
                 start = time.perf_counter()
                 run(*args)
-                times.append(time.perf_counter() - start)
-            medians.append(sorted(times)[len(times) // 2])
-        return self.candidates[medians.index(min(medians))]
+                best[index] = min(best[index], time.perf_counter() - start)
+        return self.candidates[best.index(min(best))]
 
     def describe(self) -> dict[int, str]:
         """bucket -> name of the chosen candidate (what ran, for reports and tests)."""
