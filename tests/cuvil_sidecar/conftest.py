@@ -8,6 +8,7 @@ a process. Nothing in this test process imports ``cuvil_sidecar._generated``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -115,6 +116,20 @@ class Sidecar:
         return int(self.process.returncode)
 
 
+@contextlib.contextmanager
+def ready_sidecar(sidecar: Sidecar) -> Iterator[Sidecar]:
+    """Wait until the sidecar reports ready, hand it over, and stop it afterwards."""
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(sidecar.url)
+    try:
+        sidecar.wait_ready(client)
+        yield sidecar
+    finally:
+        client.close()
+        sidecar.stop()
+
+
 @pytest.fixture(scope="session")
 def artifact_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("sidecar-artifacts")
@@ -167,8 +182,6 @@ def mlp_sidecar(
     otlp_receiver,  # noqa: F811
 ) -> Iterator[Sidecar]:
     """The shared MLP sidecar: batching on, traces exported to the test's OTLP receiver."""
-    import tritonclient.grpc as grpcclient
-
     sidecar = Sidecar(
         mlp_artifact,
         tmp_path_factory.mktemp("mlp-sidecar") / "sidecar.log",
@@ -180,13 +193,8 @@ def mlp_sidecar(
         OTEL_BSP_SCHEDULE_DELAY="100",
         OTEL_SERVICE_NAME="cuvil-sidecar-test",
     )
-    client = grpcclient.InferenceServerClient(sidecar.url)
-    try:
-        sidecar.wait_ready(client)
+    with ready_sidecar(sidecar):
         yield sidecar
-    finally:
-        client.close()
-        sidecar.stop()
 
 
 def eager(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> object:

@@ -20,7 +20,7 @@ from torch.export import Dim
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from cuvil.models.catalog import ModelSpec
-from tests.cuvil_sidecar.conftest import Sidecar, compile_spec
+from tests.cuvil_sidecar.conftest import Sidecar, compile_spec, ready_sidecar
 
 
 class Mixed(torch.nn.Module):
@@ -40,13 +40,8 @@ def mixed_sidecar(artifact_dir: Path, tmp_path_factory) -> Iterator[Sidecar]:
     shapes = {name: {0: batch} for name in "abcd"}
     path = compile_spec(ModelSpec("mixed", Mixed(), example, shapes), artifact_dir / "mixed")
     sidecar = Sidecar(path, tmp_path_factory.mktemp("mixed") / "sidecar.log")
-    client = grpcclient.InferenceServerClient(sidecar.url)
-    try:
-        sidecar.wait_ready(client)
+    with ready_sidecar(sidecar):
         yield sidecar
-    finally:
-        client.close()
-        sidecar.stop()
 
 
 def test_raw_contents_every_datatype(mixed_sidecar: Sidecar) -> None:

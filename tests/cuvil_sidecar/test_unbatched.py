@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from tests.cuvil_sidecar.conftest import Sidecar
+from tests.cuvil_sidecar.conftest import Sidecar, ready_sidecar
 from tests.cuvil_sidecar.test_server import metric, scrape
 from tests.fixtures.otlp import OtlpReceiver
 
@@ -33,13 +33,8 @@ def unbatched_sidecar(
         OTEL_BSP_SCHEDULE_DELAY="100",
         OTEL_SERVICE_NAME="cuvil-sidecar-unbatched",
     )
-    client = grpcclient.InferenceServerClient(sidecar.url)
-    try:
-        sidecar.wait_ready(client)
+    with ready_sidecar(sidecar):
         yield sidecar
-    finally:
-        client.close()
-        sidecar.stop()
 
 
 def test_inline_requests_keep_spans_and_metrics(
