@@ -184,7 +184,7 @@ def swiglu_kernel(args: Mapping[str, Any], dynamic: Sequence[str]) -> Callable[.
 
     def swiglu(x: torch.Tensor) -> torch.Tensor:
         gate, up = gemm(x).split(hidden, dim=-1)
-        return F.silu(gate, inplace=False).mul_(up)
+        return F.silu(gate).mul_(up)
 
     swiglu.tactics = getattr(gemm, "tactics", None)  # type: ignore[attr-defined]
     return swiglu

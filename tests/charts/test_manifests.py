@@ -214,20 +214,18 @@ def test_environment_matches_what_the_deployables_read(render: Render) -> None:
                 assert name in readers[component], f"{component} never reads {name}"
 
 
+def _dry_run_install(helm_run: HelmRun, *values: str) -> subprocess.CompletedProcess[str]:
+    """``helm install --dry-run=client`` of the chart: what a user's install would print."""
+    return helm_run(
+        "install", "cuvil", str(CHART), "--namespace", "cuvil-system", "--dry-run=client", *values
+    )
+
+
 def test_sidecar_snippet_in_notes_is_a_valid_pod(
     helm_run: HelmRun, tmp_path: Path, render: Render
 ) -> None:
     values = CHART / "ci" / "sidecar-config-values.yaml"
-    done = helm_run(
-        "install",
-        "cuvil",
-        str(CHART),
-        "--namespace",
-        "cuvil-system",
-        "--dry-run=client",
-        "-f",
-        str(values),
-    )
+    done = _dry_run_install(helm_run, "-f", str(values))
     assert done.returncode == 0, done.stderr
     notes = done.stdout.split("NOTES:", 1)[1]
     block = notes.split("add the sidecar below", 1)[1].split("\n\n", 1)[1].split("\n\n", 1)[0]
@@ -261,16 +259,7 @@ def test_sidecar_snippet_in_notes_is_a_valid_pod(
 
 
 def test_readme_snippet_is_what_the_chart_prints(helm_run: HelmRun) -> None:
-    done = helm_run(
-        "install",
-        "cuvil",
-        str(CHART),
-        "--namespace",
-        "cuvil-system",
-        "--dry-run=client",
-        "--set",
-        "registry.existingSecret=registry-push",
-    )
+    done = _dry_run_install(helm_run, "--set", "registry.existingSecret=registry-push")
     assert done.returncode == 0, done.stderr
     notes = done.stdout.split("add the sidecar below", 1)[1].split("\n\n", 1)[1]
     printed = "\n".join(
