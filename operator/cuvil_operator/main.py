@@ -68,6 +68,11 @@ def on_startup_operator(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: A
         prefix=GROUP, key="last-handled-configuration"
     )
     settings.posting.level = logging.WARNING  # our own Events say what happened
+    # A deletion waits for the progress timer to stop. Its sync handler may be mid-call in a
+    # thread; kopf's default is to look again only after 60 s, which holds the finalizer (and
+    # the object) that long. Timer calls take milliseconds: wait briefly, then re-check often.
+    settings.background.instant_exit_timeout = 0.5
+    settings.background.cancellation_polling = 1.0
     memo.queue = CompileQueue.from_config(CONFIG)
 
 

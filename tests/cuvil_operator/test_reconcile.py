@@ -7,9 +7,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import kopf
 import pytest
 import yaml
 from cuvil_operator.config import OperatorConfig
+from cuvil_operator.main import on_cleanup_operator, on_startup_operator
 from cuvil_operator.reconcile_compilation import (
     reconcile_delete,
     reconcile_progress,
@@ -162,3 +164,16 @@ def test_fixing_an_invalid_spec_submits_the_new_generation() -> None:
     accepted = next(c for c in status["conditions"] if c["type"] == "Accepted")
     assert accepted["status"] == "True" and accepted["observedGeneration"] == 2
     assert queue.calls == [("submit", "u1-2")]  # the refused generation had nothing to cancel
+
+
+def test_startup_bounds_how_long_a_deletion_waits_for_the_timer() -> None:
+    """kopf re-checks a timer that is mid-call at deletion after ``cancellation_polling``
+    seconds (60 by default): that long the finalizer would pin a deleted object."""
+    settings, memo = kopf.OperatorSettings(), kopf.Memo()
+    on_startup_operator(settings=settings, memo=memo)
+    try:
+        assert settings.persistence.finalizer == "cuvil.dev/finalizer"
+        assert settings.background.cancellation_polling <= 2.0
+        assert (settings.background.instant_exit_timeout or 0) >= 0.1
+    finally:
+        on_cleanup_operator(memo=memo)
