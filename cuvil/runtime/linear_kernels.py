@@ -5,9 +5,9 @@
     onednn  oneDNN's prepacked linear with the activation or the residual add as a post-op
 
 Neither wins everywhere (see cuvil/runtime/tactics.py for the measured cases), so each linear
-times both the first time it meets a new row-count bucket and keeps the faster. Both paths keep
-their own copy of the weight (oneDNN's blocked layout is opaque to MKL): fp32 linear weights
-take twice their size in memory while loaded.
+times both, in place, over its first calls in a new row-count bucket and keeps the faster.
+Both paths keep their own copy of the weight (oneDNN's blocked layout is opaque to MKL): fp32
+linear weights take twice their size in memory while loaded.
 
 bf16 weights run in bf16 on CPUs whose oneDNN has bf16 instructions (AVX512-BF16, AMX); on
 others they are widened to fp32 once at load — the fp32 GEMM is 5-10x faster there than ATen's
@@ -102,7 +102,7 @@ def _tactic_linear(
         lead = x.shape[:-1]
         rows = x.reshape(-1, in_features)
         flat = [r.reshape(rows.shape[0], -1) for r in rest]
-        y = tactics.choose(bucket(rows.shape[0]), rows, *flat)(rows, *flat)
+        y = tactics.run(bucket(rows.shape[0]), rows, *flat)
         return y.view(*lead, y.shape[-1])
 
     linear.tactics = tactics  # type: ignore[attr-defined]

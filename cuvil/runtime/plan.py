@@ -287,10 +287,12 @@ class ExecutionPlan:
         return [step.name for step in self.steps]
 
     def tactic_choices(self) -> dict[str, dict[int, str]]:
-        """node -> {row bucket: GEMM path} for the kernels that chose one (see runtime/tactics)."""
+        """node -> {row bucket: GEMM path, or "timing"} for the kernels that have run with a
+        choice to make (see runtime/tactics)."""
         choices = {}
         for step in self.steps:
             tactics = getattr(step.kernel, "tactics", None)
-            if tactics is not None and tactics.chosen:
-                choices[step.name] = tactics.describe()
+            described = tactics.describe() if tactics is not None else None
+            if described:
+                choices[step.name] = described
         return choices

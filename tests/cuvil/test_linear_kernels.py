@@ -14,7 +14,7 @@ from cuvil.runtime.linear_kernels import (
     linear_kernel,
     swiglu_kernel,
 )
-from cuvil.runtime.tactics import Tactics, bucket
+from cuvil.runtime.tactics import ROUNDS, Tactics, bucket
 
 REFERENCE = {
     "none": lambda y: y,
@@ -73,30 +73,31 @@ def test_linear_refuses_activation_and_residual_together() -> None:
         )
 
 
-def test_tactics_time_each_bucket_once_and_keep_the_faster() -> None:
+def test_tactics_time_candidates_in_place_then_keep_the_faster() -> None:
     calls: list[str] = []
 
     def slow(x: int) -> int:
         calls.append("slow")
         sum(range(20000))
-        return x
+        return x + 1
 
     def fast(x: int) -> int:
         calls.append("fast")
-        return x
+        return x + 1
 
     tactics = Tactics([("slow", slow), ("fast", fast)])
-    assert tactics.choose(8, 1) is fast
-    timed = len(calls)
-    assert timed >= 4 and calls.count("slow") == calls.count("fast")
-    assert tactics.choose(8, 1) is fast and len(calls) == timed  # cached: no more timing
+    results = [tactics.run(8, n) for n in range(2 * (ROUNDS + 1))]
+    assert results == [n + 1 for n in range(2 * (ROUNDS + 1))]  # every call answered, once
+    assert calls == ["slow", "fast"] * (ROUNDS + 1)  # in turn while undecided
     assert tactics.describe() == {8: "fast"}
+    assert tactics.run(8, 1) == 2 and calls[-1] == "fast" and len(calls) == 2 * ROUNDS + 3
+    assert tactics.run(16, 1) == 2 and tactics.describe() == {8: "fast", 16: "timing"}
 
 
 def test_tactics_first_disables_timing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUVIL_TACTICS", "first")
     tactics = Tactics([("a", lambda: "a"), ("b", lambda: "b")])
-    assert tactics.choose(1)() == "a"
+    assert tactics.run(1) == "a" and tactics.run(1) == "a"
     assert tactics.describe() == {1: "a"}
 
 
@@ -134,7 +135,8 @@ def test_compiled_model_reports_the_paths_its_linears_chose() -> None:
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
     compiled = cuvil.jit(model.eval(), (torch.randn(2, 8),))
-    compiled(torch.randn(2, 8))
+    for _ in range(2 * (ROUNDS + 1)):  # the calls that time both paths in turn
+        compiled(torch.randn(2, 8))
     tactics = compiled.execution()["tactics"]
     assert len(tactics) == 2
     assert all(set(choice) == {2} for choice in tactics.values())
