@@ -3,7 +3,8 @@
 Normalises what users pass (a tensor, a tuple of positional inputs, a dict of keyword inputs),
 exports in eval mode with the user's ``dynamic_shapes`` untouched, and keeps the op level that
 Cuvil's patterns match on (``run_decompositions({})``: linear, layer_norm and
-scaled_dot_product_attention stay whole).
+scaled_dot_product_attention stay whole). Graphs of common CNN ops reach that level by local
+rewrites instead of the retrace, which takes longer than the export itself (training_ir.py).
 
 One trap is handled here rather than left to the user: torch.export specialises a dynamic dim
 whose example size is 1 (the 0/1 specialisation). Such examples are tiled to size 2 for tracing,
@@ -18,6 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from cuvil.frontend.convert import DROPPED_TARGETS
+from cuvil.frontend.training_ir import as_inference_ir
 
 
 class ExportError(ValueError):
@@ -134,7 +138,10 @@ def export_model(model: torch.nn.Module, example_inputs: Any, dynamic_shapes: An
             program = torch.export.export(
                 model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False
             )
-            program = program.run_decompositions({})
+            if as_inference_ir(program, frozenset(DROPPED_TARGETS)):
+                notes.append("training IR converted directly (no run_decompositions retrace)")
+            else:
+                program = program.run_decompositions({})
     except Exception as error:  # the exporter raises many types; all mean "cannot capture"
         reason = str(error).strip().split("\n\n")[0][:2000]
         raise ExportError(f"torch.export failed: {type(error).__name__}: {reason}") from error
