@@ -20,6 +20,7 @@ import gc
 import json
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -117,15 +118,20 @@ def time_interleaved(
     """Round robin: each round times one burst of every peer in turn, so a machine that slows
     down or speeds up mid-run (shared hosts do) moves every row alike and the ratios hold.
     A burst lasts about BURST_MS (fast models run several calls per turn, so no peer's timing
-    is dominated by another's cache footprint). Stops after ``runs`` calls per peer or once
+    is dominated by another's cache footprint). The order is shuffled each round (seeded): a
+    peer that leaves threads spinning or caches cold slows whichever row follows it, and that
+    must not always be the same row. Stops after ``runs`` calls per peer or once
     ``max_seconds`` times the peer count are spent (every peer still gets >= 1 call)."""
     times: dict[str, list[float]] = {name: [] for name in prepared}
     bursts = {name: max(1, int(BURST_MS / max(warm_ms[name], 1e-3))) for name in prepared}
     deadline = time.perf_counter() + options.max_seconds * max(1, len(prepared))
+    names, shuffler = list(prepared), random.Random(0)
     gc.disable()
     try:
         while any(len(t) < options.runs for t in times.values()):
-            for name, peer in prepared.items():
+            shuffler.shuffle(names)  # no peer always follows the same one
+            for name in names:
+                peer = prepared[name]
                 for _ in range(min(bursts[name], options.runs - len(times[name]))):
                     start = time.perf_counter()
                     peer.call()
