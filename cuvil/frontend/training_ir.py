@@ -81,7 +81,8 @@ def as_inference_ir(program: torch.export.ExportedProgram, dropped: frozenset[st
     if signature.buffers_to_mutate or signature.user_inputs_to_mutate:
         return False
     nodes = list(program.graph.nodes)
-    if not all(_convertible(node, nodes, dropped) for node in nodes):
+    positions = {node: index for index, node in enumerate(nodes)}
+    if not all(_convertible(node, positions, dropped) for node in nodes):
         return False
     for node in nodes:
         rewrite = _REWRITES.get(op_name(node.target)) if node.op == "call_function" else None
@@ -92,7 +93,9 @@ def as_inference_ir(program: torch.export.ExportedProgram, dropped: frozenset[st
     return True
 
 
-def _convertible(node: torch.fx.Node, nodes: list[torch.fx.Node], dropped: frozenset[str]) -> bool:
+def _convertible(
+    node: torch.fx.Node, positions: dict[torch.fx.Node, int], dropped: frozenset[str]
+) -> bool:
     if node.op != "call_function" or node.target in _PLUMBING:
         return True
     name = op_name(node.target)
@@ -103,11 +106,11 @@ def _convertible(node: torch.fx.Node, nodes: list[torch.fx.Node], dropped: froze
     if name == "aten.dropout.default":
         return node.args[2] is False  # train=False: the identity
     if name in FUNCTIONAL_TWIN:
-        return _overwrite_is_unobserved(node, nodes)
+        return _overwrite_is_unobserved(node, positions)
     return False
 
 
-def _overwrite_is_unobserved(node: torch.fx.Node, nodes: list[torch.fx.Node]) -> bool:
+def _overwrite_is_unobserved(node: torch.fx.Node, positions: dict[torch.fx.Node, int]) -> bool:
     """An in-place op may become functional when the tensor it overwrites is a fresh result
     (no input, weight or view of another tensor) that nothing reads after the overwrite."""
     target = node.args[0]
@@ -116,13 +119,12 @@ def _overwrite_is_unobserved(node: torch.fx.Node, nodes: list[torch.fx.Node]) ->
     producer = op_name(target.target)
     if producer not in FUNCTIONAL_TWIN and _returns_alias(target.target):
         return False  # a view: writing to it would write to its base
-    if producer in FUNCTIONAL_TWIN and not _overwrite_is_unobserved(target, nodes):
+    if producer in FUNCTIONAL_TWIN and not _overwrite_is_unobserved(target, positions):
         return False
-    position = nodes.index(node)
     others = [user for user in target.users if user is not node]
     if any(user.op == "call_function" and _returns_alias(user.target) for user in others):
         return False  # a view taken earlier would see the overwrite
-    return all(nodes.index(user) < position for user in others)
+    return all(positions[user] < positions[node] for user in others)
 
 
 def _returns_alias(target: object) -> bool:
