@@ -20,8 +20,10 @@ from cuvil.runtime.kernels import Kernel
 from cuvil.runtime.linear_kernels import compute_precision
 from cuvil.runtime.plan import ExecutionPlan
 from cuvil.runtime.signature import InputBinder, InputError, Signature
+from cuvil.runtime.tactics import ROUNDS
 
 TARGET_DEVICES = {"cpu": "cpu", "cuda": "cuda"}
+SETTLE_RUNS = 2 * (ROUNDS + 1) + 1  # two candidates, each a warm-up and ROUNDS timed calls
 
 
 def target_device(target: str) -> torch.device:
@@ -82,6 +84,18 @@ class CompiledModel:
         from cuvil.analysis.memory import plan_memory
 
         return plan_memory(self.graph, self._binder.bind(inputs)).summary()
+
+    def settle(self, inputs: Mapping[str, torch.Tensor], max_runs: int = SETTLE_RUNS) -> int:
+        """Run these inputs until every kernel choice they meet is made (runtime/tactics.py):
+        from then on, calls at this shape give bit-identical results. Returns the runs made."""
+        before = self._plan.tactic_trials()
+        for runs in range(1, max_runs + 1):
+            self.run(inputs)
+            after = self._plan.tactic_trials()
+            if not any(before.get(key) != calls for key, calls in after.items()):
+                return runs  # no choice this shape meets is still open
+            before = after
+        return max_runs
 
     def run(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Run on named inputs; returns outputs by name. Tensors on the model's device are used

@@ -286,6 +286,15 @@ class ExecutionPlan:
     def kernel_names(self) -> Sequence[str]:
         return [step.name for step in self.steps]
 
+    def tactic_trials(self) -> dict[tuple[str, int], int]:
+        """(node, row bucket) -> calls so far, for the choices still being timed."""
+        trials: dict[tuple[str, int], int] = {}
+        for step in self.steps:
+            tactics = getattr(step.kernel, "tactics", None)
+            if tactics is not None:
+                trials.update(((step.name, key), n) for key, n in tactics.trial_calls().items())
+        return trials
+
     def tactic_choices(self) -> dict[str, dict[int, str]]:
         """node -> {row bucket: GEMM path, or "timing"} for the kernels that have run with a
         choice to make (see runtime/tactics)."""

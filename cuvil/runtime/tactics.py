@@ -13,6 +13,10 @@ builds its primitive there) the fastest serves that bucket from then on. Every c
 candidate's result, so nothing runs twice. Candidates must be pure: same inputs, same result
 (to rounding).
 
+Outputs of one candidate and another differ in rounding, so a bucket's results are only
+bit-stable once it is decided: ``CompiledModel.settle(inputs)`` runs a shape until every choice it
+meets is made (the sidecar does so for each bucket before it reports ready).
+
 ``CUVIL_TACTICS=first`` turns timing off and always runs the first candidate (reproducible
 kernel choice, e.g. for bisecting a numerical difference).
 """
@@ -93,3 +97,7 @@ class Tactics:
         described = {key: name for key, (name, _) in self.chosen.items()}
         described.update((key, "timing") for key in self._trials)
         return dict(sorted(described.items()))
+
+    def trial_calls(self) -> dict[int, int]:
+        """bucket -> calls so far, for the buckets still timing their candidates."""
+        return {key: trial.calls for key, trial in self._trials.items()}

@@ -15,7 +15,8 @@
 - ``CUVIL_POLL_INTERVAL_S`` (0): poll ``CUVIL_MODEL`` for a new digest every N seconds
   (0: reload only on SIGHUP).
 - ``CUVIL_GOLDEN_TOLERANCE`` (0.001): start-up golden check, max abs error / output scale.
-- ``CUVIL_WARMUP_RUNS`` (2): runs per shape bucket during warm-up.
+- ``CUVIL_WARMUP_RUNS`` (2): runs per shape bucket during warm-up; more follow where the
+  bucket's GEMM paths are still being timed (``CompiledModel.settle``).
 - ``CUVIL_TORCH_THREADS`` (0 = torch's default, one per core): intra-op threads per model run
   (ONNX Runtime's ``intra_op_num_threads``). On a node shared with other busy pods, fewer
   threads than cores avoids runs stalling on a thread the scheduler has parked.

@@ -1,6 +1,7 @@
 """Start-up checks, run on a background thread before a model may serve (initially and on every
 reload): fetch the artifact, verify every file's digest while reading it, load it, warm up every
-shape bucket, and compare the outputs on the artifact's golden inputs with the golden outputs
+shape bucket (until the kernel choices it meets are made: then served results are bit-stable),
+and compare the outputs on the artifact's golden inputs with the golden outputs
 recorded at compile time. Any failure raises StartupError saying which step failed and why; the
 caller keeps the model not ready (first load) or keeps serving the old one (reload).
 
@@ -92,6 +93,7 @@ def load_checked(
                 run_started = time.perf_counter()
                 model.run(inputs)
                 fastest = min(fastest, (time.perf_counter() - run_started) * 1e3)
+            model.settle(inputs)  # kernel choices made: served results are bit-stable
         except Exception as error:
             raise StartupError(f"warm-up at {bucket} failed: {error}") from error
     progress("checking golden outputs")

@@ -141,3 +141,20 @@ def test_compiled_model_reports_the_paths_its_linears_chose() -> None:
     assert len(tactics) == 2
     assert all(set(choice) == {2} for choice in tactics.values())
     assert {path for choice in tactics.values() for path in choice.values()} <= {"mkl", "onednn"}
+
+
+def test_settle_makes_the_choices_a_shape_meets_then_results_are_bit_stable() -> None:
+    import cuvil
+    from cuvil.runtime.model import SETTLE_RUNS
+
+    torch.manual_seed(4)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    compiled = cuvil.jit(model.eval(), (torch.randn(4, 32),))
+    x = torch.randn(4, 32)
+    runs = compiled.settle({"input": x})
+    assert 1 < runs <= SETTLE_RUNS  # (verification already made a call or two)
+    choices = compiled.execution()["tactics"]
+    assert all(choice[bucket(4)] in ("mkl", "onednn") for choice in choices.values())
+    first, second = compiled(x), compiled(x)
+    assert torch.equal(first, second)
+    assert compiled.settle({"input": x}) == 1  # nothing left to choose
