@@ -89,7 +89,7 @@ def free_port() -> int:
 
 
 def start_sidecar(
-    path: Path, batch: int, delay_us: int, log: Path, metrics_port: int = 0
+    path: Path, batch: int, delay_us: int, log: Path, metrics_port: int = 0, threads: int = 0
 ) -> tuple[subprocess.Popen, str]:
     port = free_port()
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("CUVIL_", "OTEL_"))}
@@ -100,6 +100,7 @@ def start_sidecar(
         "CUVIL_METRICS_PORT": str(metrics_port),
         "CUVIL_MAX_BATCH_SIZE": str(batch),
         "CUVIL_MAX_QUEUE_DELAY_US": str(delay_us),
+        "CUVIL_TORCH_THREADS": str(threads),
         "PYTHONPATH": os.pathsep.join([str(REPO / "runtime_sidecar"), str(REPO)]),
     }
     process = subprocess.Popen(
@@ -223,6 +224,9 @@ def main() -> int:
     parser.add_argument("--max-batch-size", type=int, default=8)
     parser.add_argument("--queue-delay-us", type=int, default=2000)
     parser.add_argument("--artifacts", type=Path, default=Path("/tmp/cuvil-bench-artifacts"))
+    parser.add_argument(
+        "--torch-threads", type=int, default=0, help="the sidecar's CUVIL_TORCH_THREADS (0: all)"
+    )
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -237,7 +241,9 @@ def main() -> int:
         for mode, batch in (("batching_off", 1), ("batching_on", args.max_batch_size)):
             log = args.artifacts / f"{name}-{mode}.log"
             metrics_port = free_port()
-            process, url = start_sidecar(path, batch, args.queue_delay_us, log, metrics_port)
+            process, url = start_sidecar(
+                path, batch, args.queue_delay_us, log, metrics_port, args.torch_threads
+            )
             try:
                 if mode == "batching_off":
                     entry["rpc_floor_p50_ms"] = round(asyncio.run(rpc_floor(url)), 3)
