@@ -139,7 +139,7 @@ class _Converter:
         if isinstance(val, torch.SymInt | torch.SymFloat | torch.SymBool | int | float):
             self.env[fx_node.name] = self.sym_value(val, fx_node)
             return
-        op_name = _op_name(target)
+        op_name = op_name_of(target)
         if op_name in DROPPED_TARGETS:
             return
         if not isinstance(target, torch._ops.OpOverload):
@@ -237,7 +237,7 @@ class _Converter:
         if isinstance(value, torch.SymInt | torch.SymFloat):
             return self.sym_value(value, fx_node)
         raise UnsupportedOpError(
-            f"argument {value!r} of type {type(value).__name__} in {_op_name(fx_node.target)}"
+            f"argument {value!r} of type {type(value).__name__} in {op_name_of(fx_node.target)}"
             f"{_where(fx_node)}"
         )
 
@@ -265,7 +265,8 @@ def _key_text(key: Any) -> str:
     return ""
 
 
-def _op_name(target: Any) -> str:
+def op_name_of(target: Any) -> str:
+    """``aten.add.Tensor`` for an ATen overload; the function's name for anything else."""
     if isinstance(target, torch._ops.OpOverload):
         return f"{target.namespace}.{target._schema.name.split('::')[-1]}.{target._overloadname}"
     return getattr(target, "__name__", str(target))

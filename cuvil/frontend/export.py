@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 
-from cuvil.frontend.convert import DROPPED_TARGETS
 from cuvil.frontend.training_ir import as_inference_ir
 
 
@@ -138,7 +137,7 @@ def export_model(model: torch.nn.Module, example_inputs: Any, dynamic_shapes: An
             program = torch.export.export(
                 model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False
             )
-            if as_inference_ir(program, frozenset(DROPPED_TARGETS)):
+            if as_inference_ir(program):
                 notes.append("training IR converted directly (no run_decompositions retrace)")
             else:
                 program = program.run_decompositions({})

@@ -25,6 +25,8 @@ from collections.abc import Callable
 import torch
 import torch.fx
 
+from cuvil.frontend.convert import DROPPED_TARGETS, op_name_of
+
 aten = torch.ops.aten
 
 # Ops that appear unchanged in the inference IR (checked per model family in the tests).
@@ -67,25 +69,18 @@ FUNCTIONAL_TWIN: dict[str, torch._ops.OpOverload] = {
 _PLUMBING = (operator.getitem, operator.add, operator.sub, operator.mul, operator.floordiv)
 
 
-def op_name(target: object) -> str:
-    if isinstance(target, torch._ops.OpOverload):
-        return f"{target.namespace}.{target._schema.name.split('::')[-1]}.{target._overloadname}"
-    return getattr(target, "__name__", str(target))
-
-
-def as_inference_ir(program: torch.export.ExportedProgram, dropped: frozenset[str]) -> bool:
+def as_inference_ir(program: torch.export.ExportedProgram) -> bool:
     """Rewrite ``program``'s training IR into the inference IR in place and return True, or
-    leave it untouched and return False when it needs ``run_decompositions``. ``dropped``: ops
-    the converter drops anyway (shape asserts)."""
+    leave it untouched and return False when it needs ``run_decompositions``."""
     signature = program.graph_signature
     if signature.buffers_to_mutate or signature.user_inputs_to_mutate:
         return False
     nodes = list(program.graph.nodes)
     positions = {node: index for index, node in enumerate(nodes)}
-    if not all(_convertible(node, positions, dropped) for node in nodes):
+    if not all(_convertible(node, positions) for node in nodes):
         return False
     for node in nodes:
-        rewrite = _REWRITES.get(op_name(node.target)) if node.op == "call_function" else None
+        rewrite = _REWRITES.get(op_name_of(node.target)) if node.op == "call_function" else None
         if rewrite is not None:
             rewrite(program.graph, node)
     program.graph.lint()
@@ -93,13 +88,11 @@ def as_inference_ir(program: torch.export.ExportedProgram, dropped: frozenset[st
     return True
 
 
-def _convertible(
-    node: torch.fx.Node, positions: dict[torch.fx.Node, int], dropped: frozenset[str]
-) -> bool:
+def _convertible(node: torch.fx.Node, positions: dict[torch.fx.Node, int]) -> bool:
     if node.op != "call_function" or node.target in _PLUMBING:
         return True
-    name = op_name(node.target)
-    if name in DIRECT_OPS or name in dropped or name == "aten.flatten.using_ints":
+    name = op_name_of(node.target)
+    if name in DIRECT_OPS or name in DROPPED_TARGETS or name == "aten.flatten.using_ints":
         return True
     if name == "aten.batch_norm.default":
         return node.args[5] is False  # training=False: running statistics, nothing updated
@@ -116,7 +109,7 @@ def _overwrite_is_unobserved(node: torch.fx.Node, positions: dict[torch.fx.Node,
     target = node.args[0]
     if not isinstance(target, torch.fx.Node) or target.op != "call_function":
         return False
-    producer = op_name(target.target)
+    producer = op_name_of(target.target)
     if producer not in FUNCTIONAL_TWIN and _returns_alias(target.target):
         return False  # a view: writing to it would write to its base
     if producer in FUNCTIONAL_TWIN and not _overwrite_is_unobserved(target, positions):
@@ -134,7 +127,7 @@ def _returns_alias(target: object) -> bool:
 
 
 def _functional(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
-    node.target = FUNCTIONAL_TWIN[op_name(node.target)]
+    node.target = FUNCTIONAL_TWIN[op_name_of(node.target)]
 
 
 def _batch_norm(graph: torch.fx.Graph, node: torch.fx.Node) -> None:

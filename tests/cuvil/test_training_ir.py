@@ -11,11 +11,9 @@ from torch import nn
 from torch.export import Dim
 
 import cuvil
-from cuvil.frontend.convert import DROPPED_TARGETS, convert_exported_program
+from cuvil.frontend.convert import convert_exported_program
 from cuvil.frontend.training_ir import as_inference_ir
 from cuvil.ir import Graph, Value
-
-DROPPED = frozenset(DROPPED_TARGETS)
 
 
 class SqueezeExcite(nn.Module):
@@ -109,7 +107,7 @@ def _canonical(graph: Graph) -> list[tuple[Any, ...]]:
 def _both_routes(model: nn.Module, example: torch.Tensor) -> tuple[Graph, Graph, bool]:
     decomposed = _export(model, example).run_decompositions({})
     direct = _export(model, example)
-    rewritten = as_inference_ir(direct, DROPPED)
+    rewritten = as_inference_ir(direct)
     names = {("x", 0): "batch"}
     a = convert_exported_program(decomposed, "m", names).graph
     b = convert_exported_program(direct, "m", names).graph
@@ -131,7 +129,7 @@ def test_direct_route_gives_the_decomposed_ir(build: Any) -> None:
 def test_unsafe_in_place_op_takes_the_retrace() -> None:
     program = _export(OverwritesAView(), torch.randn(2, 3, 8, 8))
     before = [str(node.target) for node in program.graph.nodes]
-    assert not as_inference_ir(program, DROPPED)
+    assert not as_inference_ir(program)
     assert [str(node.target) for node in program.graph.nodes] == before  # left untouched
 
 
