@@ -120,7 +120,10 @@ def time_interleaved(
     A burst lasts about BURST_MS (fast models run several calls per turn, so no peer's timing
     is dominated by another's cache footprint). The order is shuffled each round (seeded): a
     peer that leaves threads spinning or caches cold slows whichever row follows it, and that
-    must not always be the same row. Stops after ``runs`` calls per peer or once
+    must not always be the same row. Each turn starts with one untimed call, so what is timed
+    is the peer's steady state rather than its recovery from the previous peer (in one ResNet-50
+    run with ONNX Runtime, OpenVINO and Cuvil, that first call lowered every row's median by
+    7-9 % and left their ratios as they were). Stops after ``runs`` calls per peer or once
     ``max_seconds`` times the peer count are spent (every peer still gets >= 1 call)."""
     times: dict[str, list[float]] = {name: [] for name in prepared}
     bursts = {name: max(1, int(BURST_MS / max(warm_ms[name], 1e-3))) for name in prepared}
@@ -132,6 +135,7 @@ def time_interleaved(
             shuffler.shuffle(names)  # no peer always follows the same one
             for name in names:
                 peer = prepared[name]
+                peer.call()  # untimed: each turn starts from this peer's own threads and caches
                 for _ in range(min(bursts[name], options.runs - len(times[name]))):
                     start = time.perf_counter()
                     peer.call()

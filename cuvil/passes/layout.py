@@ -30,7 +30,46 @@ PRESERVING = {
     "aten.max_pool2d.default",
     "aten.avg_pool2d.default",
     "aten.adaptive_avg_pool2d.default",
+    "aten.constant_pad_nd.default",
 }
+# Padding keeps channels-last in ATen for these modes (circular returns a contiguous tensor).
+PRESERVING_PAD_MODES = {"constant", "reflect", "replicate"}
+
+
+def _preserves(node: Node) -> bool:
+    if node.op == "aten.pad.default":
+        return node.arg("mode", "constant") in PRESERVING_PAD_MODES
+    return node.op in PRESERVING
+
+
+def _layout_swap(node: Node, layout: dict[Value, str]) -> str | None:
+    """The result's layout for ops that take a channels-last operand as it is and whose result
+    needs no conversion either; None for any other op.
+
+    - a permute that only relabels memory: NCHW channels-last permuted to NHWC is a contiguous
+      tensor, and contiguous NHWC permuted to NCHW is a channels-last one (ConvNeXt's LayerNorm
+      sits between the two);
+    - ``mean`` over dims (global pooling, squeeze-excite): ATen reduces any layout, and what is
+      left of the spatial dims is reduced away or of size 1.
+    """
+    if len(node.inputs) != 1:
+        return None
+    source = layout.get(node.inputs[0], "contiguous")
+    if node.op == "aten.mean.dim" and source == CHANNELS_LAST:
+        return "contiguous" if _spatial_reduced(node.arg("dim")) else None
+    if node.op != "aten.permute.default":
+        return None
+    dims = node.arg("dims")
+    dims = tuple(dims) if isinstance(dims, list | tuple) else ()
+    if dims == (0, 2, 3, 1) and source == CHANNELS_LAST:
+        return "contiguous"
+    if dims == (0, 3, 1, 2) and source == "contiguous":
+        return CHANNELS_LAST
+    return None
+
+
+def _spatial_reduced(dims: object) -> bool:
+    return isinstance(dims, list | tuple) and {int(d) % 4 for d in dims} >= {2, 3}
 
 
 def _clone(name: str, source: Value, source_type: TensorType, layout: str) -> Node:
@@ -68,9 +107,11 @@ def to_channels_last(program: Program) -> Program:
             data = [node.arg("input"), node.arg("residual")]
             wanted = {v: CHANNELS_LAST for v in rank4 if v in data}
             out_layout = CHANNELS_LAST
-        elif node.op in PRESERVING and any(layout.get(v) == CHANNELS_LAST for v in rank4):
+        elif _preserves(node) and any(layout.get(v) == CHANNELS_LAST for v in rank4):
             wanted = {v: CHANNELS_LAST for v in rank4}
             out_layout = CHANNELS_LAST
+        elif (swap := _layout_swap(node, layout)) is not None:
+            wanted, out_layout = {}, swap
         else:
             wanted = {v: "contiguous" for v in node.inputs if layout.get(v) == CHANNELS_LAST}
             out_layout = "contiguous"

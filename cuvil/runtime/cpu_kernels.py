@@ -24,6 +24,7 @@ from cuvil.runtime.linear_kernels import (
     linear_kernel,
     swiglu_kernel,
 )
+from cuvil.runtime.pointwise_conv import is_pointwise, with_gemm_tactic
 
 KernelFactory = Callable[[Mapping[str, Any], Sequence[str]], Callable[..., Any]]
 
@@ -58,6 +59,22 @@ def conv2d_kernel(args: Mapping[str, Any], dynamic: Sequence[str]) -> Callable[.
         if compute_precision(weight.dtype) == "bf16":
             return _reduced_precision(dict(args) | {"_inner": True}, dynamic, conv2d_kernel)
         weight, bias = weight.float(), bias.float() if bias is not None else None  # widened
+    activation = str(args["activation"])
+    onednn = _onednn_conv(args, dynamic, weight, bias)
+    if is_pointwise(weight, stride, padding, dilation, groups):
+        return with_gemm_tactic(onednn, weight, bias, activation, "residual" in dynamic)
+    return onednn
+
+
+def _onednn_conv(
+    args: Mapping[str, Any],
+    dynamic: Sequence[str],
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> Callable[..., Any]:
+    """oneDNN's convolution, the activation and any residual add as post-ops."""
+    stride, padding = list(args["stride"]), list(args["padding"])
+    dilation, groups = list(args["dilation"]), int(args["groups"])
     attr, scalars, algorithm = ONEDNN_ACTIVATIONS[str(args["activation"])]
     weights = ConvWeight(weight, padding, stride, dilation, groups, args.get("_input_sizes"))
     channels_last = torch.channels_last
