@@ -8,6 +8,8 @@ dump directory, the file its IR is dumped to (``<n>-<stage>.ir``).
 
 from __future__ import annotations
 
+import logging
+import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -49,6 +51,8 @@ from cuvil.passes.sibling_linears import fuse_sibling_linears
 from cuvil.runtime.model import CompiledModel, target_device
 from cuvil.runtime.signature import Signature
 from cuvil.verify import OutputError, compare_outputs, worst_relative_error
+
+log = logging.getLogger("cuvil.pipeline")
 
 STAGES = ("export", "import", "verify_ir", "passes", "plan", "verify")
 PRECISIONS = ("fp32", "bf16")
@@ -189,6 +193,22 @@ def measure(compiled: CompiledModel, inputs: dict, expected: dict) -> list[Outpu
     return compare_outputs(compiled.run(inputs), expected)
 
 
+def failed_run(name: str, error: Exception) -> list[OutputError]:
+    """A compiled model that raises on the examples: infinitely wrong, so bisection starts."""
+    log.warning("compiled %s raised on the examples: %s: %s", name, type(error).__name__, error)
+    message = f"raised {type(error).__name__}: {error}"[:300]
+    return [OutputError(message, math.inf, math.inf, 0.0, None)]
+
+
+def measure_built(
+    build_model: Callable[[], CompiledModel], inputs: dict, expected: dict, name: str
+) -> list[OutputError]:
+    try:
+        return measure(build_model(), inputs, expected)
+    except Exception as error:  # any failure of the lowered program counts against its passes
+        return failed_run(name, error)
+
+
 def bisect_passes(program: Program, run: _Run, check: Callable[[Program], float]) -> str | None:
     """The first pass whose addition pushes the error over the tolerance (passes run in order)."""
     names = [name for name, _ in passes_for(run.options)]
@@ -234,21 +254,22 @@ def compile_model(
             expected = dict(zip(signature.output_names, flat_reference, strict=True))
             compiled = build(program, config, output_spec)
         with run.stage("verify"):
-            errors = measure(compiled, inputs, expected)
+            errors = measure_built(lambda: compiled, inputs, expected, name)
             bisection = None
             if worst_relative_error(errors) > options.tolerance:
 
                 def check(candidate: Program) -> float:
-                    return worst_relative_error(
-                        measure(build(candidate, config, None), inputs, expected)
-                    )
+                    built = partial(build, candidate, config, None)
+                    return worst_relative_error(measure_built(built, inputs, expected, name))
 
                 culprit = bisect_passes(imported, run, check)
-                bisection = {"error": worst_relative_error(errors), "culprit": culprit}
+                worst = worst_relative_error(errors)
+                bisection = {"error": worst if math.isfinite(worst) else None, "culprit": culprit}
                 if options.on_mismatch == "raise" or culprit is None:
                     raise VerificationError(
-                        f"compiled {name} differs from eager by {bisection['error']:.3g} of the "
-                        f"output scale (tolerance {options.tolerance}); responsible pass: {culprit}"
+                        f"compiled {name} differs from eager by {worst:.3g} of the "
+                        f"output scale (tolerance {options.tolerance}); responsible pass: "
+                        f"{culprit}; outputs: {[e.name for e in errors]}"
                     )
                 disabled = frozenset(options.disable_passes) | {culprit}
                 program, applied = lower(imported, run, disabled)

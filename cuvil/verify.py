@@ -2,11 +2,13 @@
 
 Per output: max absolute error, max error relative to the reference's scale (max |ref|), cosine
 similarity, and top-1 agreement along the last dim for float outputs with more than one class.
-``relative_to_scale`` is what gates and tests compare against a tolerance.
+``relative_to_scale`` is what gates and tests compare against a tolerance. A NaN or an infinity
+where eager has a finite value is an infinite error (NaN would compare as "within tolerance").
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -37,8 +39,11 @@ def compare_output(name: str, actual: torch.Tensor, expected: torch.Tensor) -> O
     a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
     if e.numel() == 0:
         return OutputError(name, 0.0, 0.0, 1.0, None)
-    max_abs = float((a - e).abs().max())
-    scale = float(e.abs().max())
+    difference = (a - e).abs()
+    same = (a == e) | (a.isnan() & e.isnan())  # the same inf, or NaN where eager has NaN too
+    difference = torch.where(same, 0.0, difference).nan_to_num(nan=math.inf)
+    max_abs = float(difference.max())
+    scale = float(e.abs().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).max())
     relative = max_abs / scale if scale > 0 else max_abs
     cosine = float(torch.nn.functional.cosine_similarity(a.flatten(), e.flatten(), dim=0))
     top1 = None
@@ -54,4 +59,6 @@ def compare_outputs(
 
 
 def worst_relative_error(errors: list[OutputError]) -> float:
-    return max((error.relative_to_scale for error in errors), default=0.0)
+    """The largest relative error; a NaN counts as infinitely wrong (``max`` would skip it)."""
+    values = [error.relative_to_scale for error in errors]
+    return max((v if math.isfinite(v) else math.inf for v in values), default=0.0)

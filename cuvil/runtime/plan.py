@@ -9,7 +9,7 @@ store, release dead slots. No graph walking, no dict lookups by name, no shape i
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import sympy
@@ -93,6 +93,12 @@ class ExecutionPlan:
             for value in node.inputs
             if value.node in shape_only
         }
+        # Shape steps all run before the data steps, so a shape step must not free a value
+        # that a data step reads later, even when it is that value's last reader in graph order.
+        self.shape_steps = tuple(
+            replace(step, release=tuple(slot for slot in step.release if slot not in kept))
+            for step in self.shape_steps
+        )
         self.shape_cache = ShapeCache(sorted(kept))
 
     # -- building

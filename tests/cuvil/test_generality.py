@@ -148,6 +148,20 @@ def segformer() -> Any:
     return tf.SegformerModel(config)
 
 
+def gemma2() -> Any:
+    """Sliding-window and full attention in one model; with a padding mask its two mask chains
+    share shape-only values after CSE (the executor once freed one too early)."""
+    config = tf.Gemma2Config(
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=8,
+        vocab_size=500,
+        use_cache=False,
+        **SMALL,
+    )
+    return tf.Gemma2ForCausalLM(config)
+
+
 Factory = Callable[[], Any]
 Inputs = Callable[[int, int], dict[str, torch.Tensor]]
 MODELS: dict[str, tuple[Factory, Inputs, dict]] = {
@@ -164,6 +178,7 @@ MODELS: dict[str, tuple[Factory, Inputs, dict]] = {
     "phi_partial_rotary": (phi, _text(500), TEXT_SHAPES),
     "swin_windows": (swin, _image(32), IMAGE_SHAPES),
     "segformer": (segformer, _image(64), IMAGE_SHAPES),
+    "gemma2_padded_sliding_window": (gemma2, _text_with_padding(500), PADDED_TEXT_SHAPES),
 }
 
 

@@ -67,3 +67,22 @@ def test_tiny_llama_builds_its_rotary_tables_and_mask_once() -> None:
     ops = {compiled.graph.node(name).op for name in shape_ops}
     assert {"aten.cos.default", "aten.sin.default", "aten.arange.default"} <= ops
     assert len(compiled._plan.shape_steps) >= 20
+
+
+class SharedPositions(torch.nn.Module):
+    """A shape-only value read by a data step and, later in graph order, by another shape-only
+    step (Gemma2's sliding-window mask after CSE merged its position chain with the full one)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(x.shape[1], dtype=x.dtype)
+        shifted = x + positions  # data step
+        doubled = positions * 2  # shape-only, the last reader of positions in graph order
+        return shifted + doubled
+
+
+def test_a_shape_step_does_not_free_what_a_data_step_reads_later() -> None:
+    seq = Dim("seq", min=2, max=64)
+    compiled = cuvil.jit(SharedPositions(), (torch.randn(2, 8),), dynamic_shapes=({1: seq},))
+    for length in (8, 5, 8):
+        x = torch.randn(2, length)
+        torch.testing.assert_close(compiled(x), SharedPositions()(x))

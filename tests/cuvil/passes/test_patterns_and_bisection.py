@@ -99,3 +99,48 @@ def test_passes_can_be_disabled_by_name() -> None:
     assert "fuse_epilogues" not in compiled.config["passes"]
     with pytest.raises(ValueError, match="unknown pass"):
         cuvil.jit(DoubleRelu().eval(), (torch.randn(2, 6),), disable_passes=("no_such_pass",))
+
+
+def _nan(match, rewriter):  # type: ignore[no-untyped-def]
+    # relu(relu(x)) -> x + nan: every output NaN, which a plain `error > tolerance` lets pass
+    return [
+        Node(
+            rewriter.names.fresh("nan"),
+            "aten.add.Tensor",
+            (("self", match.values["x"]), ("other", float("nan"))),
+            match.root.types,
+        )
+    ]
+
+
+def _crash(match, rewriter):  # type: ignore[no-untyped-def]
+    # relu(relu(x)) -> a view to a size that does not fit: the lowered model raises when run
+    return [
+        Node(
+            rewriter.names.fresh("crash"),
+            "aten.view.default",
+            (("self", match.values["x"]), ("size", [-1, 7])),
+            match.root.types,
+        )
+    ]
+
+
+@pytest.mark.parametrize("rewrite", [_nan, _crash], ids=["nan", "raises"])
+def test_nan_or_a_crash_in_the_lowered_model_is_bisected_like_a_mismatch(rewrite) -> None:  # type: ignore[no-untyped-def]
+    model = DoubleRelu().eval()
+    compiled = cuvil.jit(model, (torch.randn(4, 6),), patterns=(Rule("broken", TWICE, rewrite),))
+    assert compiled.report["bisection"] == {"error": None, "culprit": "user_patterns"}
+    x = torch.randn(4, 6)
+    torch.testing.assert_close(compiled(x), model(x))
+
+
+def test_nan_counts_as_the_worst_error() -> None:
+    from cuvil.verify import compare_output, worst_relative_error
+
+    expected = torch.ones(3)
+    good = compare_output("good", expected.clone(), expected)
+    bad = compare_output("bad", torch.tensor([1.0, float("nan"), 1.0]), expected)
+    assert bad.relative_to_scale == float("inf")
+    assert worst_relative_error([good, bad]) == float("inf")
+    same_nan = torch.tensor([1.0, float("nan"), float("inf")])
+    assert compare_output("same", same_nan.clone(), same_nan).relative_to_scale == 0.0
