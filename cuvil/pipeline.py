@@ -49,7 +49,7 @@ from cuvil.passes.program import Program
 from cuvil.passes.rewrite import Rule, apply_rules
 from cuvil.passes.sibling_linears import fuse_sibling_linears
 from cuvil.runtime.model import CompiledModel, target_device
-from cuvil.runtime.signature import Signature
+from cuvil.runtime.signature import InputBinder, Signature
 from cuvil.verify import OutputError, compare_outputs, worst_relative_error
 
 log = logging.getLogger("cuvil.pipeline")
@@ -302,12 +302,7 @@ def compile_model(
 
 def _symbol_values(signature: Signature, inputs: dict[str, torch.Tensor]) -> dict[str, int]:
     """The symbol values of the example inputs (the shapes the memory plan is reported at)."""
-    values: dict[str, int] = {}
-    for spec in signature.inputs:
-        for dim, size in zip(spec.shape, inputs[spec.name].shape, strict=True):
-            if dim.is_Symbol:
-                values[str(dim)] = int(size)
-    return values
+    return InputBinder(signature).bind(inputs)
 
 
 def _named_inputs(signature: Signature, exported: ExportedModel) -> dict[str, torch.Tensor]:

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from cuvil.frontend.huggingface import traceable_experts
 from cuvil.frontend.training_ir import as_inference_ir
 
 
@@ -133,7 +134,7 @@ def export_model(model: torch.nn.Module, example_inputs: Any, dynamic_shapes: An
     dims = dims_by_input(model, args, kwargs, dynamic_shapes)
     args, kwargs, notes = widen_unit_examples(model, args, kwargs, dims)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), traceable_experts(model):
             program = torch.export.export(
                 model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False
             )
@@ -144,8 +145,8 @@ def export_model(model: torch.nn.Module, example_inputs: Any, dynamic_shapes: An
     except Exception as error:  # the exporter raises many types; all mean "cannot capture"
         reason = str(error).strip().split("\n\n")[0][:2000]
         raise ExportError(f"torch.export failed: {type(error).__name__}: {reason}") from error
-    dim_names = {
-        (name, index): str(getattr(dim, "__name__", f"{name}_{index}"))
+    dim_names = {  # a derived dim (4 * d) is named after its root (d): the symbol to bind
+        (name, index): str(getattr(getattr(dim, "root", dim), "__name__", f"{name}_{index}"))
         for name, by_index in dims.items()
         for index, dim in by_index.items()
     }

@@ -7,6 +7,8 @@ never with ``trust_remote_code``. Tests build models from configs with random we
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -61,3 +63,31 @@ def minilm_path() -> Path:
 
 def load_minilm() -> torch.nn.Module:
     return load_local(minilm_path(), "feature-extraction")
+
+
+# transformers' experts implementations that trace into aten ops (what Cuvil can compile)
+TRACEABLE_EXPERTS = ("batched_mm", "eager")
+
+
+@contextmanager
+def traceable_experts(model: torch.nn.Module) -> Iterator[None]:
+    """Mixture-of-experts models from transformers 5 run their experts through ``grouped_mm``;
+    under torch.export in fp32 that becomes the opaque custom op
+    ``transformers::grouped_mm_fallback``, which no ahead-of-time compiler can read. For the
+    export only, switch such a model to ``batched_mm`` (gather each token's experts, then bmm:
+    the same arithmetic in aten ops), and switch it back afterwards."""
+    setter = getattr(model, "set_experts_implementation", None)
+    config = getattr(model, "config", None)
+    current = getattr(config, "_experts_implementation", None)
+    if setter is None or current is None or current in TRACEABLE_EXPERTS:
+        yield
+        return
+    try:
+        setter("batched_mm")
+    except (ValueError, AttributeError):  # a model that cannot switch exports as it is
+        yield
+        return
+    try:
+        yield
+    finally:
+        setter(current)

@@ -74,19 +74,26 @@ def shape_symbol_names(
     """Name torch's symbols from the user inputs' dims; return the map and the bounded symbols.
 
     ``dim_names`` maps (input name, dim index) to the user's Dim name; a dynamic dim the user did
-    not name (Dim.AUTO) gets ``<input>_<dim>``.
+    not name (Dim.AUTO) gets ``<input>_<dim>``. A derived dim (``4 * d - 1``) whose root appears
+    in no input on its own names that root; the binder solves for it at call time.
     """
     names: dict[sympy.Symbol, sympy.Symbol] = {}
-    for node in ep.graph.nodes:
-        if node.op != "placeholder" or node.name not in ep.graph_signature.user_inputs:
-            continue
-        val = node.meta.get("val")
-        for index, size in enumerate(getattr(val, "shape", ())):
-            if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
-                torch_symbol = size.node.expr
-                if torch_symbol not in names:
-                    name = dim_names.get((node.name, index), f"{node.name}_{index}")
-                    names[torch_symbol] = make_symbol(_identifier(name))
+    sizes = [
+        (node.name, index, size.node.expr)
+        for node in ep.graph.nodes
+        if node.op == "placeholder" and node.name in ep.graph_signature.user_inputs
+        for index, size in enumerate(getattr(node.meta.get("val"), "shape", ()))
+        if isinstance(size, torch.SymInt)
+    ]
+    for input_name, index, expr in sizes:  # bare dims first: they name their symbols
+        if isinstance(expr, sympy.Symbol) and expr not in names:
+            name = dim_names.get((input_name, index), f"{input_name}_{index}")
+            names[expr] = make_symbol(_identifier(name))
+    for input_name, index, expr in sizes:  # then a derived dim's root seen nowhere bare
+        free = [symbol for symbol in expr.free_symbols if symbol not in names]
+        if len(free) == 1:
+            name = dim_names.get((input_name, index), f"{input_name}_{index}_root")
+            names[free[0]] = make_symbol(_identifier(name))
     symbols = []
     for torch_symbol, symbol in names.items():
         bounds = ep.range_constraints.get(torch_symbol)

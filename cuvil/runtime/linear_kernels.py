@@ -1,11 +1,13 @@
-"""CPU kernels for ``cuvil.linear`` and ``cuvil.swiglu``: two GEMM paths, chosen per shape.
+"""CPU kernels for ``cuvil.linear`` and ``cuvil.swiglu``: GEMM paths, chosen per shape.
 
     mkl     addmm (MKL sgemm) on the pre-transposed weight, then the activation in place;
             a residual is added first (residual + bias) and the GEMM accumulates into it
     onednn  oneDNN's prepacked linear with the activation or the residual add as a post-op
+    split   for up to 4 rows: the weight split across threads as a batched GEMM
+            (MKL runs a one-row GEMM on one thread; see runtime/split_gemm.py)
 
-Neither wins everywhere (see cuvil/runtime/tactics.py for the measured cases), so each linear
-times both, in place, over its first calls in a new row-count bucket and keeps the faster.
+None wins everywhere (see cuvil/runtime/tactics.py for the measured cases), so each linear
+times them, in place, over its first calls in a new row-count bucket and keeps the fastest.
 Both paths keep their own copy of the weight (oneDNN's blocked layout is opaque to MKL): fp32
 linear weights take twice their size in memory while loaded.
 
@@ -23,35 +25,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from cuvil.runtime.activations import INPLACE_ACTIVATIONS, ONEDNN_ACTIVATIONS
+from cuvil.runtime.split_gemm import SPLIT_MAX_ROWS, split_linear, split_parts
 from cuvil.runtime.tactics import Tactics, bucket
 
 mkldnn = torch.ops.mkldnn
-
-# activation name in the IR -> (oneDNN post-op, scalars, algorithm)
-ONEDNN_ACTIVATIONS: dict[str, tuple[str, list[float], str]] = {
-    "none": ("none", [], ""),
-    "relu": ("relu", [], ""),
-    "gelu": ("gelu", [], "none"),
-    "gelu_tanh": ("gelu", [], "tanh"),
-    "silu": ("swish", [], ""),
-    "hardswish": ("hardswish", [], ""),
-    "relu6": ("hardtanh", [0.0, 6.0], ""),
-    "tanh": ("tanh", [], ""),
-    "sigmoid": ("sigmoid", [], ""),
-}
-
-# The same activations applied in place to a fresh GEMM result.
-INPLACE_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "none": lambda y: y,
-    "relu": torch.relu_,
-    "gelu": lambda y: torch.ops.aten.gelu_(y),
-    "gelu_tanh": lambda y: torch.ops.aten.gelu_(y, approximate="tanh"),
-    "silu": lambda y: F.silu(y, inplace=True),
-    "hardswish": lambda y: F.hardswish(y, inplace=True),
-    "relu6": lambda y: F.hardtanh_(y, 0.0, 6.0),
-    "tanh": torch.tanh_,
-    "sigmoid": torch.sigmoid_,
-}
 
 
 def has_onednn_bf16() -> bool:
@@ -87,22 +65,48 @@ def linear_kernel(args: Mapping[str, Any], dynamic: Sequence[str]) -> Callable[.
     if compute_precision(weight.dtype) == "bf16":
         return _bf16_linear(weight, args.get("bias"), activation, "residual" in dynamic)
     weight, bias = weight.float(), _as_fp32(args.get("bias"))
-    if "residual" in dynamic:
-        return _tactic_linear(_residual_candidates(weight, bias), weight.shape[-1])
-    return _tactic_linear(_activation_candidates(weight, bias, activation), weight.shape[-1])
+    residual = "residual" in dynamic
+    if residual:
+        candidates = _residual_candidates(weight, bias)
+    else:
+        candidates = _activation_candidates(weight, bias, activation)
+    return _tactic_linear(
+        candidates, weight.shape[-1], _split_candidates(weight, bias, activation, residual)
+    )
+
+
+def _split_candidates(
+    weight: torch.Tensor, bias: torch.Tensor | None, activation: str, residual: bool
+) -> list[tuple[str, Callable[..., torch.Tensor]]]:
+    """The weight split across threads, for calls with a few rows (runtime/split_gemm.py)."""
+    parts = split_parts()
+    if parts < 2:
+        return []
+    return [("split", split_linear(weight, bias, activation, residual, parts))]
 
 
 def _tactic_linear(
-    candidates: list[tuple[str, Callable[..., torch.Tensor]]], in_features: int
+    candidates: list[tuple[str, Callable[..., torch.Tensor]]],
+    in_features: int,
+    few_rows: list[tuple[str, Callable[..., torch.Tensor]]] | None = None,
 ) -> Callable[..., Any]:
-    """Flatten leading dims to rows, let the tactics pick the GEMM path per row bucket."""
-    tactics = Tactics(candidates)
+    """Flatten leading dims to rows, let the tactics pick the GEMM path per row bucket
+    (``few_rows`` candidates join in for buckets up to SPLIT_MAX_ROWS rows)."""
+    tactics = Tactics(candidates, few_rows or (), SPLIT_MAX_ROWS)
+    decided: dict[int, Callable[..., torch.Tensor]] = {}  # 2-D calls: rows -> chosen path
 
     def linear(x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2:  # already rows: skip the reshapes and the bucket (5 us of 9 at 1 row)
+            path = decided.get(x.shape[0])
+            if path is not None:
+                return path(x, *rest)
         lead = x.shape[:-1]
         rows = x.reshape(-1, in_features)
         flat = [r.reshape(rows.shape[0], -1) for r in rest]
-        y = tactics.run(bucket(rows.shape[0]), rows, *flat)
+        key = bucket(rows.shape[0])
+        y = tactics.run(key, rows, *flat)
+        if x.dim() == 2 and key in tactics.chosen:
+            decided[x.shape[0]] = tactics.chosen[key][1]
         return y.view(*lead, y.shape[-1])
 
     linear.tactics = tactics  # type: ignore[attr-defined]

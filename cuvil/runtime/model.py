@@ -23,7 +23,7 @@ from cuvil.runtime.signature import InputBinder, InputError, Signature
 from cuvil.runtime.tactics import ROUNDS
 
 TARGET_DEVICES = {"cpu": "cpu", "cuda": "cuda"}
-SETTLE_RUNS = 2 * (ROUNDS + 1) + 1  # two candidates, each a warm-up and ROUNDS timed calls
+SETTLE_RUNS = 3 * (ROUNDS + 1) + 1  # up to three candidates, each a warm-up and ROUNDS timed calls
 
 
 def target_device(target: str) -> torch.device:

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from cuvil.runtime.linear_kernels import INPLACE_ACTIVATIONS
+from cuvil.runtime.activations import INPLACE_ACTIVATIONS
 from cuvil.runtime.tactics import Tactics, bucket
 
 

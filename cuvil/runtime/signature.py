@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 import sympy
@@ -129,6 +130,7 @@ class InputBinder:
             self.derived[spec.name] = [
                 (i, d) for i, d in enumerate(spec.shape) if not d.is_Integer and not d.is_Symbol
             ]
+        self.roots = _roots_to_solve(self.symbolic, self.derived)
 
     def bind(self, inputs: Mapping[str, Any]) -> dict[str, int]:
         missing = [name for name in self.names if name not in inputs]
@@ -141,6 +143,8 @@ class InputBinder:
         values: dict[str, int] = {}
         for name in self.names:
             self._check_one(name, inputs[name], values)
+        for root in self.roots:
+            self._solve(root, inputs[root.input].shape[root.index], values)
         for name in self.names:
             for index, expr in self.derived[name]:
                 expected = int(expr.subs({make_symbol(k): v for k, v in values.items()}))
@@ -150,6 +154,20 @@ class InputBinder:
                         f"input {name!r} dim {index} is {actual}, expected {expr} = {expected}"
                     )
         return values
+
+    def _solve(self, root: Root, size: int, values: dict[str, int]) -> None:
+        """The root's value from a dim ``size = scale * root + offset`` (then range-checked)."""
+        value = (size - root.offset) / root.scale
+        where = f"input {root.input!r} dim {root.index} ({root.expr})"
+        if value != int(value):
+            raise InputError(f"{where} is {size}: no integer {root.symbol} gives that size")
+        low, high = self.bounds[root.symbol]
+        if value < low or (high is not None and value > high):
+            raise InputError(
+                f"{where} is {size}: {root.symbol} = {int(value)}, outside its declared range "
+                f"[{low}, {high}]"
+            )
+        values.setdefault(root.symbol, int(value))
 
     def _check_one(self, name: str, tensor: Any, values: dict[str, int]) -> None:
         spec_shape = self.signature.inputs[self.names.index(name)].shape
@@ -182,3 +200,34 @@ class InputBinder:
                     f"input {name!r} dim {index} ({symbol}) is {size}, but another input set "
                     f"{symbol} = {previous}"
                 )
+
+
+@dataclass(frozen=True)
+class Root:
+    """A symbol that appears only inside derived dims: solved from the first, a linear one."""
+
+    symbol: str
+    input: str
+    index: int
+    expr: sympy.Expr
+    scale: Fraction
+    offset: Fraction
+
+
+def _roots_to_solve(
+    symbolic: Mapping[str, list[tuple[int, str]]],
+    derived: Mapping[str, list[tuple[int, sympy.Expr]]],
+) -> tuple[Root, ...]:
+    bound = {symbol for dims in symbolic.values() for _, symbol in dims}
+    roots: dict[str, Root] = {}
+    for name, dims in derived.items():
+        for index, expr in dims:
+            free = [s for s in expr.free_symbols if s.name not in bound]
+            if len(free) != 1 or free[0].name in roots or len(expr.free_symbols) != 1:
+                continue
+            symbol = free[0]
+            scale, offset = expr.diff(symbol), expr.subs(symbol, 0)
+            if scale.is_Rational and offset.is_Rational and scale != 0:  # linear: a*s + b
+                exact = Fraction(int(scale.p), int(scale.q)), Fraction(int(offset.p), int(offset.q))
+                roots[symbol.name] = Root(symbol.name, name, index, expr, *exact)
+    return tuple(roots.values())

@@ -1,5 +1,5 @@
-"""Tactic selection: when two kernels compute the same thing, time both on this CPU, inside the
-running model, and keep the faster, per shape bucket.
+"""Tactic selection: when kernels compute the same thing, time each on this CPU, inside the
+running model, and keep the fastest, per shape bucket.
 
 Which GEMM path wins depends on the CPU, the shape and what the caches hold. On a 2-core AVX2
 EPYC, MKL's sgemm (``addmm``) beats oneDNN's prepacked linear by 5-15 % on MiniLM shapes timed
@@ -7,9 +7,14 @@ in a loop, and oneDNN's erf-GELU post-op is 45 % slower than a separate in-place
 the tiny Llama, where each weight arrives from L3 rather than L2, oneDNN is 8 % faster overall.
 Timing candidates back to back on a hot weight picked the wrong path there, so the timing is
 done in place: while a bucket (row counts rounded up to a power of two) is undecided, its calls
-take the candidates in turn (A B A B ...), each call is timed where the model really runs it,
-and after ``ROUNDS`` timed calls per candidate (one untimed warm-up call each first: oneDNN
-builds its primitive there) the fastest serves that bucket from then on. Every call returns the
+take the candidates one after another, each for ``ROUNDS + 1`` consecutive calls (A A A A A
+B B B B B ...), timed where the model really runs them; the first call of each run is untimed
+(oneDNN builds its primitive there, and the caches still hold the previous candidate's copy of
+the weight), and after that the fastest serves the bucket. Runs rather than alternation
+(A B A B), because each path keeps its own copy of the weight: alternating, every call found
+its weight evicted by the other path's copy, a state that never occurs once one is chosen. A
+one-row GEMM split across cores (runtime/split_gemm.py) only wins with its weight slices still
+in each core's L2, which alternation never showed. Every call returns the
 candidate's result, so nothing runs twice. Candidates must be pure: same inputs, same result
 (to rounding).
 
@@ -49,10 +54,10 @@ class _Trial:
         self.best = [float("inf")] * count
 
     def next_index(self) -> int:
-        return self.calls % self.count
+        return (self.calls // (ROUNDS + 1)) % self.count
 
     def record(self, index: int, seconds: float) -> None:
-        if self.calls >= self.count:  # the first turn of each candidate is its warm-up
+        if self.calls % (ROUNDS + 1):  # the first call of each candidate's run is its warm-up
             self.best[index] = min(self.best[index], seconds)
         self.calls += 1
 
@@ -66,28 +71,41 @@ class _Trial:
 class Tactics:
     """Named candidates for one op; ``run(key, *args)`` runs the one chosen for ``key``."""
 
-    def __init__(self, candidates: Sequence[tuple[str, Callable[..., Any]]]) -> None:
+    def __init__(
+        self,
+        candidates: Sequence[tuple[str, Callable[..., Any]]],
+        small_only: Sequence[tuple[str, Callable[..., Any]]] = (),
+        small_keys: int = 0,
+    ) -> None:
+        """``small_only`` candidates join the others for keys up to ``small_keys`` (a path that
+        only pays off for a few rows need not be timed, or kept, anywhere else)."""
         if not candidates:
             raise ValueError("a tactic choice needs at least one candidate")
         self.candidates = tuple(candidates)
+        self.small = self.candidates + tuple(small_only)
+        self.small_keys = small_keys
         self.chosen: dict[int, tuple[str, Callable[..., Any]]] = {}
         self._trials: dict[int, _Trial] = {}
+
+    def candidates_for(self, key: int) -> tuple[tuple[str, Callable[..., Any]], ...]:
+        return self.small if key <= self.small_keys else self.candidates
 
     def run(self, key: int, *args: Any) -> Any:
         picked = self.chosen.get(key)
         if picked is not None:
             return picked[1](*args)
-        if len(self.candidates) == 1 or not timing_enabled():
-            self.chosen[key] = self.candidates[0]
-            return self.candidates[0][1](*args)
-        trial = self._trials.setdefault(key, _Trial(len(self.candidates)))
+        candidates = self.candidates_for(key)
+        if len(candidates) == 1 or not timing_enabled():
+            self.chosen[key] = candidates[0]
+            return candidates[0][1](*args)
+        trial = self._trials.setdefault(key, _Trial(len(candidates)))
         index = trial.next_index()
         start = time.perf_counter()
-        result = self.candidates[index][1](*args)
+        result = candidates[index][1](*args)
         trial.record(index, time.perf_counter() - start)
         winner = trial.winner()
         if winner is not None:
-            self.chosen[key] = self.candidates[winner]
+            self.chosen[key] = candidates[winner]
             self._trials.pop(key, None)
         return result
 

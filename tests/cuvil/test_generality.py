@@ -162,6 +162,42 @@ def gemma2() -> Any:
     return tf.Gemma2ForCausalLM(config)
 
 
+def mixtral() -> Any:
+    """Mixture of experts: transformers' default grouped_mm experts export as an opaque custom
+    op; Cuvil exports them as batched_mm (aten ops) and puts the setting back."""
+    config = tf.MixtralConfig(
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        vocab_size=500,
+        use_cache=False,
+        **SMALL,
+    )
+    return tf.MixtralForCausalLM(config)
+
+
+def wav2vec2() -> Any:
+    config = tf.Wav2Vec2Config(
+        conv_dim=(32, 32, 32),
+        conv_stride=(5, 2, 2),
+        conv_kernel=(10, 3, 3),
+        num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=4,
+        vocab_size=32,
+        **SMALL,
+    )
+    return tf.Wav2Vec2Model(config)
+
+
+# torch.export can only keep the conv stack's length dynamic as a derived dim (it suggests it)
+samples = cuvil.Dim("samples", min=21, max=200)
+AUDIO_SHAPES = {"input_values": {0: batch, 1: 20 * samples - 4}}
+
+
+def _audio(b: int, s: int) -> dict[str, torch.Tensor]:
+    return {"input_values": torch.randn(b, 20 * (21 + s) - 4)}
+
+
 Factory = Callable[[], Any]
 Inputs = Callable[[int, int], dict[str, torch.Tensor]]
 MODELS: dict[str, tuple[Factory, Inputs, dict]] = {
@@ -179,6 +215,8 @@ MODELS: dict[str, tuple[Factory, Inputs, dict]] = {
     "swin_windows": (swin, _image(32), IMAGE_SHAPES),
     "segformer": (segformer, _image(64), IMAGE_SHAPES),
     "gemma2_padded_sliding_window": (gemma2, _text_with_padding(500), PADDED_TEXT_SHAPES),
+    "wav2vec2_derived_dim": (wav2vec2, _audio, AUDIO_SHAPES),
+    "mixtral_experts": (mixtral, _text(500), TEXT_SHAPES),
 }
 
 
@@ -188,7 +226,9 @@ def test_model_family_matches_eager(name: str) -> None:
     make_model, make_inputs, shapes = MODELS[name]
     torch.manual_seed(0)
     model = make_model().eval()
+    experts = getattr(getattr(model, "config", None), "_experts_implementation", None)
     compiled = cuvil.jit(model, make_inputs(2, 8), dynamic_shapes=shapes, name=name)
+    assert getattr(getattr(model, "config", None), "_experts_implementation", None) == experts
     assert compiled.report["verification"]["max_relative_to_scale"] <= TOLERANCE
     assert compiled.report["bisection"] is None  # every pass kept: none had to be dropped
     for b, s in ((1, 5), (3, 17)):

@@ -3,6 +3,8 @@ weights run widened to fp32 where the CPU has no bf16 instructions."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -88,7 +90,7 @@ def test_tactics_time_candidates_in_place_then_keep_the_faster() -> None:
     tactics = Tactics([("slow", slow), ("fast", fast)])
     results = [tactics.run(8, n) for n in range(2 * (ROUNDS + 1))]
     assert results == [n + 1 for n in range(2 * (ROUNDS + 1))]  # every call answered, once
-    assert calls == ["slow", "fast"] * (ROUNDS + 1)  # in turn while undecided
+    assert calls == ["slow"] * (ROUNDS + 1) + ["fast"] * (ROUNDS + 1)  # a run each, undecided
     assert tactics.describe() == {8: "fast"}
     assert tactics.run(8, 1) == 2 and calls[-1] == "fast" and len(calls) == 2 * ROUNDS + 3
     assert tactics.run(16, 1) == 2 and tactics.describe() == {8: "fast", 16: "timing"}
@@ -135,12 +137,13 @@ def test_compiled_model_reports_the_paths_its_linears_chose() -> None:
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
     compiled = cuvil.jit(model.eval(), (torch.randn(2, 8),))
-    for _ in range(2 * (ROUNDS + 1)):  # the calls that time both paths in turn
+    for _ in range(3 * (ROUNDS + 1)):  # the calls that time the paths (2 rows: three of them)
         compiled(torch.randn(2, 8))
     tactics = compiled.execution()["tactics"]
     assert len(tactics) == 2
     assert all(set(choice) == {2} for choice in tactics.values())
-    assert {path for choice in tactics.values() for path in choice.values()} <= {"mkl", "onednn"}
+    paths = {path for choice in tactics.values() for path in choice.values()}
+    assert paths <= {"mkl", "onednn", "split"}
 
 
 def test_settle_makes_the_choices_a_shape_meets_then_results_are_bit_stable() -> None:
@@ -154,7 +157,44 @@ def test_settle_makes_the_choices_a_shape_meets_then_results_are_bit_stable() ->
     runs = compiled.settle({"input": x})
     assert 1 < runs <= SETTLE_RUNS  # (verification already made a call or two)
     choices = compiled.execution()["tactics"]
-    assert all(choice[bucket(4)] in ("mkl", "onednn") for choice in choices.values())
+    assert all(choice[bucket(4)] in ("mkl", "onednn", "split") for choice in choices.values())
     first, second = compiled(x), compiled(x)
     assert torch.equal(first, second)
     assert compiled.settle({"input": x}) == 1  # nothing left to choose
+
+
+def test_few_row_candidates_join_only_small_buckets() -> None:
+    calls: list[str] = []
+
+    def path(name: str) -> Any:
+        return lambda: calls.append(name) or name
+
+    tactics = Tactics([("a", path("a")), ("b", path("b"))], [("c", path("c"))], small_keys=4)
+    for _ in range(3 * (ROUNDS + 1)):
+        tactics.run(4)
+    assert set(calls) == {"a", "b", "c"} and tactics.describe()[4] in {"a", "b", "c"}
+    calls.clear()
+    for _ in range(2 * (ROUNDS + 1)):
+        tactics.run(8)
+    assert set(calls) == {"a", "b"} and tactics.describe()[8] in {"a", "b"}
+
+
+ACTIVATE = {"none": lambda y: y, "relu": torch.relu, "gelu": F.gelu}
+
+
+@pytest.mark.parametrize("parts", [2, 3])
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("activation, residual", [("none", True), ("relu", False), ("gelu", False)])
+@pytest.mark.parametrize("features", [10, 7])  # 7: not a multiple of the parts (padded)
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_split_gemm_matches_the_linear(
+    parts: int, rows: int, activation: str, residual: bool, features: int, with_bias: bool
+) -> None:
+    from cuvil.runtime.split_gemm import split_linear
+
+    torch.manual_seed(5)
+    weight, x = torch.randn(features, 12), torch.randn(rows, 12)
+    bias = torch.randn(features) if with_bias else None
+    extra = (torch.randn(rows, features),) if residual else ()
+    expected = ACTIVATE[activation](F.linear(x, weight, bias) + (extra[0] if residual else 0))
+    _close(split_linear(weight, bias, activation, residual, parts)(x, *extra), expected)
