@@ -5,7 +5,7 @@ from __future__ import annotations
 from cuvil.passes.program import Program
 from cuvil.passes.rewrite import apply_rules
 from cuvil.passes.rules_epilogue import rules_conv_epilogue, rules_linear_epilogue
-from cuvil.passes.rules_fold import rules_fold_batch_norm
+from cuvil.passes.rules_fold import rules_addmm, rules_fold_batch_norm
 from cuvil.passes.rules_norms import rules_layer_norm, rules_rms_norm, rules_rope, rules_swiglu
 from cuvil.passes.rules_transformer import rules_attention, rules_gelu
 
@@ -18,7 +18,8 @@ def canonicalize_activations(program: Program) -> Program:
 
 
 def fold_batch_norm(program: Program) -> Program:
-    return apply_rules(program, rules_fold_batch_norm)
+    """BatchNorm into the layer before it; a constant-weight addmm into a linear first."""
+    return apply_rules(program, rules_addmm + rules_fold_batch_norm)
 
 
 def fuse_transformer_blocks(program: Program) -> Program:

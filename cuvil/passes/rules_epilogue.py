@@ -6,6 +6,8 @@ add, becoming one ``cuvil.conv2d`` / ``cuvil.linear`` that the backend runs as o
     # conv(x) + r      -> cuvil.conv2d(x, residual=r)
     # act(linear(x))   -> cuvil.linear(x, activation=act)
     # linear(x) + r    -> cuvil.linear(x, residual=r)
+    # act(view(linear(x))) -> view(act(linear(x)))   (then fused as above; GPT-2's Conv1D
+                                                     # reshapes its rows back before the GELU)
 Unfused layers are lowered to the same ops, so the backend has one path for each.
 """
 
@@ -141,6 +143,35 @@ def _rules(prefix: str, layer: str, condition: Condition, shapes: set[str]) -> t
     )
 
 
+VIEW = "aten.view.default"
+
+
+def is_view_of_single_use_layer(match: Match) -> bool:
+    """The activation reads a view that only it reads, of a linear that only the view reads:
+    an elementwise op commutes with the view, so it can move next to the layer."""
+    act, view, layer = match.node("act"), match.node("view"), match.node("layer")
+    single = all(len(match.users[node.name]) == 1 for node in (view, layer))
+    return single and activation_of(act) is not None
+
+
+def activation_before_view(match: Match, rewriter: Rewriter) -> list[Node]:
+    act, view, layer = match.node("act"), match.node("view"), match.node("layer")
+    moved_args = tuple((k, layer.value() if k == "self" else a) for k, a in act.args)
+    moved = Node(rewriter.names.fresh(act.name), act.op, moved_args, layer.types, act.origin)
+    view_args = tuple((k, moved.value() if k == "self" else a) for k, a in view.args)
+    return [moved, Node(rewriter.names.fresh(view.name), VIEW, view_args, act.types, view.origin)]
+
+
+rule_activation_before_view = Rule(
+    "linear_act_through_view",
+    P(ACTIVATIONS, {"self": P(VIEW, {"self": _layer(LINEAR)}, name="view")}, name="act"),
+    activation_before_view,
+    is_view_of_single_use_layer,
+)
+
 rules_conv_epilogue = _rules("conv", CONV, is_fusable, {"add_act", "act", "add", "plain"})
 # oneDNN's linear takes an activation or a residual add, not both
-rules_linear_epilogue = _rules("linear", LINEAR, is_fusable, {"act", "add", "plain"})
+rules_linear_epilogue = (
+    rule_activation_before_view,
+    *_rules("linear", LINEAR, is_fusable, {"act", "add", "plain"}),
+)

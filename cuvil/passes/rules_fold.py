@@ -1,8 +1,11 @@
-"""BatchNorm folding: inference-mode BatchNorm after a convolution or a linear layer becomes part
-of that layer's weights and bias (scale = gamma / sqrt(var + eps)).
+"""Constants folded into layers. BatchNorm folding: inference-mode BatchNorm after a convolution
+or a linear layer becomes part of that layer's weights and bias (scale = gamma / sqrt(var + eps)).
+And an ``addmm`` on a constant weight (GPT-2's ``Conv1D``, which stores the weight as [in, out])
+becomes a linear on the transposed constant, so the linear rules, tactics and bf16 apply to it.
 
     # bn(conv(x, w, b)) -> conv(x, w * scale, (b - mean) * scale + beta)
     # bn(linear(x, w, b)) -> linear(x, w * scale, (b - mean) * scale + beta)
+    # addmm(b, x, w) -> linear(x, w^T, b)            (b, w constants; beta = alpha = 1)
 """
 
 from __future__ import annotations
@@ -79,6 +82,40 @@ def fold_into_layer(match: Match, rewriter: Rewriter) -> tuple[list[Node], dict[
     )
     return [w_node, b_node, folded], {bn.value(0): folded.value()}
 
+
+ADDMM = "aten.addmm.default"
+
+
+def is_constant_gemm(match: Match) -> bool:
+    """A plain ``b + x @ w``: constant 2-D weight, constant 1-D bias of its width, no scaling."""
+    root = match.node("addmm")
+    weight, bias = _const(match, root.arg("mat2")), _const(match, root.arg("self"))
+    if weight is None or bias is None or weight.dim() != 2 or not weight.is_floating_point():
+        return False
+    scaled = any(root.arg(name, 1) != 1 for name in ("beta", "alpha"))
+    return not scaled and tuple(bias.shape) == (weight.shape[1],) and bias.dtype == weight.dtype
+
+
+def addmm_as_linear(match: Match, rewriter: Rewriter) -> list[Node]:
+    root = match.node("addmm")
+    weight = _const(match, root.arg("mat2"))
+    assert weight is not None
+    transposed = weight.t().contiguous()
+    key = rewriter.weight(f"{root.name}_weight", transposed)
+    w_node = const_node(rewriter.names.fresh(key), key, transposed, root.origin)
+    args = (("input", match.values["x"]), ("weight", w_node.value()), ("bias", root.arg("self")))
+    name = rewriter.names.fresh(f"{root.name}_linear")
+    return [w_node, Node(name, LINEAR, args, root.types, root.origin)]
+
+
+rules_addmm = (
+    Rule(
+        "addmm_as_linear",
+        P(ADDMM, {"mat1": V("x")}, name="addmm"),
+        addmm_as_linear,
+        is_constant_gemm,
+    ),
+)
 
 rules_fold_batch_norm = (
     Rule("conv_bn_fold", _batch_norm_of(CONV), fold_into_layer, is_foldable),

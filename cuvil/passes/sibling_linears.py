@@ -115,9 +115,7 @@ def _merge(
     return merged.value(), [*nodes, merged]
 
 
-def _const(
-    base: str, tensor: torch.Tensor, near: Node, names: NameSource, weights: dict
-) -> Node:
+def _const(base: str, tensor: torch.Tensor, near: Node, names: NameSource, weights: dict) -> Node:
     key = names.fresh(base)
     weights[key] = tensor.contiguous()
     return const_node(names.fresh(key), key, tensor, near.origin)

@@ -192,6 +192,19 @@ class SiblingProjections(nn.Module):
         return torch.cat((merged.view(x.shape[0], -1), gated.flatten(1)), dim=1)
 
 
+class TransposedWeightProjection(nn.Module):
+    """GPT-2's Conv1D: the weight stored as [in, out] and applied with addmm on 2-D rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(16, 24) * 0.2)
+        self.bias = nn.Parameter(torch.randn(24))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = torch.addmm(self.bias, x.view(-1, x.shape[-1]), self.weight)
+        return F.gelu(rows.view(x.shape[0], x.shape[1], 24), approximate="tanh")
+
+
 CASES = [
     RuleCase(
         "conv_relu",
@@ -259,6 +272,12 @@ CASES = [
         _masked_inputs,
         ("attention", "attention_mask_bias"),
         ({0: batch}, {0: batch}),
+    ),
+    RuleCase(
+        "addmm_as_linear",
+        TransposedWeightProjection(),
+        lambda n: (torch.randn(n, 5, 16),),
+        ("addmm_as_linear", "linear_act_through_view", "linear_act"),
     ),
     RuleCase(
         "sibling_linears",

@@ -9,7 +9,7 @@ import torch
 import cuvil
 from cuvil.passes.fusion import rules_transformer
 from cuvil.passes.rules_epilogue import rules_conv_epilogue, rules_linear_epilogue
-from cuvil.passes.rules_fold import rules_fold_batch_norm
+from cuvil.passes.rules_fold import rules_addmm, rules_fold_batch_norm
 from cuvil.passes.rules_transformer import rules_gelu
 from tests.cuvil.passes.rule_cases import CASES, RuleCase
 
@@ -20,6 +20,7 @@ ALL_RULES = {
     + rules_conv_epilogue
     + rules_linear_epilogue
     + rules_fold_batch_norm
+    + rules_addmm
 }
 OTHER_REWRITES = {
     "identity",
