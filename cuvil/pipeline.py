@@ -286,7 +286,7 @@ def compile_model(
         "ops_after": len(program.graph.nodes),
         "op_histogram": program.graph.op_histogram(),
         "passes": applied,
-        "notes": exported.notes,
+        "notes": exported.notes + _precision_notes(options, program),
         "verification": {
             "outputs": [error.to_json() for error in errors],
             "max_relative_to_scale": worst_relative_error(errors),
@@ -298,6 +298,16 @@ def compile_model(
         "weights_bytes": sum(t.numel() * t.element_size() for t in program.weights.values()),
     }
     return compiled
+
+
+def _precision_notes(options: CompileOptions, program: Program) -> list[str]:
+    """Say so when bf16 was asked for but nothing could run in it (no GEMM-like op)."""
+    if options.precision != "bf16" or program.hits.get("bf16_weights"):
+        return []
+    return [
+        "precision bf16 requested, but the model has no linear, convolution or SwiGLU to run "
+        "in bf16: it runs in fp32"
+    ]
 
 
 def _symbol_values(signature: Signature, inputs: dict[str, torch.Tensor]) -> dict[str, int]:

@@ -64,3 +64,14 @@ def test_bf16_convolutions_match_within_budget() -> None:
 def test_unknown_precision_is_refused() -> None:
     with pytest.raises(ValueError, match="precision 'int3'"):
         cuvil.jit(torch.nn.Linear(2, 2), (torch.randn(2, 2),), precision="int3")
+
+
+def test_bf16_with_nothing_to_convert_says_it_runs_fp32() -> None:
+    class Elementwise(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(x) * 2
+
+    compiled = cuvil.jit(Elementwise(), (torch.randn(2, 3),), precision="bf16")
+    assert any("runs in fp32" in note for note in compiled.report["notes"])
+    converted = cuvil.jit(torch.nn.Linear(3, 3).eval(), (torch.randn(2, 3),), precision="bf16")
+    assert not any("runs in fp32" in note for note in converted.report["notes"])
