@@ -121,10 +121,11 @@ def time_interleaved(
     is dominated by another's cache footprint). The order is shuffled each round (seeded): a
     peer that leaves threads spinning or caches cold slows whichever row follows it, and that
     must not always be the same row. Each turn starts with one untimed call, so what is timed
-    is the peer's steady state rather than its recovery from the previous peer (in one ResNet-50
-    run with ONNX Runtime, OpenVINO and Cuvil, that first call lowered every row's median by
-    7-9 % and left their ratios as they were). Stops after ``runs`` calls per peer or once
-    ``max_seconds`` times the peer count are spent (every peer still gets >= 1 call)."""
+    is the peer's steady state rather than its recovery from the previous peer (two consecutive
+    ResNet-50 runs of ONNX Runtime, OpenVINO and Cuvil, without and with it: every median 8-12 %
+    lower, Cuvil/ORT 1.21 -> 1.19; a drifting host makes that a rough comparison). Stops after
+    ``runs`` calls per peer or once ``max_seconds`` times the peer count are spent (every peer
+    still gets >= 1 call)."""
     times: dict[str, list[float]] = {name: [] for name in prepared}
     bursts = {name: max(1, int(BURST_MS / max(warm_ms[name], 1e-3))) for name in prepared}
     deadline = time.perf_counter() + options.max_seconds * max(1, len(prepared))
