@@ -8,6 +8,7 @@ add, becoming one ``cuvil.conv2d`` / ``cuvil.linear`` that the backend runs as o
     # linear(x) + r    -> cuvil.linear(x, residual=r)
     # act(view(linear(x))) -> view(act(linear(x)))   (then fused as above; GPT-2's Conv1D
                                                      # reshapes its rows back before the GELU)
+    # view(linear(x)) + r  -> view(linear(x) + view(r, rows))   (likewise, its residual adds)
 Unfused layers are lowered to the same ops, so the backend has one path for each.
 """
 
@@ -169,9 +170,65 @@ rule_activation_before_view = Rule(
     is_view_of_single_use_layer,
 )
 
+
+def is_same_shape_add_of_view(match: Match) -> bool:
+    """A plain ``view(linear) + r`` with r of the sum's own shape (no broadcast), a single-use
+    view of a single-use linear, and a static feature count to view r's rows by."""
+    add, view, layer = match.node("add"), match.node("view"), match.node("layer")
+    residual = match.values["residual"]
+    single = all(len(match.users[node.name]) == 1 for node in (view, layer))
+    same = match.program.graph.type_of(residual) == add.types[0] == view.types[0]
+    features = layer.types[0].shape[-1]
+    return single and same and features.is_Integer and add.arg("alpha", 1) == 1
+
+
+def residual_before_view(match: Match, rewriter: Rewriter) -> list[Node]:
+    add, view, layer = match.node("add"), match.node("view"), match.node("layer")
+    rows_type = layer.types[0]
+    size = [-1, int(rows_type.shape[-1])]
+    residual = match.values["residual"]
+    rows = Node(
+        rewriter.names.fresh(f"{add.name}_rows"),
+        VIEW,
+        (("self", residual), ("size", size)),
+        (rows_type,),
+        add.origin,
+    )
+    summed = Node(
+        rewriter.names.fresh(add.name),
+        ADD,
+        (("self", layer.value()), ("other", rows.value())),
+        (rows_type,),
+        add.origin,
+    )
+    back = Node(
+        rewriter.names.fresh(view.name),
+        VIEW,
+        (("self", summed.value()), ("size", view.arg("size"))),
+        add.types,
+        view.origin,
+    )
+    return [rows, summed, back]
+
+
+_VIEWED_LAYER = P(VIEW, {"self": _layer(LINEAR)}, name="view")
+rules_residual_before_view = tuple(
+    Rule(
+        "linear_add_through_view",
+        P(ADD, operands, name="add"),
+        residual_before_view,
+        is_same_shape_add_of_view,
+    )
+    for operands in (
+        {"self": _VIEWED_LAYER, "other": V("residual")},
+        {"self": V("residual"), "other": _VIEWED_LAYER},
+    )
+)
+
 rules_conv_epilogue = _rules("conv", CONV, is_fusable, {"add_act", "act", "add", "plain"})
 # oneDNN's linear takes an activation or a residual add, not both
 rules_linear_epilogue = (
     rule_activation_before_view,
+    *rules_residual_before_view,
     *_rules("linear", LINEAR, is_fusable, {"act", "add", "plain"}),
 )

@@ -205,6 +205,19 @@ class TransposedWeightProjection(nn.Module):
         return F.gelu(rows.view(x.shape[0], x.shape[1], 24), approximate="tanh")
 
 
+class ResidualProjection(TransposedWeightProjection):
+    """GPT-2's attention output: a Conv1D whose rows are viewed back, then the residual add."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(16, 16) * 0.2)
+        self.bias = nn.Parameter(torch.randn(16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = torch.addmm(self.bias, x.view(-1, x.shape[-1]), self.weight)
+        return x + rows.view(x.shape)
+
+
 CASES = [
     RuleCase(
         "conv_relu",
@@ -278,6 +291,12 @@ CASES = [
         TransposedWeightProjection(),
         lambda n: (torch.randn(n, 5, 16),),
         ("addmm_as_linear", "linear_act_through_view", "linear_act"),
+    ),
+    RuleCase(
+        "linear_add_through_view",
+        ResidualProjection(),
+        lambda n: (torch.randn(n, 5, 16),),
+        ("addmm_as_linear", "linear_add_through_view", "linear_add"),
     ),
     RuleCase(
         "sibling_linears",
