@@ -53,17 +53,20 @@ def conv2d_kernel(args: Mapping[str, Any], dynamic: Sequence[str]) -> Callable[.
     check_runtime_args(dynamic, ("input", "residual"))
     weight: torch.Tensor = args["weight"]
     bias = args.get("bias")
-    stride, padding = list(args["stride"]), list(args["padding"])
-    dilation, groups = list(args["dilation"]), int(args["groups"])
     if weight.dtype == torch.bfloat16 and not args.get("_inner"):
         if compute_precision(weight.dtype) == "bf16":
             return _reduced_precision(dict(args) | {"_inner": True}, dynamic, conv2d_kernel)
         weight, bias = weight.float(), bias.float() if bias is not None else None  # widened
     activation = str(args["activation"])
     onednn = _onednn_conv(args, dynamic, weight, bias)
-    if is_pointwise(weight, stride, padding, dilation, groups):
+    if is_pointwise(weight, *_geometry(args)):
         return with_gemm_tactic(onednn, weight, bias, activation, "residual" in dynamic)
     return onednn
+
+
+def _geometry(args: Mapping[str, Any]) -> tuple[list[int], list[int], list[int], int]:
+    """stride, padding, dilation, groups of a ``cuvil.conv2d`` node."""
+    return list(args["stride"]), list(args["padding"]), list(args["dilation"]), int(args["groups"])
 
 
 def _onednn_conv(
@@ -73,8 +76,7 @@ def _onednn_conv(
     bias: torch.Tensor | None,
 ) -> Callable[..., Any]:
     """oneDNN's convolution, the activation and any residual add as post-ops."""
-    stride, padding = list(args["stride"]), list(args["padding"])
-    dilation, groups = list(args["dilation"]), int(args["groups"])
+    stride, padding, dilation, groups = _geometry(args)
     attr, scalars, algorithm = ONEDNN_ACTIVATIONS[str(args["activation"])]
     weights = ConvWeight(weight, padding, stride, dilation, groups, args.get("_input_sizes"))
     channels_last = torch.channels_last

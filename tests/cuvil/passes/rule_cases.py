@@ -205,7 +205,7 @@ class TransposedWeightProjection(nn.Module):
         return F.gelu(rows.view(x.shape[0], x.shape[1], 24), approximate="tanh")
 
 
-class ResidualProjection(TransposedWeightProjection):
+class ResidualProjection(nn.Module):
     """GPT-2's attention output: a Conv1D whose rows are viewed back, then the residual add."""
 
     def __init__(self) -> None:
