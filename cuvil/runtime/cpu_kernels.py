@@ -64,7 +64,12 @@ def conv2d_kernel(args: Mapping[str, Any], dynamic: Sequence[str]) -> Callable[.
     dnnl = load_dnnl()
     if dnnl is not None and weight.dtype == torch.float32:
         onednn = direct_conv(
-            dnnl, weight, bias, _geometry(args), activation, "residual" in dynamic,
+            dnnl,
+            weight,
+            bias,
+            _geometry(args),
+            activation,
+            "residual" in dynamic,
             _lazily(lambda: _onednn_conv(args, dynamic, weight, bias)),
         )
     else:

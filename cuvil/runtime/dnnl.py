@@ -171,6 +171,21 @@ class Dnnl:
             attr,
         )
 
+    def inner_product(
+        self, src: Handle, weights: Handle, bias: Handle | None, dst: Handle, attr: Handle
+    ) -> Handle:
+        """A forward-inference inner product's primitive descriptor: rows times weight^T."""
+        return self._create(
+            self.lib.dnnl_inner_product_forward_primitive_desc_create,
+            self.engine,
+            FORWARD_INFERENCE,
+            src,
+            weights,
+            bias,
+            dst,
+            attr,
+        )
+
     def reorder(self, source: Handle, target: Handle) -> Handle:
         return self._create(
             self.lib.dnnl_reorder_primitive_desc_create,

@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from cuvil.runtime.activations import INPLACE_ACTIVATIONS, ONEDNN_ACTIVATIONS
+from cuvil.runtime.direct_linear import direct_linear
+from cuvil.runtime.dnnl import load as load_dnnl
 from cuvil.runtime.split_gemm import SPLIT_MAX_ROWS, split_linear, split_parts
 from cuvil.runtime.tactics import Tactics, bucket
 
@@ -118,36 +120,59 @@ def _activation_candidates(
 ) -> list[tuple[str, Callable[..., torch.Tensor]]]:
     transposed = weight.t().contiguous()
     activate = INPLACE_ACTIVATIONS[activation]
-    attr, scalars, algorithm = ONEDNN_ACTIVATIONS[activation]
-    packed = mkldnn._reorder_linear_weight(weight, None)
 
     def mkl(x: torch.Tensor) -> torch.Tensor:
         y = torch.addmm(bias, x, transposed) if bias is not None else torch.mm(x, transposed)
         return activate(y)
 
-    def onednn(x: torch.Tensor) -> torch.Tensor:
-        return mkldnn._linear_pointwise(x.contiguous(), packed, bias, attr, scalars, algorithm)
+    def aten_onednn() -> Callable[..., torch.Tensor]:
+        attr, scalars, algorithm = ONEDNN_ACTIVATIONS[activation]
+        packed = mkldnn._reorder_linear_weight(weight, None)
 
-    return [("mkl", mkl), ("onednn", onednn)]
+        def onednn(x: torch.Tensor) -> torch.Tensor:
+            return mkldnn._linear_pointwise(x.contiguous(), packed, bias, attr, scalars, algorithm)
+
+        return onednn
+
+    return [("mkl", mkl), ("onednn", _onednn_path(weight, bias, activation, False, aten_onednn))]
+
+
+def _onednn_path(
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str,
+    residual: bool,
+    aten: Callable[[], Callable[..., torch.Tensor]],
+) -> Callable[..., torch.Tensor]:
+    """oneDNN's linear: kept primitives where libdnnl is loaded (ATen's call past their cache),
+    else ATen's call, which rebuilds its primitive each time."""
+    dnnl = load_dnnl()
+    if dnnl is None:
+        return aten()
+    return direct_linear(dnnl, weight, bias, activation, residual, aten)
 
 
 def _residual_candidates(
     weight: torch.Tensor, bias: torch.Tensor | None
 ) -> list[tuple[str, Callable[..., torch.Tensor]]]:
     transposed = weight.t().contiguous()
-    packed = mkldnn._reorder_linear_weight(weight, None)
 
     def mkl(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         # residual + bias into a fresh buffer, then the GEMM accumulates into it (beta = 1)
         start = torch.add(residual, bias) if bias is not None else residual.clone()
         return start.addmm_(x, transposed)
 
-    def onednn(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return mkldnn._linear_pointwise.binary(
-            x.contiguous(), residual.contiguous(), packed, bias, "add"
-        )
+    def aten_onednn() -> Callable[..., torch.Tensor]:
+        packed = mkldnn._reorder_linear_weight(weight, None)
 
-    return [("mkl", mkl), ("onednn", onednn)]
+        def onednn(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+            return mkldnn._linear_pointwise.binary(
+                x.contiguous(), residual.contiguous(), packed, bias, "add"
+            )
+
+        return onednn
+
+    return [("mkl", mkl), ("onednn", _onednn_path(weight, bias, "none", True, aten_onednn))]
 
 
 def _bf16_linear(

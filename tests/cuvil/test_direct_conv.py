@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cuvil.runtime import direct_conv as direct_conv_module
+from cuvil.runtime import kept_primitives
 from cuvil.runtime import dnnl as dnnl_module
 from cuvil.runtime.cpu_kernels import conv2d_kernel
 from cuvil.runtime.direct_conv import DirectConv
@@ -148,7 +148,7 @@ def test_threads_share_a_kernel_without_mixing_their_tensors(dnnl: dnnl_module.D
 def test_shapes_past_the_cache_and_broadcast_residuals_take_aten(
     dnnl: dnnl_module.Dnnl, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(direct_conv_module, "MAX_SHAPES", 1)
+    monkeypatch.setattr(kept_primitives, "MAX_SHAPES", 1)
     torch.manual_seed(3)
     args = _args(torch.randn(8, 4, 3, 3), (4, 8, 3, 1, 1, 1, 1), "none")
     conv = conv2d_kernel(args, ["input", "residual"])

@@ -1,0 +1,95 @@
+"""Linears on kept oneDNN inner-product primitives (cuvil/runtime/direct_linear.py): the "onednn"
+path of cuvil.linear where libdnnl is loaded; same answers as F.linear, one packed weight, and
+ATen's call past the cache or with the library switched off."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cuvil.runtime import dnnl as dnnl_module
+from cuvil.runtime import kept_primitives
+from cuvil.runtime.linear_kernels import INPLACE_ACTIVATIONS, linear_kernel
+
+REFERENCE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "none": lambda y: y,
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda y: F.gelu(y, approximate="tanh"),
+    "silu": F.silu,
+    "hardswish": F.hardswish,
+    "relu6": F.relu6,
+    "tanh": torch.tanh,
+    "sigmoid": torch.sigmoid,
+}
+
+
+def _onednn_path(kernel: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    return dict(kernel.tactics.candidates)["onednn"]  # type: ignore[attr-defined]
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert actual.shape == expected.shape
+    scale = max(float(expected.abs().max()), 1.0)
+    assert float((actual - expected).abs().max()) <= 1e-5 * scale
+
+
+@pytest.mark.parametrize("activation", sorted(INPLACE_ACTIVATIONS))
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_kept_inner_product_matches_linear(activation: str, with_bias: bool) -> None:
+    torch.manual_seed(0)
+    weight = torch.randn(40, 24)
+    bias = torch.randn(40) if with_bias else None
+    kernel = linear_kernel({"weight": weight, "bias": bias, "activation": activation}, ["input"])
+    path = _onednn_path(kernel)
+    assert hasattr(path, "direct"), "libdnnl.so.3 is a dependency: the kept path must be used"
+    for rows in (1, 5, 130, 5):
+        x = torch.randn(rows, 24)
+        _close(path(x), REFERENCE[activation](F.linear(x, weight, bias)))
+    direct = path.direct
+    assert len(direct.primitives) == 3 and len(direct.packs) == 1
+    assert direct.packs[0][1].dim() == 1  # packed; no plain copy kept
+
+
+def test_kept_inner_product_adds_the_residual_without_writing_it() -> None:
+    torch.manual_seed(1)
+    weight, bias = torch.randn(16, 32), torch.randn(16)
+    kernel = linear_kernel(
+        {"weight": weight, "bias": bias, "activation": "none"}, ["input", "residual"]
+    )
+    path = _onednn_path(kernel)
+    x = torch.randn(32, 9).t()  # [9, 32], not contiguous
+    residual = torch.randn(16, 9).t()
+    kept = residual.clone()
+    _close(path(x, residual), F.linear(x, weight, bias) + residual)
+    assert torch.equal(residual, kept)
+
+
+def test_row_counts_past_the_cache_take_aten(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kept_primitives, "MAX_SHAPES", 1)
+    torch.manual_seed(2)
+    weight = torch.randn(12, 8)
+    kernel = linear_kernel({"weight": weight, "bias": None, "activation": "relu"}, ["input"])
+    path = _onednn_path(kernel)
+    for rows in (3, 4, 3):
+        x = torch.randn(rows, 8)
+        _close(path(x), F.relu(F.linear(x, weight)))
+    assert len(path.direct.primitives) == 1  # type: ignore[attr-defined]
+
+
+def test_switched_off_the_path_is_atens(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUVIL_DNNL", "off")
+    dnnl_module.load.cache_clear()
+    try:
+        weight = torch.randn(6, 4)
+        kernel = linear_kernel({"weight": weight, "bias": None, "activation": "none"}, ["input"])
+        path = _onednn_path(kernel)
+        assert not hasattr(path, "direct")
+        x = torch.randn(3, 4)
+        _close(path(x), F.linear(x, weight))
+    finally:
+        monkeypatch.delenv("CUVIL_DNNL")
+        dnnl_module.load.cache_clear()
