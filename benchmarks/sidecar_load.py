@@ -4,7 +4,9 @@ compiled model in process. Prints one JSON document.
 
     .venv/bin/python benchmarks/sidecar_load.py --models mlp,minilm,resnet50 --duration 3
 
-Each model is compiled once (kept in --artifacts, default /tmp/cuvil-bench-artifacts), then
+Each model is compiled once per version of the compiler's sources (kept in --artifacts, default
+/tmp/cuvil-bench-artifacts, named by a digest of cuvil/**/*.py, so that an artifact compiled by
+older code is never measured as if it were current), then
 served by a sidecar subprocess per batching mode on loopback ports. Requests are batch 1
 (MiniLM: sequence 128). ``overhead_ms`` = sidecar p50 at concurrency 1 without batching minus
 the in-process ``CompiledModel.run`` p50 on the same input; ``rpc_floor_p50_ms`` is a bare
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import os
 import signal
@@ -48,8 +51,17 @@ def example(name: str) -> dict[str, np.ndarray]:
     return {"pixel_values": rng.standard_normal((1, 3, 224, 224), dtype=np.float32)}
 
 
+def compiler_digest() -> str:
+    """A digest of the compiler's sources: what a cached artifact was built by."""
+    digest = hashlib.sha256()
+    for source in sorted((REPO / "cuvil").rglob("*.py")):
+        digest.update(source.relative_to(REPO).as_posix().encode())
+        digest.update(source.read_bytes())
+    return digest.hexdigest()[:12]
+
+
 def compiled_artifact(name: str, folder: Path) -> Path:
-    path = folder / f"{name}.cuvil"
+    path = folder / f"{name}-{compiler_digest()}.cuvil"
     if path.exists():
         return path
     import cuvil

@@ -77,6 +77,17 @@ def _dims(values: Sequence[int]) -> Any:
     return dims
 
 
+class _Version(ctypes.Structure):
+    _fields_ = [
+        ("major", ctypes.c_int),
+        ("minor", ctypes.c_int),
+        ("patch", ctypes.c_int),
+        ("hash", ctypes.c_char_p),
+        ("cpu_runtime", ctypes.c_uint),
+        ("gpu_runtime", ctypes.c_uint),
+    ]
+
+
 class Dnnl:
     """One loaded library with its CPU engine; objects it creates are plain handles.
 
@@ -97,6 +108,11 @@ class Dnnl:
         lib.dnnl_primitive_execute.argtypes = [Handle, Handle, ctypes.c_int, Handle]
         self.engine = self._create(lib.dnnl_engine_create, ENGINE_CPU, 0)
         self.local = threading.local()
+
+    def version(self) -> str:
+        self.lib.dnnl_version.restype = ctypes.POINTER(_Version)
+        found = self.lib.dnnl_version().contents
+        return f"{found.major}.{found.minor}.{found.patch}"
 
     def check(self, status: int, what: str) -> None:
         if status != 0:
@@ -266,6 +282,14 @@ def _candidates() -> list[Path]:
         Path(prefix) / "lib" / LIBRARY_NAME
         for prefix in dict.fromkeys((sys.prefix, sys.base_prefix))
     ]
+
+
+def describe() -> str:
+    """Which oneDNN the convolution and linear kernels call, for reports."""
+    dnnl = load()
+    if dnnl is None:
+        return "ATen's oneDNN calls (libdnnl not loaded)"
+    return f"oneDNN {dnnl.version()} kept primitives ({LIBRARY_NAME})"
 
 
 @functools.cache

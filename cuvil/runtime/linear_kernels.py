@@ -2,7 +2,8 @@
 
     mkl     addmm (MKL sgemm) on the pre-transposed weight, then the activation in place;
             a residual is added first (residual + bias) and the GEMM accumulates into it
-    onednn  oneDNN's prepacked linear with the activation or the residual add as a post-op
+    onednn  oneDNN's prepacked inner product with the activation or the residual add as a
+            post-op: kept primitives (runtime/direct_linear.py), or ATen's call without libdnnl
     split   for up to 4 rows: the weight split across threads as a batched GEMM
             (MKL runs a one-row GEMM on one thread; see runtime/split_gemm.py)
 

@@ -16,6 +16,7 @@ from torch.utils import _pytree as pytree
 
 from cuvil.artifact.files import ArtifactContents, read_artifact, write_artifact
 from cuvil.ir import Graph
+from cuvil.runtime.dnnl import describe as describe_dnnl
 from cuvil.runtime.kernels import Kernel
 from cuvil.runtime.linear_kernels import compute_precision
 from cuvil.runtime.plan import ExecutionPlan
@@ -69,13 +70,15 @@ class CompiledModel:
 
     def execution(self) -> dict[str, Any]:
         """What runs on this machine: the precision the GEMMs compute in (a bf16 artifact runs
-        fp32 GEMMs on a CPU without bf16 instructions) and the GEMM path each linear chose."""
+        fp32 GEMMs on a CPU without bf16 instructions), the GEMM path each linear chose, and
+        which oneDNN the convolutions and linears call."""
         dtypes = {tensor.dtype for tensor in self.contents.weights.values()}
         has_bf16 = torch.bfloat16 in dtypes
         return {
             "weights": "bf16" if has_bf16 else "fp32",
             "gemm_compute": compute_precision(torch.bfloat16) if has_bf16 else "fp32",
             "tactics": self._plan.tactic_choices(),
+            "onednn": describe_dnnl(),
         }
 
     def memory_plan(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, Any]:

@@ -4,13 +4,12 @@ A channels-last 1x1 convolution with stride 1, no padding and one group is a mat
 the input viewed as ``[N*H*W, C_in]`` (no copy) times the weight as ``[C_in, C_out]`` gives the
 output as ``[N*H*W, C_out]``, which is the channels-last output viewed back (no copy either).
 
-Why a second path: every oneDNN convolution call through ATen costs about 50 us before any
-arithmetic (its primitive descriptor is built per call; measured on a 1x1 convolution of 8
-channels on 4x4 pixels, 1 and 2 threads alike), where MKL's ``addmm`` costs about 8 us. ResNet-50
-has 35 such convolutions and MobileNet-style networks most of theirs. The kernels differ too:
-64->256 channels on 56x56 pixels took 1.99 ms in oneDNN and 1.37 ms as an MKL GEMM on one
-thread, while oneDNN won most other ResNet-50 shapes by 2-15 %. Neither wins everywhere, so both
-run under ``Tactics`` (timed in place, the faster kept per batch bucket).
+Why a second path: the kernels differ. 64->256 channels on 56x56 pixels took 1.99 ms in oneDNN
+and 1.37 ms as an MKL GEMM on one thread, while oneDNN won most other ResNet-50 shapes by 2-15 %.
+(The GEMM path was first added because every oneDNN convolution call through ATen cost about
+50 us of set-up; the kept primitives of runtime/direct_conv.py have since cut that to ~10 us.)
+Neither wins everywhere, so both run under ``Tactics`` (timed in place, the faster kept per
+batch bucket).
 
 Epilogue on the GEMM path: the bias rides in ``addmm``; a residual is added first (residual +
 bias, into a fresh buffer) and the GEMM accumulates into it; the activation runs in place last.

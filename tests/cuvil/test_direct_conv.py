@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cuvil.runtime import kept_primitives
 from cuvil.runtime import dnnl as dnnl_module
+from cuvil.runtime import kept_primitives
 from cuvil.runtime.cpu_kernels import conv2d_kernel
 from cuvil.runtime.direct_conv import DirectConv
 
@@ -173,6 +173,7 @@ def test_switched_off_the_kernels_use_aten(monkeypatch: pytest.MonkeyPatch) -> N
     dnnl_module.load.cache_clear()
     try:
         assert dnnl_module.load() is None
+        assert dnnl_module.describe().startswith("ATen's")
         args = _args(torch.randn(8, 4, 3, 3), (4, 8, 3, 1, 1, 1, 1), "relu")
         conv = conv2d_kernel(args, ["input"])
         assert not hasattr(conv, "direct")
@@ -182,3 +183,10 @@ def test_switched_off_the_kernels_use_aten(monkeypatch: pytest.MonkeyPatch) -> N
         monkeypatch.delenv("CUVIL_DNNL")
         dnnl_module.load.cache_clear()
     assert dnnl_module.load() is not None
+
+
+def test_the_library_says_its_version(dnnl: dnnl_module.Dnnl) -> None:
+    major, minor, patch = (int(part) for part in dnnl.version().split("."))
+    assert major == 3 and minor >= 2  # enum values above are 3.x's
+    expected = f"oneDNN {major}.{minor}.{patch} kept primitives (libdnnl.so.3)"
+    assert dnnl_module.describe() == expected
