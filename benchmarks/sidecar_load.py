@@ -13,6 +13,11 @@ the in-process ``CompiledModel.run`` p50 on the same input; ``rpc_floor_p50_ms``
 ServerLive round trip through the same client, the part of the overhead that is gRPC and the
 Python client rather than the sidecar's data path. The client runs on the same machine and
 competes with the server for its cores, so the figures overstate the sidecar's own cost.
+``in_process_idle_p50_ms`` is the in-process p50 again with the process idle for one client round
+trip before each call, as the sidecar is between requests at concurrency 1: on this host a model
+called after an idle gap runs several times slower than back to back (the MLP: 95 us back to
+back, 206 us after 1 ms of sleep, 550 us after 5 ms, at one thread as at two), and
+``overhead_vs_idle_ms`` sets the sidecar's p50 against that.
 ``server_c1`` splits the concurrency-1 unbatched run from the sidecar's own ``/metrics``:
 ``request_mean_ms`` (decode, run, encode), ``compute_mean_ms`` (the model run alone, to set
 against ``in_process_p50_ms``) and ``outside_ms`` = client p50 minus ``request_mean_ms``
@@ -75,7 +80,11 @@ def compiled_artifact(name: str, folder: Path) -> Path:
     return model.save(path)
 
 
-def in_process_p50(path: Path, inputs: dict[str, np.ndarray], runs: int) -> float:
+def in_process_p50(
+    path: Path, inputs: dict[str, np.ndarray], runs: int, idle_s: float = 0.0
+) -> float:
+    """``CompiledModel.run`` p50 back to back, or with the process idle ``idle_s`` before each
+    call, as a server is between one client's requests at concurrency 1."""
     import torch
 
     from cuvil.runtime.model import load
@@ -88,6 +97,8 @@ def in_process_p50(path: Path, inputs: dict[str, np.ndarray], runs: int) -> floa
     times: list[float] = []
     give_up = time.perf_counter() + 3.0  # at most ~3 s per model, at least 10 runs
     while len(times) < runs and (len(times) < 10 or time.perf_counter() < give_up):
+        if idle_s:
+            time.sleep(idle_s)
         started = time.perf_counter()
         model.run(tensors)
         times.append((time.perf_counter() - started) * 1e3)
@@ -275,6 +286,12 @@ def main() -> int:
         off = entry["batching_off"]
         assert isinstance(off, list)
         entry["overhead_ms"] = round(off[0]["p50_ms"] - in_process, 3)
+        # The same runs with the client's round trip as idle time before each: what the model
+        # itself costs when called as the sidecar calls it (caches and cores gone cold)
+        idle = float(entry["rpc_floor_p50_ms"]) / 1e3  # type: ignore[arg-type]
+        idle_p50 = in_process_p50(path, inputs, 200, idle_s=idle)
+        entry["in_process_idle_p50_ms"] = round(idle_p50, 3)
+        entry["overhead_vs_idle_ms"] = round(off[0]["p50_ms"] - idle_p50, 3)
         models[name] = entry
         print(json.dumps({name: entry}), file=sys.stderr, flush=True)
     report = {"cpu_count": os.cpu_count(), "load_average": os.getloadavg(), "models": models}

@@ -17,8 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from cuvil.runtime.conv_weights import ConvWeight
-from cuvil.runtime.direct_conv import direct_conv
+from cuvil.runtime.direct_conv import DirectConv
 from cuvil.runtime.dnnl import load as load_dnnl
+from cuvil.runtime.kept_primitives import with_fallback
 from cuvil.runtime.linear_kernels import (
     ONEDNN_ACTIVATIONS,
     check_runtime_args,
@@ -63,32 +64,13 @@ def conv2d_kernel(args: Mapping[str, Any], dynamic: Sequence[str]) -> Callable[.
     onednn: Callable[..., torch.Tensor]
     dnnl = load_dnnl()
     if dnnl is not None and weight.dtype == torch.float32:
-        onednn = direct_conv(
-            dnnl,
-            weight,
-            bias,
-            _geometry(args),
-            activation,
-            "residual" in dynamic,
-            _lazily(lambda: _onednn_conv(args, dynamic, weight, bias)),
-        )
+        kept = DirectConv(dnnl, weight, bias, _geometry(args), activation, "residual" in dynamic)
+        onednn = with_fallback(kept, lambda: _onednn_conv(args, dynamic, weight, bias))
     else:
         onednn = _onednn_conv(args, dynamic, weight, bias)
     if is_pointwise(weight, *_geometry(args)):
         return with_gemm_tactic(onednn, weight, bias, activation, "residual" in dynamic)
     return onednn
-
-
-def _lazily(build: Callable[[], Callable[..., torch.Tensor]]) -> Callable[..., torch.Tensor]:
-    """A kernel built on its first call (ATen's fallback packs a second copy of the weight)."""
-    built: list[Callable[..., torch.Tensor]] = []
-
-    def run(*values: torch.Tensor) -> torch.Tensor:
-        if not built:
-            built.append(build())
-        return built[0](*values)
-
-    return run
 
 
 def _geometry(args: Mapping[str, Any]) -> tuple[list[int], list[int], list[int], int]:

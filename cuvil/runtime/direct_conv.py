@@ -8,7 +8,7 @@ an 8-channel 3x3 convolution on 4x4 pixels, 7-10 % less on most ResNet-50 layers
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -97,26 +97,3 @@ class DirectConv(KeptPrimitives):
         out = torch.empty(primitive.output_shape, memory_format=torch.channels_last)
         self.execute(primitive, x, out, residual)
         return out
-
-
-def direct_conv(
-    dnnl: Dnnl,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    geometry: tuple[list[int], list[int], list[int], int],
-    activation: str,
-    residual: bool,
-    fallback: Callable[..., torch.Tensor],
-) -> Callable[..., torch.Tensor]:
-    """The kernel: DirectConv, and ``fallback`` (ATen's oneDNN call) for shapes past the cache."""
-    conv = DirectConv(dnnl, weight, bias, geometry, activation, residual)
-
-    def run(x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
-        if conv.can_run(x.shape):
-            out = conv(x, *rest)
-            if out is not None:
-                return out
-        return fallback(x, *rest)
-
-    run.direct = conv  # type: ignore[attr-defined]
-    return run

@@ -10,8 +10,6 @@ and a one-row 784 -> 512 with ReLU 26 vs 44 us. The tactics still time both in p
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from cuvil.runtime.dnnl import Dnnl, Handle
@@ -62,27 +60,3 @@ class DirectLinear(KeptPrimitives):
         out = torch.empty(primitive.output_shape)
         self.execute(primitive, rows, out, residual)
         return out
-
-
-def direct_linear(
-    dnnl: Dnnl,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    activation: str,
-    residual: bool,
-    fallback: Callable[[], Callable[..., torch.Tensor]],
-) -> Callable[..., torch.Tensor]:
-    """The path: DirectLinear, and ``fallback()``'s kernel (built on first need) for row counts
-    past the cache."""
-    linear = DirectLinear(dnnl, weight, bias, activation, residual)
-    built: list[Callable[..., torch.Tensor]] = []
-
-    def run(rows: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
-        if linear.can_run(rows.shape):
-            return linear(rows, *rest)
-        if not built:
-            built.append(fallback())
-        return built[0](rows, *rest)
-
-    run.direct = linear  # type: ignore[attr-defined]
-    return run

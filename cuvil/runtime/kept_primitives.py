@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -111,6 +111,12 @@ class KeptPrimitives:
 
     def describe(self, layouts: Layouts, attr: Handle) -> Handle:
         """The primitive descriptor for these layouts and post-ops."""
+        raise NotImplementedError
+
+    def __call__(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """The result, or None for a call these primitives cannot take."""
         raise NotImplementedError
 
     def can_run(self, shape: Sequence[int]) -> bool:
@@ -220,6 +226,26 @@ class KeptPrimitives:
         bound = (src, dst, extra, scratchpad, dnnl.stream(), dnnl.arguments(pairs))
         primitive.local.bound = bound
         return bound
+
+
+def with_fallback(
+    kept: KeptPrimitives, fallback: Callable[[], Callable[..., torch.Tensor]]
+) -> Callable[..., torch.Tensor]:
+    """The kernel: ``kept``, and ``fallback()``'s kernel (ATen's oneDNN call, built on first need)
+    for shapes past the cache and calls ``kept`` cannot take (a broadcast residual)."""
+    built: list[Callable[..., torch.Tensor]] = []
+
+    def run(x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+        if kept.can_run(x.shape):
+            out = kept(x, *rest)
+            if out is not None:
+                return out
+        if not built:
+            built.append(fallback())
+        return built[0](x, *rest)
+
+    run.direct = kept  # type: ignore[attr-defined]
+    return run
 
 
 def _free(dnnl: Dnnl, owned: dict[str, list[Handle]]) -> None:

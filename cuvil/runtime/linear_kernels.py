@@ -27,8 +27,9 @@ import torch
 import torch.nn.functional as F
 
 from cuvil.runtime.activations import INPLACE_ACTIVATIONS, ONEDNN_ACTIVATIONS
-from cuvil.runtime.direct_linear import direct_linear
+from cuvil.runtime.direct_linear import DirectLinear
 from cuvil.runtime.dnnl import load as load_dnnl
+from cuvil.runtime.kept_primitives import with_fallback
 from cuvil.runtime.split_gemm import SPLIT_MAX_ROWS, split_linear, split_parts
 from cuvil.runtime.tactics import Tactics, bucket
 
@@ -150,7 +151,7 @@ def _onednn_path(
     dnnl = load_dnnl()
     if dnnl is None:
         return aten()
-    return direct_linear(dnnl, weight, bias, activation, residual, aten)
+    return with_fallback(DirectLinear(dnnl, weight, bias, activation, residual), aten)
 
 
 def _residual_candidates(

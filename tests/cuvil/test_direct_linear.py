@@ -13,18 +13,7 @@ import torch.nn.functional as F
 from cuvil.runtime import dnnl as dnnl_module
 from cuvil.runtime import kept_primitives
 from cuvil.runtime.linear_kernels import INPLACE_ACTIVATIONS, linear_kernel
-
-REFERENCE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "none": lambda y: y,
-    "relu": F.relu,
-    "gelu": F.gelu,
-    "gelu_tanh": lambda y: F.gelu(y, approximate="tanh"),
-    "silu": F.silu,
-    "hardswish": F.hardswish,
-    "relu6": F.relu6,
-    "tanh": torch.tanh,
-    "sigmoid": torch.sigmoid,
-}
+from tests.cuvil.test_linear_kernels import REFERENCE
 
 
 def _onednn_path(kernel: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
