@@ -61,15 +61,18 @@ def conv2d_kernel(args: Mapping[str, Any], dynamic: Sequence[str]) -> Callable[.
             return _reduced_precision(dict(args) | {"_inner": True}, dynamic, conv2d_kernel)
         weight, bias = weight.float(), bias.float() if bias is not None else None  # widened
     activation = str(args["activation"])
+    donated = bool(args.get("_residual_donated"))  # see runtime/donation.py
     onednn: Callable[..., torch.Tensor]
     dnnl = load_dnnl()
     if dnnl is not None and weight.dtype == torch.float32:
-        kept = DirectConv(dnnl, weight, bias, _geometry(args), activation, "residual" in dynamic)
+        kept = DirectConv(
+            dnnl, weight, bias, _geometry(args), activation, "residual" in dynamic, donated
+        )
         onednn = with_fallback(kept, lambda: _onednn_conv(args, dynamic, weight, bias))
     else:
         onednn = _onednn_conv(args, dynamic, weight, bias)
     if is_pointwise(weight, *_geometry(args)):
-        return with_gemm_tactic(onednn, weight, bias, activation, "residual" in dynamic)
+        return with_gemm_tactic(onednn, weight, bias, activation, "residual" in dynamic, donated)
     return onednn
 
 

@@ -32,6 +32,7 @@ class DirectConv(KeptPrimitives):
         geometry: tuple[list[int], list[int], list[int], int],
         activation: str,
         residual: bool,
+        donated: bool = False,
     ) -> None:
         self.stride, self.padding, self.dilation, self.groups = geometry
         self.weight_shape = tuple(int(size) for size in weight.shape)
@@ -39,7 +40,7 @@ class DirectConv(KeptPrimitives):
         dims = [out_channels, in_per_group, *kernel]
         if self.groups > 1:
             dims = [self.groups, out_channels // self.groups, in_per_group, *kernel]
-        super().__init__(dnnl, weight, dims, bias, activation, residual)
+        super().__init__(dnnl, weight, dims, bias, activation, residual, donated)
         self.weight_dims = dims
 
     def output_shape(self, x_shape: Sequence[int]) -> tuple[int, int, int, int]:
@@ -94,6 +95,9 @@ class DirectConv(KeptPrimitives):
             if residual.shape != primitive.output_shape:
                 return None
             residual = residual.contiguous(memory_format=torch.channels_last)
-        out = torch.empty(primitive.output_shape, memory_format=torch.channels_last)
+        if self.donated and residual is not None:
+            out = residual  # the sum post-op adds to what is there
+        else:
+            out = torch.empty(primitive.output_shape, memory_format=torch.channels_last)
         self.execute(primitive, x, out, residual)
         return out

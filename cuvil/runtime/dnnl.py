@@ -138,10 +138,17 @@ class Dnnl:
             self.lib.dnnl_memory_desc_create_with_tag, len(shape), _dims(shape), F32, FORMAT_ANY
         )
 
-    def attributes(self, residual: Handle | None, activation: str) -> Handle:
-        """Post-ops: ``+ residual`` (binary add, post-op 0) then the activation."""
+    def attributes(
+        self, residual: Handle | None, activation: str, accumulate: bool = False
+    ) -> Handle:
+        """Post-ops: ``+ residual`` (binary add, post-op 0), or with ``accumulate`` a sum into
+        what the output buffer already holds, then the activation."""
         post_ops = self._create(self.lib.dnnl_post_ops_create)
-        if residual is not None:
+        if accumulate:
+            self.check(
+                self.lib.dnnl_post_ops_append_sum(post_ops, ctypes.c_float(1.0), 0, 0), "sum"
+            )
+        elif residual is not None:
             self.check(
                 self.lib.dnnl_post_ops_append_binary(post_ops, BINARY_ADD, residual), "binary"
             )

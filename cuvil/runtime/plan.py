@@ -17,6 +17,7 @@ import torch
 
 from cuvil.ir import Arg, Enum, Graph, Node, Value
 from cuvil.runtime.cpu_kernels import CPU_KERNELS
+from cuvil.runtime.donation import donated_residuals
 from cuvil.runtime.kernels import Kernel, call_layout, decode_enum, resolve_kernel
 from cuvil.runtime.shape_cache import ShapeCache, shape_only_nodes
 from cuvil.shape_expr import compile_expr
@@ -74,6 +75,7 @@ class ExecutionPlan:
         self._const_slots: set[int] = set()
         self._read_slots: set[int] = {slot for _, slot in self.output_slots}
         last_use = self._last_uses()
+        self._donated = donated_residuals(graph)
         self.steps: tuple[Step, ...] = tuple(
             self._step(node, last_use) for node in graph.nodes if not self._place(node, weights)
         )
@@ -149,6 +151,8 @@ class ExecutionPlan:
                 if filler is not None:
                     raise PlanError(f"%{node.name}: {node.op} needs {key!r} to be a constant")
                 constants[key] = literal
+        if node.name in self._donated:
+            constants["_residual_donated"] = True
         try:
             kernel = self._factories[node.op](constants, [key for key, _ in runtime])
         except (ValueError, RuntimeError) as error:

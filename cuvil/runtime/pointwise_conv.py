@@ -46,10 +46,15 @@ def is_pointwise(
 
 
 def gemm_conv(
-    weight: torch.Tensor, bias: torch.Tensor | None, activation: str, residual: bool
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str,
+    residual: bool,
+    donated: bool = False,
 ) -> Callable[..., torch.Tensor]:
     """The GEMM path: ``(x)`` or ``(x, residual)`` -> activation(conv(x) [+ residual]),
-    channels-last in and out."""
+    channels-last in and out; a ``donated`` residual (runtime/donation.py) is accumulated into
+    in place rather than copied first."""
     out_channels, in_channels = int(weight.shape[0]), int(weight.shape[1])
     transposed = weight.reshape(out_channels, in_channels).t()  # a view: no copy
     activate = INPLACE_ACTIVATIONS[activation]
@@ -66,7 +71,10 @@ def gemm_conv(
 
         def gemm_add(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
             start = rows_of(residual, out_channels)
-            y = torch.add(start, bias) if bias is not None else start.clone()
+            if donated:
+                y = start.add_(bias) if bias is not None else start
+            else:
+                y = torch.add(start, bias) if bias is not None else start.clone()
             return back(activate(y.addmm_(rows_of(x, in_channels), transposed)), x)
 
         return gemm_add
@@ -85,9 +93,11 @@ def with_gemm_tactic(
     bias: torch.Tensor | None,
     activation: str,
     residual: bool,
+    donated: bool = False,
 ) -> Callable[..., torch.Tensor]:
     """``onednn`` and the GEMM path under one tactic choice, keyed by the batch bucket."""
-    tactics = Tactics([("onednn", onednn), ("gemm", gemm_conv(weight, bias, activation, residual))])
+    gemm = gemm_conv(weight, bias, activation, residual, donated)
+    tactics = Tactics([("onednn", onednn), ("gemm", gemm)])
 
     def conv(x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
         return tactics.run(bucket(x.shape[0]), x, *rest)
