@@ -64,14 +64,13 @@ def conv2d_kernel(args: Mapping[str, Any], dynamic: Sequence[str]) -> Callable[.
     donated = bool(args.get("_residual_donated"))  # see runtime/donation.py
     onednn: Callable[..., torch.Tensor]
     dnnl = load_dnnl()
+    geometry = _geometry(args)
     if dnnl is not None and weight.dtype == torch.float32:
-        kept = DirectConv(
-            dnnl, weight, bias, _geometry(args), activation, "residual" in dynamic, donated
-        )
+        kept = DirectConv(dnnl, weight, bias, geometry, activation, "residual" in dynamic, donated)
         onednn = with_fallback(kept, lambda: _onednn_conv(args, dynamic, weight, bias))
     else:
         onednn = _onednn_conv(args, dynamic, weight, bias)
-    if is_pointwise(weight, *_geometry(args)):
+    if is_pointwise(weight, *geometry):
         return with_gemm_tactic(onednn, weight, bias, activation, "residual" in dynamic, donated)
     return onednn
 

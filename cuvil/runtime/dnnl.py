@@ -24,6 +24,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch  # loaded first: its libgomp must be the one libdnnl binds to
+
 LIBRARY_NAME = "libdnnl.so.3"
 MAX_DIMS = 12
 
@@ -106,11 +108,11 @@ class Dnnl:
         lib.dnnl_memory_desc_equal.argtypes = [Handle, Handle]
         lib.dnnl_memory_set_data_handle.argtypes = [Handle, Handle]
         lib.dnnl_primitive_execute.argtypes = [Handle, Handle, ctypes.c_int, Handle]
+        lib.dnnl_version.restype = ctypes.POINTER(_Version)
         self.engine = self._create(lib.dnnl_engine_create, ENGINE_CPU, 0)
         self.local = threading.local()
 
     def version(self) -> str:
-        self.lib.dnnl_version.restype = ctypes.POINTER(_Version)
         found = self.lib.dnnl_version().contents
         return f"{found.major}.{found.minor}.{found.patch}"
 
@@ -254,8 +256,6 @@ class Dnnl:
         """The address of this thread's scratchpad, at least ``size`` bytes."""
         buffer = getattr(self.local, "scratchpad", None)
         if buffer is None or buffer.numel() < size:
-            import torch
-
             buffer = self.local.scratchpad = torch.empty(size, dtype=torch.uint8)
         return int(buffer.data_ptr())
 
@@ -304,8 +304,6 @@ def load() -> Dnnl | None:
     """The library, or None where it is absent or switched off (``CUVIL_DNNL=off``)."""
     if os.environ.get("CUVIL_DNNL", "on") == "off" or not sys.platform.startswith("linux"):
         return None
-    import torch  # noqa: F401  (its libgomp must be the one libdnnl binds to)
-
     for path in _candidates():
         if path.exists():
             return Dnnl(ctypes.CDLL(str(path)))
