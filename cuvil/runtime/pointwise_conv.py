@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from cuvil.runtime.activations import INPLACE_ACTIVATIONS
-from cuvil.runtime.tactics import Tactics, bucket
+from cuvil.runtime.tactics import batch_tactics
 
 
 def is_pointwise(
@@ -97,10 +97,4 @@ def with_gemm_tactic(
 ) -> Callable[..., torch.Tensor]:
     """``onednn`` and the GEMM path under one tactic choice, keyed by the batch bucket."""
     gemm = gemm_conv(weight, bias, activation, residual, donated)
-    tactics = Tactics([("onednn", onednn), ("gemm", gemm)])
-
-    def conv(x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
-        return tactics.run(bucket(x.shape[0]), x, *rest)
-
-    conv.tactics = tactics  # type: ignore[attr-defined]
-    return conv
+    return batch_tactics([("onednn", onednn), ("gemm", gemm)])

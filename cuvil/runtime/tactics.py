@@ -76,15 +76,18 @@ class Tactics:
         candidates: Sequence[tuple[str, Callable[..., Any]]],
         small_only: Sequence[tuple[str, Callable[..., Any]]] = (),
         small_keys: int = 0,
+        on_decided: Callable[[dict[int, str]], None] | None = None,
     ) -> None:
         """``small_only`` candidates join the others for keys up to ``small_keys`` (a path that
-        only pays off for a few rows need not be timed, or kept, anywhere else)."""
+        only pays off for a few rows need not be timed, or kept, anywhere else). ``on_decided``
+        hears ``describe()`` after each bucket's choice (e.g. to free what a loser holds)."""
         if not candidates:
             raise ValueError("a tactic choice needs at least one candidate")
         self.candidates = tuple(candidates)
         self.small = self.candidates + tuple(small_only)
         self.small_keys = small_keys
         self.chosen: dict[int, tuple[str, Callable[..., Any]]] = {}
+        self.on_decided = on_decided
         self._trials: dict[int, _Trial] = {}
 
     def candidates_for(self, key: int) -> tuple[tuple[str, Callable[..., Any]], ...]:
@@ -107,6 +110,8 @@ class Tactics:
         if winner is not None:
             self.chosen[key] = candidates[winner]
             self._trials.pop(key, None)
+            if self.on_decided is not None:
+                self.on_decided(self.describe())
         return result
 
     def describe(self) -> dict[int, str]:
@@ -119,3 +124,18 @@ class Tactics:
     def trial_calls(self) -> dict[int, int]:
         """bucket -> calls so far, for the buckets still timing their candidates."""
         return {key: trial.calls for key, trial in self._trials.items()}
+
+
+def batch_tactics(
+    candidates: Sequence[tuple[str, Callable[..., Any]]],
+    on_decided: Callable[[dict[int, str]], None] | None = None,
+) -> Callable[..., Any]:
+    """One kernel over ``candidates`` that take ``(x, *rest)``, chosen per bucket of x's batch
+    size; the ``Tactics`` object rides on it as ``.tactics`` (for reports and ``settle``)."""
+    tactics = Tactics(candidates, on_decided=on_decided)
+
+    def run(x: Any, *rest: Any) -> Any:
+        return tactics.run(bucket(x.shape[0]), x, *rest)
+
+    run.tactics = tactics  # type: ignore[attr-defined]
+    return run

@@ -89,12 +89,12 @@ def test_a_donated_residual_holds_the_result(kernel_size: int) -> None:
         "_residual_donated": True,
     }
     conv = conv2d_kernel(args, ["input", "residual"])
-    for _ in range(12):  # every tactic candidate of the 1x1 case takes its turn
+    for _ in range(12):  # every tactic candidate (1x1: GEMM, 3x3: Winograd) takes its turn
         x = torch.randn(2, 4, 6, 6).contiguous(memory_format=torch.channels_last)
         residual = torch.randn(2, 8, 6, 6).contiguous(memory_format=torch.channels_last)
         expected = F.relu(F.conv2d(x, weight, bias, padding=kernel_size // 2) + residual)
         y = conv(x, residual)
-        torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(y, expected, atol=1e-4, rtol=1e-4)  # Winograd: ~5e-6 of scale
         assert y.data_ptr() == residual.data_ptr()  # written over, no new buffer
 
 
