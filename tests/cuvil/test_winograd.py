@@ -199,3 +199,27 @@ def test_compiled_model_matches_eager_while_the_tactic_times_both_paths() -> Non
         by_bucket[1] in ("onednn", "winograd") and by_bucket[4] in ("onednn", "winograd")
         for by_bucket in choices.values()
     ), choices
+
+
+def test_a_portable_build_serves_any_cpu_with_its_instructions(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What an image build leaves (CUVIL_NATIVE_MARCH=x86-64-v3) is found on another CPU, and
+    refused, with the reason, on a CPU without AVX2."""
+    monkeypatch.setenv("CUVIL_NATIVE_CACHE", str(tmp_path))
+    monkeypatch.setenv("CUVIL_NATIVE_MARCH", "x86-64-v3")
+    if not native.LEVEL_FLAGS["x86-64-v3"] <= native._cpu_flags():
+        with pytest.raises(native.NativeError, match="this CPU lacks"):
+            native.build("winograd")
+        return  # this CPU cannot run the level at all
+    built = native.build("winograd")
+    monkeypatch.setattr(native, "_cpuinfo", lambda: ["model name : another", "flags : avx2"])
+    monkeypatch.setattr(native, "_cpu_flags", lambda: set(native.LEVEL_FLAGS["x86-64-v3"]))
+    monkeypatch.setattr(native, "_compiler", lambda: None)  # as in the image: no compiler
+    assert native.build("winograd") == built
+    monkeypatch.setattr(native, "_cpu_flags", lambda: {"sse4_2", "popcnt"})
+    with pytest.raises(native.NativeError, match=r"x86-64-v3, which needs .*'avx2'"):
+        native.build("winograd")
+    monkeypatch.setenv("CUVIL_NATIVE_MARCH", "pentium-pro-max")
+    with pytest.raises(native.NativeError, match="use one of native, x86-64"):
+        native.build("winograd")

@@ -8,6 +8,12 @@ the ``libgomp.so.1`` torch has already loaded, so ``torch.set_num_threads`` size
 
 Where no compiler exists, or ``CUVIL_NATIVE=off``, ``load`` returns None and the kernels that
 wanted a native path take another one (``reason`` says why, for reports).
+
+Container images have no compiler, so they are built with one and ``CUVIL_NATIVE_MARCH`` set to a
+portable level (``x86-64-v3``: AVX2 and FMA): ``python -m cuvil.runtime.native`` fills the cache
+then, and the digest leaves out the CPU, so any node finds the library. Such a library is only
+loaded where the CPU has the level's instructions (else None, with the reason), never run into an
+illegal instruction.
 """
 
 from __future__ import annotations
@@ -25,7 +31,13 @@ from pathlib import Path
 import torch  # noqa: F401  loaded first: its libgomp is the one the kernels bind to
 
 SOURCES = Path(__file__).parent
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11")
+FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-std=c11")
+# portable levels -> the /proc/cpuinfo flags a CPU needs to run code built for them
+LEVEL_FLAGS = {
+    "x86-64": frozenset(),
+    "x86-64-v2": frozenset({"sse4_2", "popcnt", "ssse3"}),
+    "x86-64-v3": frozenset({"sse4_2", "popcnt", "avx", "avx2", "fma", "bmi2", "f16c", "movbe"}),
+}
 _failures: dict[str, str] = {}
 
 
@@ -40,13 +52,25 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "cuvil" / "native"
 
 
-def _cpu_identity() -> str:
+def march() -> str:
+    """``-march``: ``native`` unless ``CUVIL_NATIVE_MARCH`` names a portable level."""
+    level = os.environ.get("CUVIL_NATIVE_MARCH", "native")
+    if level != "native" and level not in LEVEL_FLAGS:
+        choices = ", ".join(["native", *sorted(LEVEL_FLAGS)])
+        raise NativeError(f"CUVIL_NATIVE_MARCH={level!r}: use one of {choices}")
+    return level
+
+
+def _cpuinfo() -> list[str]:
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return platform.processor()
-    lines = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
-    return "\n".join(sorted(set(lines)))
+        return [platform.processor()]
+    return sorted({line for line in text.splitlines() if line.startswith(("model name", "flags"))})
+
+
+def _cpu_flags() -> set[str]:
+    return {flag for line in _cpuinfo() if line.startswith("flags") for flag in line.split()[2:]}
 
 
 def _compiler() -> str | None:
@@ -59,20 +83,26 @@ def _compiler() -> str | None:
 def build(name: str) -> Path:
     """The shared library for ``<name>.c``, compiled into the cache unless already there."""
     source = (SOURCES / f"{name}.c").read_bytes()
+    level = march()
+    flags = (*FLAGS, f"-march={level}")
+    identity = "\n".join(_cpuinfo()) if level == "native" else level  # portable: any CPU
+    digest = hashlib.sha256(
+        b"\0".join([source, " ".join(flags).encode(), identity.encode()])
+    ).hexdigest()[:16]
+    target = cache_dir() / f"{name}-{digest}.so"
+    missing = LEVEL_FLAGS.get(level, frozenset()) - _cpu_flags()
+    if missing:
+        raise NativeError(f"built for {level}, which needs {sorted(missing)} this CPU lacks")
+    if target.exists():
+        return target
     compiler = _compiler()
     if compiler is None:
         raise NativeError("no C compiler (cc or gcc) on PATH")
-    digest = hashlib.sha256(
-        b"\0".join([source, " ".join(FLAGS).encode(), _cpu_identity().encode()])
-    ).hexdigest()[:16]
-    target = cache_dir() / f"{name}-{digest}.so"
-    if target.exists():
-        return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
         result = subprocess.run(
-            [compiler, *FLAGS, str(SOURCES / f"{name}.c"), "-o", str(built)],
+            [compiler, *flags, str(SOURCES / f"{name}.c"), "-o", str(built)],
             capture_output=True,
             text=True,
             check=False,
@@ -99,3 +129,8 @@ def load(name: str) -> ctypes.CDLL | None:
 def reason(name: str) -> str | None:
     """Why ``load(name)`` returned None, if it did."""
     return _failures.get(name)
+
+
+def sources() -> list[str]:
+    """The names of every native source (``<name>.c`` next to this file)."""
+    return sorted(path.stem for path in SOURCES.glob("*.c"))
