@@ -27,6 +27,9 @@ from cuvil.runtime.native import load as load_native
 from cuvil.runtime.tactics import batch_tactics
 
 TILE = 4  # output pixels per tile side; input tiles are TILE + 2 wide
+# Tiles are taken in chunks whose transformed tiles fit this many floats (16 MiB), so that a large
+# image or batch keeps the per-thread workspaces bounded (ResNet-50's layers need one chunk)
+CHUNK_FLOATS = 4 << 20
 FUSED_ACTIVATIONS = {"none": 0, "relu": 1, "relu6": 2}  # done in the output transform
 
 # G of F(4, 3): the weight transform, U = G g G^T (exact in float64, rounded once to fp32)
@@ -79,10 +82,10 @@ def is_winograd_shape(
 def _library() -> ctypes.CDLL | None:
     library = load_native("winograd")
     if library is not None:  # once per kernel built: cheap, and no state to keep in step
-        library.cuvil_winograd_input.argtypes = [_Ptr, *[_Int] * 8, _Ptr, ctypes.c_int]
+        library.cuvil_winograd_input.argtypes = [_Ptr, *[_Int] * 9, _Ptr, ctypes.c_int]
         library.cuvil_winograd_output.argtypes = [
             *[_Ptr] * 4,
-            *[_Int] * 6,
+            *[_Int] * 7,
             ctypes.c_int,
             ctypes.c_int,
         ]
@@ -131,14 +134,6 @@ class WinogradConv:
         out_w = width + 2 * self.padding[1] - 2
         tiles_h, tiles_w = -(-out_h // TILE), -(-out_w // TILE)
         tiles = batch * tiles_h * tiles_w
-        threads = torch.get_num_threads()
-        transformed = workspace("tiles", (36, tiles, channels))
-        self.library.cuvil_winograd_input(
-            x.data_ptr(), batch, height, width, channels, *self.padding, tiles_h, tiles_w,
-            transformed.data_ptr(), threads,
-        )  # fmt: skip
-        products = workspace("products", (36, tiles, out_channels))
-        torch.bmm(transformed, self._transformed, out=products)
         shape = (batch, out_channels, out_h, out_w)
         broadcast = residual is not None and tuple(residual.shape) != shape
         fused = self.fused if self.fused is not None and not broadcast else 0
@@ -148,13 +143,23 @@ class WinogradConv:
             out = residual  # each element is read, then written, by the same thread
         else:
             out = torch.empty(shape, memory_format=torch.channels_last)
-        self.library.cuvil_winograd_output(
-            products.data_ptr(),
-            self.bias.data_ptr() if self.bias is not None else None,
-            residual.data_ptr() if residual is not None and not broadcast else None,
-            out.data_ptr(),
-            batch, out_h, out_w, out_channels, tiles_h, tiles_w, fused, threads,
-        )  # fmt: skip
+        added = residual.data_ptr() if residual is not None and not broadcast else None
+        bias = self.bias.data_ptr() if self.bias is not None else None
+        threads = torch.get_num_threads()
+        chunk = max(1, CHUNK_FLOATS // (36 * max(channels, out_channels)))
+        for first in range(0, tiles, chunk):
+            count = min(chunk, tiles - first)
+            transformed = workspace("tiles", (36, count, channels))
+            self.library.cuvil_winograd_input(
+                x.data_ptr(), height, width, channels, *self.padding, tiles_h, tiles_w,
+                first, count, transformed.data_ptr(), threads,
+            )  # fmt: skip
+            products = workspace("products", (36, count, out_channels))
+            torch.bmm(transformed, self._transformed, out=products)
+            self.library.cuvil_winograd_output(
+                products.data_ptr(), bias, added, out.data_ptr(),
+                out_h, out_w, out_channels, tiles_h, tiles_w, first, count, fused, threads,
+            )  # fmt: skip
         if broadcast and residual is not None:  # another shape: added unfused, broadcasting
             out.add_(residual)
         if fused == 0 and self.activation != "none":

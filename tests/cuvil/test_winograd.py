@@ -74,6 +74,21 @@ def test_broadcast_residual_is_added_unfused() -> None:
     assert _relative(_kernel(weight, bias, 1, "relu")(x, residual), want) < TOLERANCE
 
 
+def test_tiles_in_chunks_give_the_same_result(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past CHUNK_FLOATS the tiles go through in chunks (bounded workspaces), here 7 tiles at a
+    time over two images of 4x5 tiles, chunks straddling the images, a residual written over."""
+    from cuvil.runtime import winograd
+
+    weight, bias = torch.randn(12, 10, 3, 3) / 9, torch.randn(12)
+    x = _channels_last(2, 10, 15, 19)
+    residual = _channels_last(2, 12, 15, 19)
+    want = F.relu(F.conv2d(x, weight, bias, padding=1) + residual)
+    monkeypatch.setattr(winograd, "CHUNK_FLOATS", 36 * 12 * 7)
+    got = _kernel(weight, bias, 1, "relu", donated=True)(x, residual)
+    assert got.data_ptr() == residual.data_ptr()
+    assert _relative(got, want) < TOLERANCE
+
+
 def test_threads_share_one_kernel() -> None:
     """Each thread has its own workspace: concurrent calls of differently sized inputs agree."""
     weight = torch.randn(24, 16, 3, 3) / 12

@@ -55,15 +55,17 @@ static inline void at_rows(const float *m, int64_t stride, float *r, int64_t rst
     }
 }
 
-/* x: [n, h, w, c]; v: [36, tiles, c] with tiles = n * tiles_h * tiles_w */
-void cuvil_winograd_input(const float *x, int64_t n, int64_t h, int64_t w, int64_t c,
-                          int64_t pad_top, int64_t pad_left, int64_t tiles_h, int64_t tiles_w,
-                          float *v, int threads)
+/* x: [n, h, w, c]; v: [36, count, c] for tiles first .. first + count - 1 of the
+ * n * tiles_h * tiles_w tiles (image-major, then rows, then columns) */
+void cuvil_winograd_input(const float *x, int64_t h, int64_t w, int64_t c, int64_t pad_top,
+                          int64_t pad_left, int64_t tiles_h, int64_t tiles_w, int64_t first,
+                          int64_t count, float *v, int threads)
 {
-    const int64_t tiles = n * tiles_h * tiles_w;
+    const int64_t tiles = count;
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t p = 0; p < tiles; p++) {
+    for (int64_t i_tile = 0; i_tile < count; i_tile++) {
         float d[36 * CB], t[36 * CB], u[36 * CB];
+        const int64_t p = first + i_tile;
         const int64_t image = p / (tiles_h * tiles_w);
         const int64_t ty = (p / tiles_w) % tiles_h, tx = p % tiles_w;
         const int64_t y0 = ty * 4 - pad_top, x0 = tx * 4 - pad_left;
@@ -84,26 +86,28 @@ void cuvil_winograd_input(const float *x, int64_t n, int64_t h, int64_t w, int64
             for (int a = 0; a < 6; a++) /* rows: u[a][b] = sum_j t[a][j] B[j][b] */
                 bt_rows(t + a * 6 * CB, CB, u + a * 6 * CB, CB, nc);
             for (int ab = 0; ab < 36; ab++)
-                memcpy(v + (ab * tiles + p) * c + c0, u + ab * CB, sizeof(float) * nc);
+                memcpy(v + (ab * tiles + i_tile) * c + c0, u + ab * CB, sizeof(float) * nc);
         }
     }
 }
 
-/* m: [36, tiles, k]; out and residual: [n, oh, ow, k]; bias: [k] or NULL; residual may be out */
+/* m: [36, count, k] for tiles first .. first + count - 1; out and residual: [n, oh, ow, k];
+ * bias: [k] or NULL; residual may be out */
 void cuvil_winograd_output(const float *m, const float *bias, const float *residual, float *out,
-                           int64_t n, int64_t oh, int64_t ow, int64_t k, int64_t tiles_h,
-                           int64_t tiles_w, int activation, int threads)
+                           int64_t oh, int64_t ow, int64_t k, int64_t tiles_h, int64_t tiles_w,
+                           int64_t first, int64_t count, int activation, int threads)
 {
-    const int64_t tiles = n * tiles_h * tiles_w;
+    const int64_t tiles = count;
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t p = 0; p < tiles; p++) {
+    for (int64_t i_tile = 0; i_tile < count; i_tile++) {
         float g[36 * CB], t[24 * CB], y[16 * CB];
+        const int64_t p = first + i_tile;
         const int64_t image = p / (tiles_h * tiles_w);
         const int64_t ty = (p / tiles_w) % tiles_h, tx = p % tiles_w;
         for (int64_t k0 = 0; k0 < k; k0 += CB) {
             const int nk = (int)(k - k0 < CB ? k - k0 : CB);
             for (int ab = 0; ab < 36; ab++)
-                memcpy(g + ab * CB, m + (ab * tiles + p) * k + k0, sizeof(float) * nk);
+                memcpy(g + ab * CB, m + (ab * tiles + i_tile) * k + k0, sizeof(float) * nk);
             for (int b = 0; b < 6; b++) /* t[q][b] = sum_a A^T[q][a] g[a][b] */
                 at_rows(g + b * CB, 6 * CB, t + b * CB, 6 * CB, nk);
             for (int q = 0; q < 4; q++) /* y[q][r] = sum_b t[q][b] A[b][r] */
