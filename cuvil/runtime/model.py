@@ -19,6 +19,7 @@ from cuvil.ir import Graph
 from cuvil.runtime.dnnl import describe as describe_dnnl
 from cuvil.runtime.kernels import Kernel
 from cuvil.runtime.linear_kernels import compute_precision
+from cuvil.runtime.native import describe as describe_native
 from cuvil.runtime.plan import ExecutionPlan
 from cuvil.runtime.signature import InputBinder, InputError, Signature
 from cuvil.runtime.tactics import ROUNDS
@@ -70,8 +71,8 @@ class CompiledModel:
 
     def execution(self) -> dict[str, Any]:
         """What runs on this machine: the precision the GEMMs compute in (a bf16 artifact runs
-        fp32 GEMMs on a CPU without bf16 instructions), the GEMM path each linear chose, and
-        which oneDNN the convolutions and linears call."""
+        fp32 GEMMs on a CPU without bf16 instructions), the GEMM path each linear chose, which
+        oneDNN the convolutions and linears call, and whether the Winograd path is offered."""
         dtypes = {tensor.dtype for tensor in self.contents.weights.values()}
         has_bf16 = torch.bfloat16 in dtypes
         return {
@@ -79,6 +80,7 @@ class CompiledModel:
             "gemm_compute": compute_precision(torch.bfloat16) if has_bf16 else "fp32",
             "tactics": self._plan.tactic_choices(),
             "onednn": describe_dnnl(),
+            "winograd": describe_native("winograd"),
         }
 
     def memory_plan(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, Any]:

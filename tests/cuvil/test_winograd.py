@@ -174,6 +174,7 @@ def test_switched_off_native_kernels_fall_back_to_direct(monkeypatch: pytest.Mon
     try:
         assert winograd_conv(torch.randn(4, 4, 3, 3), None, [1, 1], "relu") is None
         assert native.reason("winograd") == "switched off (CUVIL_NATIVE=off)"
+        assert native.describe("winograd") == "not offered: switched off (CUVIL_NATIVE=off)"
     finally:
         native.load.cache_clear()
 
@@ -209,6 +210,7 @@ def test_compiled_model_matches_eager_while_the_tactic_times_both_paths() -> Non
             want = model(x)
         for _ in range(12):  # 2 candidates x 5 calls decide the bucket
             assert _relative(compiled(x), want) < TOLERANCE
+    assert compiled.execution()["winograd"].startswith("native (")
     choices = compiled.execution()["tactics"]
     assert len(choices) == 2 and all(  # bucket 2 met only verification's few calls
         by_bucket[1] in ("onednn", "winograd") and by_bucket[4] in ("onednn", "winograd")

@@ -126,6 +126,14 @@ def load(name: str) -> ctypes.CDLL | None:
         return None
 
 
+def describe(name: str) -> str:
+    """For reports: the library a kernel family runs, or why it is not offered. Loads it."""
+    library = load(name)
+    if library is None:
+        return f"not offered: {reason(name)}"
+    return f"native ({library._name})"
+
+
 def reason(name: str) -> str | None:
     """Why ``load(name)`` returned None, if it did."""
     return _failures.get(name)
