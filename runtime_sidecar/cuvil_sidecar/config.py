@@ -17,6 +17,10 @@
 - ``CUVIL_GOLDEN_TOLERANCE`` (0.001): start-up golden check, max abs error / output scale.
 - ``CUVIL_WARMUP_RUNS`` (2): runs per shape bucket during warm-up; more follow where the
   bucket's GEMM paths are still being timed (``CompiledModel.settle``).
+- ``CUVIL_WARMUP_SHAPES`` (none): more sizes to warm up than the golden inputs' (Triton's
+  ``model_warmup``), as ``symbol=size`` pairs, a comma between the symbols of one shape and a
+  semicolon between shapes, e.g. ``seq=128;seq=384``. Each is swept over the batch sizes too.
+  Sizes clients send but warm-up never met are timed and built on the first requests instead.
 - ``CUVIL_TORCH_THREADS`` (0 = torch's default, one per core): intra-op threads per model run
   (ONNX Runtime's ``intra_op_num_threads``). On a node shared with other busy pods, fewer
   threads than cores avoids runs stalling on a thread the scheduler has parked.
@@ -51,6 +55,7 @@ class SidecarConfig:
     poll_interval_s: float = 0.0
     golden_tolerance: float = 1e-3
     warmup_runs: int = 2
+    warmup_shapes: tuple[dict[str, int], ...] = ()
     torch_threads: int = 0
 
     @property
@@ -84,6 +89,7 @@ class SidecarConfig:
             poll_interval_s=_number(env, "CUVIL_POLL_INTERVAL_S", cls.poll_interval_s),
             golden_tolerance=_number(env, "CUVIL_GOLDEN_TOLERANCE", cls.golden_tolerance),
             warmup_runs=_integer(env, "CUVIL_WARMUP_RUNS", cls.warmup_runs, low=0),
+            warmup_shapes=_shapes(env, "CUVIL_WARMUP_SHAPES"),
             torch_threads=_integer(env, "CUVIL_TORCH_THREADS", cls.torch_threads, low=0),
         )
 
@@ -112,3 +118,22 @@ def _number(env: Mapping[str, str], key: str, default: float) -> float:
     if value < 0:
         raise ConfigError(f"{key}={value} is negative")
     return value
+
+
+def _shapes(env: Mapping[str, str], key: str) -> tuple[dict[str, int], ...]:
+    """``seq=128;seq=64,batch=2`` -> ({"seq": 128}, {"seq": 64, "batch": 2})."""
+    shapes = []
+    for entry in env.get(key, "").split(";"):
+        if not entry.strip():
+            continue
+        shape: dict[str, int] = {}
+        for pair in entry.split(","):
+            symbol, equals, size = (part.strip() for part in pair.partition("="))
+            if not equals or not symbol.isidentifier() or not size.isdigit() or int(size) < 1:
+                raise ConfigError(
+                    f"{key}: {pair.strip()!r} is not symbol=size (a positive integer), "
+                    "e.g. seq=128;seq=64,batch=2"
+                )
+            shape[symbol] = int(size)
+        shapes.append(shape)
+    return tuple(shapes)

@@ -109,6 +109,7 @@ class ModelManager:
                         warmup_runs=self.config.warmup_runs,
                         golden_tolerance=self.config.golden_tolerance,
                         progress=self._progress,
+                        warmup_shapes=self.config.warmup_shapes,
                     ),
                 )
             except Exception as error:

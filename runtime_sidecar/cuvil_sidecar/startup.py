@@ -5,9 +5,13 @@ and compare the outputs on the artifact's golden inputs with the golden outputs
 recorded at compile time. Any failure raises StartupError saying which step failed and why; the
 caller keeps the model not ready (first load) or keeps serving the old one (reload).
 
-Shape buckets: the sizes the sidecar will actually run. Each symbol takes its golden value; the
-batch symbol also takes every power of two up to the largest joined batch (and that size
-itself); an artifact may list more in ``config["shape_buckets"]`` (symbol -> size maps).
+Shape buckets: the sizes the sidecar will actually run. Each symbol takes its golden value; an
+artifact may list more in ``config["shape_buckets"]`` (symbol -> size maps), and so may the
+operator (``CUVIL_WARMUP_SHAPES``). Over each of these the batch symbol takes every power of two
+up to the largest joined batch (and that size itself): these buckets are settled. The batch sizes
+in between (up to ``PRIMED_UP_TO``) then run once each: their kernel choices are those of the
+next power of two, already made, so one run only builds their oneDNN primitives (7-30 ms each),
+which the first joined batch of that size would otherwise wait for.
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ def load_checked(
     warmup_runs: int,
     golden_tolerance: float,
     progress: Progress = lambda message: None,
+    warmup_shapes: tuple[Mapping[str, int], ...] = (),
 ) -> LoadedModel:
     started = time.perf_counter()
     progress(f"fetching {source}")
@@ -83,7 +88,7 @@ def load_checked(
     if model.device.type == "cuda" and not torch.cuda.is_available():
         raise StartupError(f"{path} targets {model.config.get('target')} but no GPU is visible")
     symbol = batch_symbol(model.signature)
-    buckets = shape_buckets(model, symbol, max_rows)
+    buckets = shape_buckets(model, symbol, max_rows, warmup_shapes)
     fastest = float("inf")
     for index, bucket in enumerate(buckets, 1):
         progress(f"warming up bucket {index}/{len(buckets)} {bucket}")
@@ -94,6 +99,11 @@ def load_checked(
                 model.run(inputs)
                 fastest = min(fastest, (time.perf_counter() - run_started) * 1e3)
             model.settle(inputs)  # kernel choices made: served results are bit-stable
+        except Exception as error:
+            raise StartupError(f"warm-up at {bucket} failed: {error}") from error
+    for bucket in primed_buckets(model, symbol, buckets):
+        try:
+            model.run(bucket_inputs(model, bucket))
         except Exception as error:
             raise StartupError(f"warm-up at {bucket} failed: {error}") from error
     progress("checking golden outputs")
@@ -141,26 +151,65 @@ def golden_inputs(model: CompiledModel) -> dict[str, torch.Tensor]:
     }
 
 
-def shape_buckets(model: CompiledModel, symbol: str | None, max_rows: int) -> list[dict[str, int]]:
+def shape_buckets(
+    model: CompiledModel,
+    symbol: str | None,
+    max_rows: int,
+    warmup_shapes: tuple[Mapping[str, int], ...] = (),
+) -> list[dict[str, int]]:
     signature = model.signature
     inputs = golden_inputs(model)
     if len(inputs) == len(signature.inputs):
         base = InputBinder(signature).bind(inputs)
     else:
         base = {s.name: max(s.min, 1) for s in signature.symbols}
-    buckets = [base]
-    if symbol is not None:
-        spec = signature.symbol(symbol)
-        top = max(1, min(max_rows, spec.max if spec.max is not None else max_rows))
-        sizes = sorted({1 << k for k in range(top.bit_length()) if 1 << k <= top} | {top})
-        buckets += [base | {symbol: size} for size in sizes if size >= spec.min]
-    for extra in model.config.get("shape_buckets", []):
-        buckets.append(base | {str(k): int(v) for k, v in dict(extra).items()})
+    known = {spec.name for spec in signature.symbols}
+    extras = [*model.config.get("shape_buckets", []), *warmup_shapes]
+    bases = [base]
+    for extra in extras:
+        unknown = sorted(set(map(str, dict(extra))) - known)
+        if unknown:
+            raise StartupError(f"warm-up shape {dict(extra)} names {unknown}; the model has "
+                               f"{sorted(known)}")  # fmt: skip
+        bases.append(base | {str(k): int(v) for k, v in dict(extra).items()})
+    buckets = []
+    for start in bases:
+        buckets.append(start)
+        if symbol is not None:
+            spec = signature.symbol(symbol)
+            top = max(1, min(max_rows, spec.max if spec.max is not None else max_rows))
+            sizes = sorted({1 << k for k in range(top.bit_length()) if 1 << k <= top} | {top})
+            buckets += [start | {symbol: size} for size in sizes if size >= spec.min]
     unique: list[dict[str, int]] = []
     for bucket in buckets:
         if bucket not in unique:
             unique.append(bucket)
     return unique
+
+
+PRIMED_UP_TO = 16  # batch sizes past this are built on first use rather than at start-up
+
+
+def primed_buckets(
+    model: CompiledModel, symbol: str | None, buckets: list[dict[str, int]]
+) -> list[dict[str, int]]:
+    """The batch sizes up to each shape's largest settled one (and ``PRIMED_UP_TO``) that were
+    not settled themselves. Each shares its kernel choices with a settled size: a choice is made
+    per power-of-two bucket of rows, and every such bucket up to the largest has a settled size.
+    """
+    if symbol is None:
+        return []
+    low = model.signature.symbol(symbol).min
+    settled: dict[tuple[tuple[str, int], ...], set[int]] = {}
+    for bucket in buckets:
+        rest = tuple(sorted((k, v) for k, v in bucket.items() if k != symbol))
+        settled.setdefault(rest, set()).add(bucket[symbol])
+    return [
+        dict(rest) | {symbol: size}
+        for rest, sizes in settled.items()
+        for size in range(max(1, low), min(max(sizes), PRIMED_UP_TO) + 1)
+        if size not in sizes
+    ]
 
 
 def bucket_inputs(model: CompiledModel, sizes: Mapping[str, int]) -> dict[str, torch.Tensor]:

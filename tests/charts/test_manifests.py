@@ -214,6 +214,20 @@ def test_environment_matches_what_the_deployables_read(render: Render) -> None:
                 assert name in readers[component], f"{component} never reads {name}"
 
 
+def test_sidecar_config_map_parses_as_the_sidecar_reads_it(render: Render) -> None:
+    from cuvil_sidecar.config import SidecarConfig
+
+    manifests = render(CHART / "ci" / "sidecar-config-values.yaml")
+    data = next(
+        m["data"]
+        for m in manifests
+        if m["kind"] == "ConfigMap" and m["metadata"]["name"].endswith("-sidecar")
+    )
+    config = SidecarConfig.from_env(data)
+    assert config.warmup_shapes == ({"seq": 128}, {"seq": 384})
+    assert (config.max_batch_size, config.model_instances) == (16, 2)
+
+
 def _dry_run_install(helm_run: HelmRun, *values: str) -> subprocess.CompletedProcess[str]:
     """``helm install --dry-run=client`` of the chart: what a user's install would print."""
     return helm_run(
