@@ -27,8 +27,12 @@ from cuvil.runtime.native import load as load_native
 from cuvil.runtime.tactics import batch_tactics
 
 TILE = 4  # output pixels per tile side; input tiles are TILE + 2 wide
-# Tiles are taken in chunks whose transformed tiles fit this many floats (16 MiB), so that a large
-# image or batch keeps the per-thread workspaces bounded (ResNet-50's layers need one chunk)
+# Tiles go through in chunks of at most 256 (transform, GEMMs, transform back, chunk by chunk):
+# a chunk's transformed tiles then stay in cache between the three steps. One whole batch at once
+# measured 4.1 ms for 4 images of ResNet-50's 64-channel 56x56 layer, chunks of 256 2.5 ms (of
+# 32, 3.5 ms: thin GEMMs); one image (196 tiles) is one chunk. CHUNK_FLOATS bounds the per-thread
+# workspaces (16 MiB) where channels are many.
+TILES_PER_CHUNK = 256
 CHUNK_FLOATS = 4 << 20
 FUSED_ACTIVATIONS = {"none": 0, "relu": 1, "relu6": 2}  # done in the output transform
 
@@ -146,7 +150,7 @@ class WinogradConv:
         added = residual.data_ptr() if residual is not None and not broadcast else None
         bias = self.bias.data_ptr() if self.bias is not None else None
         threads = torch.get_num_threads()
-        chunk = max(1, CHUNK_FLOATS // (36 * max(channels, out_channels)))
+        chunk = max(1, min(TILES_PER_CHUNK, CHUNK_FLOATS // (36 * max(channels, out_channels))))
         for first in range(0, tiles, chunk):
             count = min(chunk, tiles - first)
             transformed = workspace("tiles", (36, count, channels))
