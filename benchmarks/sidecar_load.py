@@ -11,9 +11,9 @@ served by a sidecar subprocess per batching mode on loopback ports. Requests are
 sequence 128, warmed up through CUVIL_WARMUP_SHAPES). ``overhead_ms`` = sidecar p50 at concurrency
 1 without batching minus the in-process ``CompiledModel.run`` p50 on the same input;
 ``rpc_floor_p50_ms`` is a bare ServerLive round trip through the same client, the part of the
-overhead that is gRPC and the
-Python client rather than the sidecar's data path. The client runs on the same machine and
-competes with the server for its cores, so the figures overstate the sidecar's own cost.
+overhead that is gRPC and the Python client rather than the sidecar's data path. The client runs on
+the same machine and competes with the server for its cores, so the figures overstate the sidecar's
+own cost.
 ``in_process_idle_p50_ms`` is the in-process p50 again with the process idle for one client round
 trip before each call, as the sidecar is between requests at concurrency 1: on this host a model
 called after an idle gap runs several times slower than back to back (the MLP: 95 us back to
