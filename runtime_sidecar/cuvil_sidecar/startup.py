@@ -33,6 +33,7 @@ from cuvil.dtypes import torch_dtype
 from cuvil.runtime.model import CompiledModel
 from cuvil.runtime.signature import InputBinder, InputError, Signature
 from cuvil.shape_expr import compile_expr
+from cuvil_sidecar.heap import resident_mib, trim_heap
 from cuvil_sidecar.source import ModelSource
 
 log = logging.getLogger("cuvil_sidecar.startup")
@@ -108,6 +109,9 @@ def load_checked(
             raise StartupError(f"warm-up at {bucket} failed: {error}") from error
     progress("checking golden outputs")
     check_golden(model, golden_tolerance)
+    before = resident_mib()
+    if trim_heap():  # what loading and warm-up freed goes back to the OS
+        log.info("resident %.0f MiB after warm-up, %.0f MiB trimmed", before, resident_mib())
     seconds = time.perf_counter() - started
     log.info(
         "loaded %s (%s) in %.2f s, buckets %s, fastest warm-up run %.2f ms",
