@@ -80,8 +80,9 @@ def _compiler() -> str | None:
     return None
 
 
-def build(name: str) -> Path:
-    """The shared library for ``<name>.c``, compiled into the cache unless already there."""
+def build(name: str, *, for_this_cpu: bool = True) -> Path:
+    """The shared library for ``<name>.c``, compiled into the cache unless already there.
+    ``for_this_cpu=False`` (an image build) compiles for the level whatever the builder's CPU."""
     source = (SOURCES / f"{name}.c").read_bytes()
     level = march()
     flags = (*FLAGS, f"-march={level}")
@@ -91,7 +92,7 @@ def build(name: str) -> Path:
     ).hexdigest()[:16]
     target = cache_dir() / f"{name}-{digest}.so"
     missing = LEVEL_FLAGS.get(level, frozenset()) - _cpu_flags()
-    if missing:
+    if missing and for_this_cpu:
         raise NativeError(f"built for {level}, which needs {sorted(missing)} this CPU lacks")
     if target.exists():
         return target

@@ -11,7 +11,7 @@ from cuvil.runtime.native import NativeError, build, sources
 def main() -> int:
     for name in sources():
         try:
-            print(f"{name}: {build(name)}")
+            print(f"{name}: {build(name, for_this_cpu=False)}")
         except NativeError as error:
             print(f"{name}: {error}", file=sys.stderr)
             return 1
