@@ -18,7 +18,9 @@ own cost.
 trip before each call, as the sidecar is between requests at concurrency 1: on this host a model
 called after an idle gap runs several times slower than back to back (the MLP: 95 us back to
 back, 206 us after 1 ms of sleep, 550 us after 5 ms, at one thread as at two), and
-``overhead_vs_idle_ms`` sets the sidecar's p50 against that.
+``overhead_vs_idle_ms`` sets the sidecar's p50 against that. ``sync_client`` repeats concurrency 1
+unbatched with tritonclient's synchronous client (what most callers use; no event loop on the
+client side): ``p50_ms``, ``rpc_floor_p50_ms`` and ``overhead_ms`` as above.
 ``server_c1`` splits the concurrency-1 unbatched run from the sidecar's own ``/metrics``:
 ``request_mean_ms`` (decode, run, encode), ``compute_mean_ms`` (the model run alone, to set
 against ``in_process_p50_ms``) and ``outside_ms`` = client p50 minus ``request_mean_ms``
@@ -39,6 +41,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -209,6 +212,39 @@ async def rpc_floor(url: str, calls: int = 300) -> float:
     return statistics.median(times)
 
 
+def sync_client_c1(
+    url: str, model: str, inputs: dict[str, np.ndarray], calls: int = 400
+) -> dict[str, float]:
+    """Concurrency-1 p50 of ModelInfer and of ServerLive through the synchronous client."""
+    import tritonclient.grpc as syncclient
+
+    client = syncclient.InferenceServerClient(url)
+    items = []
+    for name, array in inputs.items():
+        item = syncclient.InferInput(name, list(array.shape), DATATYPES[array.dtype])
+        item.set_data_from_numpy(array)
+        items.append(item)
+
+    def p50(call: Callable[[], object], budget_s: float = 3.0) -> float:
+        for _ in range(3):
+            call()
+        times: list[float] = []
+        give_up = time.perf_counter() + budget_s
+        while len(times) < calls and (len(times) < 10 or time.perf_counter() < give_up):
+            started = time.perf_counter()
+            call()
+            times.append((time.perf_counter() - started) * 1e3)
+        return statistics.median(times)
+
+    try:
+        return {
+            "p50_ms": round(p50(lambda: client.infer(model, items)), 3),
+            "rpc_floor_p50_ms": round(p50(client.is_server_live), 3),
+        }
+    finally:
+        client.close()
+
+
 async def load(
     url: str, model: str, inputs: dict[str, np.ndarray], concurrency: int, duration_s: float
 ) -> dict[str, float]:
@@ -287,6 +323,7 @@ def main() -> int:
             try:
                 if mode == "batching_off":
                     entry["rpc_floor_p50_ms"] = round(asyncio.run(rpc_floor(url)), 3)
+                    entry["sync_client"] = sync_client_c1(url, name, inputs)
                 rows = []
                 for c in levels:
                     counted = server_counters(metrics_port)
@@ -303,6 +340,9 @@ def main() -> int:
         off = entry["batching_off"]
         assert isinstance(off, list)
         entry["overhead_ms"] = round(off[0]["p50_ms"] - in_process, 3)
+        sync = entry["sync_client"]
+        assert isinstance(sync, dict)
+        sync["overhead_ms"] = round(sync["p50_ms"] - in_process, 3)
         # The same runs with the client's round trip as idle time before each: what the model
         # itself costs when called as the sidecar calls it (caches and cores gone cold)
         idle = float(entry["rpc_floor_p50_ms"]) / 1e3  # type: ignore[arg-type]
