@@ -43,6 +43,7 @@ import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -212,6 +213,16 @@ async def rpc_floor(url: str, calls: int = 300) -> float:
     return statistics.median(times)
 
 
+def infer_inputs(kind: Callable[..., Any], inputs: dict[str, np.ndarray]) -> list[Any]:
+    """tritonclient's request inputs (``kind``: the sync or the aio ``InferInput``)."""
+    items = []
+    for name, array in inputs.items():
+        item = kind(name, list(array.shape), DATATYPES[array.dtype])
+        item.set_data_from_numpy(array)
+        items.append(item)
+    return items
+
+
 def sync_client_c1(
     url: str, model: str, inputs: dict[str, np.ndarray], calls: int = 400
 ) -> dict[str, float]:
@@ -219,11 +230,7 @@ def sync_client_c1(
     import tritonclient.grpc as syncclient
 
     client = syncclient.InferenceServerClient(url)
-    items = []
-    for name, array in inputs.items():
-        item = syncclient.InferInput(name, list(array.shape), DATATYPES[array.dtype])
-        item.set_data_from_numpy(array)
-        items.append(item)
+    items = infer_inputs(syncclient.InferInput, inputs)
 
     def p50(call: Callable[[], object], budget_s: float = 3.0) -> float:
         for _ in range(3):
@@ -251,11 +258,7 @@ async def load(
     import tritonclient.grpc.aio as aioclient
 
     client = aioclient.InferenceServerClient(url)
-    items = []
-    for name, array in inputs.items():
-        item = aioclient.InferInput(name, list(array.shape), DATATYPES[array.dtype])
-        item.set_data_from_numpy(array)
-        items.append(item)
+    items = infer_inputs(aioclient.InferInput, inputs)
     for _ in range(2):
         await client.infer(model, items)
     latencies: list[float] = []

@@ -28,7 +28,7 @@ from cuvil.runtime.linear_kernels import (
     swiglu_kernel,
 )
 from cuvil.runtime.pointwise_conv import is_pointwise, with_gemm_tactic
-from cuvil.runtime.winograd import is_winograd_shape, with_winograd_tactic
+from cuvil.runtime.winograd import has_enough_tiles, is_winograd_shape, with_winograd_tactic
 
 KernelFactory = Callable[[Mapping[str, Any], Sequence[str]], Callable[..., Any]]
 
@@ -74,22 +74,10 @@ def conv2d_kernel(args: Mapping[str, Any], dynamic: Sequence[str]) -> Callable[.
     if is_pointwise(weight, *geometry):
         return with_gemm_tactic(onednn, weight, bias, activation, "residual" in dynamic, donated)
     stride, padding, dilation, groups = geometry
-    if is_winograd_shape(weight, stride, dilation, groups) and _enough_tiles(args):
+    sizes = args.get("_input_sizes") or ()
+    if is_winograd_shape(weight, stride, dilation, groups) and has_enough_tiles(sizes, padding):
         return with_winograd_tactic(onednn, weight, bias, padding, activation, donated)
     return onednn
-
-
-def _enough_tiles(args: Mapping[str, Any]) -> bool:
-    """Winograd is only worth timing where each image has 16 or more 4x4 output tiles (ResNet's
-    14x14 maps and up): on 7x7 maps its GEMMs are four rows thin, 2.4x slower than oneDNN, and
-    its transformed weight would be the largest resident copy (4x the weight)."""
-    sizes: Sequence[int | None] = args.get("_input_sizes") or ()
-    if len(sizes) != 4 or sizes[2] is None or sizes[3] is None:
-        return True  # dynamic spatial sizes: let the timing decide
-    padding = list(args["padding"])
-    tiles_h = -(-(int(sizes[2]) + 2 * int(padding[0]) - 2) // 4)
-    tiles_w = -(-(int(sizes[3]) + 2 * int(padding[1]) - 2) // 4)
-    return tiles_h * tiles_w >= 16
 
 
 def _geometry(args: Mapping[str, Any]) -> tuple[list[int], list[int], list[int], int]:
