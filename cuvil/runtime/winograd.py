@@ -65,7 +65,10 @@ def workspace(kind: str, shape: tuple[int, ...]) -> torch.Tensor:
         size *= dim
     buffer = getattr(_workspaces, kind, None)
     if buffer is None or buffer.numel() < size:
-        buffer = torch.empty(size)
+        # a normal tensor, even when made under inference mode: bmm writes into it in place,
+        # which torch refuses for an inference tensor once a later call runs outside that mode
+        with torch.inference_mode(False):
+            buffer = torch.empty(size)
         setattr(_workspaces, kind, buffer)
     return buffer[:size].view(shape)
 

@@ -89,6 +89,19 @@ def test_tiles_in_chunks_give_the_same_result(monkeypatch: pytest.MonkeyPatch) -
     assert _relative(got, want) < TOLERANCE
 
 
+def test_calls_in_and_out_of_inference_mode_share_the_workspaces() -> None:
+    """A thread's workspaces made under inference mode (CompiledModel.run) still serve a call
+    outside it (a kernel called directly), and the other way round."""
+    weight = torch.randn(8, 8, 3, 3) / 9
+    kernel = _kernel(weight, None, 1, "relu")
+    for size in (40, 44):  # each call grows the workspaces: the first one made in that mode
+        x = _channels_last(1, 8, size, size)
+        want = F.relu(F.conv2d(x, weight, padding=1))
+        with torch.inference_mode():
+            assert _relative(kernel(x), want) < TOLERANCE
+        assert _relative(kernel(x), want) < TOLERANCE
+
+
 def test_threads_share_one_kernel() -> None:
     """Each thread has its own workspace: concurrent calls of differently sized inputs agree."""
     weight = torch.randn(24, 16, 3, 3) / 12
