@@ -21,6 +21,10 @@ back, 206 us after 1 ms of sleep, 550 us after 5 ms, at one thread as at two), a
 ``overhead_vs_idle_ms`` sets the sidecar's p50 against that. ``sync_client`` repeats concurrency 1
 unbatched with tritonclient's synchronous client (what most callers use; no event loop on the
 client side): ``p50_ms``, ``rpc_floor_p50_ms`` and ``overhead_ms`` as above.
+``shared_memory_client`` is the synchronous client again with every input and output in system
+shared memory (Triton's extension, for a client in the same pod): each call copies the inputs
+into the segment and the outputs out of it, as a caller with fresh data would, so only the
+tensors' references travel through gRPC.
 ``server_c1`` splits the concurrency-1 unbatched run from the sidecar's own ``/metrics``:
 ``request_mean_ms`` (decode, run, encode), ``compute_mean_ms`` (the model run alone, to set
 against ``in_process_p50_ms``) and ``outside_ms`` = client p50 minus ``request_mean_ms``
@@ -223,33 +227,83 @@ def infer_inputs(kind: Callable[..., Any], inputs: dict[str, np.ndarray]) -> lis
     return items
 
 
-def sync_client_c1(
-    url: str, model: str, inputs: dict[str, np.ndarray], calls: int = 400
-) -> dict[str, float]:
+def p50_of(call: Callable[[], object], calls: int = 400, budget_s: float = 3.0) -> float:
+    """Median wall time of ``call`` in ms: ``calls`` runs, fewer (at least 10) past the budget."""
+    for _ in range(3):
+        call()
+    times: list[float] = []
+    give_up = time.perf_counter() + budget_s
+    while len(times) < calls and (len(times) < 10 or time.perf_counter() < give_up):
+        started = time.perf_counter()
+        call()
+        times.append((time.perf_counter() - started) * 1e3)
+    return round(statistics.median(times), 3)
+
+
+def sync_client_c1(url: str, model: str, inputs: dict[str, np.ndarray]) -> dict[str, float]:
     """Concurrency-1 p50 of ModelInfer and of ServerLive through the synchronous client."""
     import tritonclient.grpc as syncclient
 
     client = syncclient.InferenceServerClient(url)
     items = infer_inputs(syncclient.InferInput, inputs)
-
-    def p50(call: Callable[[], object], budget_s: float = 3.0) -> float:
-        for _ in range(3):
-            call()
-        times: list[float] = []
-        give_up = time.perf_counter() + budget_s
-        while len(times) < calls and (len(times) < 10 or time.perf_counter() < give_up):
-            started = time.perf_counter()
-            call()
-            times.append((time.perf_counter() - started) * 1e3)
-        return statistics.median(times)
-
     try:
         return {
-            "p50_ms": round(p50(lambda: client.infer(model, items)), 3),
-            "rpc_floor_p50_ms": round(p50(client.is_server_live), 3),
+            "p50_ms": p50_of(lambda: client.infer(model, items)),
+            "rpc_floor_p50_ms": p50_of(client.is_server_live),
         }
     finally:
         client.close()
+
+
+def shared_memory_c1(url: str, model: str, inputs: dict[str, np.ndarray]) -> dict[str, float]:
+    """Concurrency-1 p50 of ModelInfer through the synchronous client, every input and output
+    in one system shared memory segment (inputs copied in and outputs copied out per call)."""
+    from multiprocessing import shared_memory
+
+    import tritonclient.grpc as syncclient
+
+    client = syncclient.InferenceServerClient(url)
+    first = client.infer(model, infer_inputs(syncclient.InferInput, inputs))
+    outputs = {o.name: first.as_numpy(o.name) for o in first.get_response().outputs}
+    sizes = [a.nbytes for a in inputs.values()] + [a.nbytes for a in outputs.values()]
+    segment = shared_memory.SharedMemory(create=True, size=sum(sizes))
+    client.register_system_shared_memory("bench", "/" + segment.name, segment.size)
+    offset = 0
+    items, sources, wanted, targets = [], [], [], []
+    for arrays, kind in ((inputs, syncclient.InferInput), (outputs, None)):
+        for name, array in arrays.items():
+            view = np.ndarray(array.shape, array.dtype, buffer=segment.buf, offset=offset)
+            if kind is not None:
+                item = kind(name, list(array.shape), DATATYPES[array.dtype])
+                item.set_shared_memory("bench", array.nbytes, offset)
+                items.append(item)
+                sources.append((view, array))
+            else:
+                request = syncclient.InferRequestedOutput(name)
+                request.set_shared_memory("bench", array.nbytes, offset)
+                wanted.append(request)
+                targets.append(view)
+            offset += array.nbytes
+
+    def call() -> list[np.ndarray]:
+        for view, array in sources:
+            np.copyto(view, array)
+        client.infer(model, items, outputs=wanted)
+        return [target.copy() for target in targets]
+
+    try:
+        got = call()
+        for target, expected in zip(got, outputs.values(), strict=True):
+            assert np.array_equal(target, expected), "shared memory output differs from raw"
+        return {"p50_ms": p50_of(call)}
+    finally:
+        sources.clear()  # views into the segment: gone before it closes
+        targets.clear()
+        del view
+        client.unregister_system_shared_memory("bench")
+        client.close()
+        segment.close()
+        segment.unlink()
 
 
 async def load(
@@ -327,6 +381,7 @@ def main() -> int:
                 if mode == "batching_off":
                     entry["rpc_floor_p50_ms"] = round(asyncio.run(rpc_floor(url)), 3)
                     entry["sync_client"] = sync_client_c1(url, name, inputs)
+                    entry["shared_memory_client"] = shared_memory_c1(url, name, inputs)
                 rows = []
                 for c in levels:
                     counted = server_counters(metrics_port)
@@ -346,6 +401,9 @@ def main() -> int:
         sync = entry["sync_client"]
         assert isinstance(sync, dict)
         sync["overhead_ms"] = round(sync["p50_ms"] - in_process, 3)
+        shared = entry["shared_memory_client"]
+        assert isinstance(shared, dict)
+        shared["overhead_ms"] = round(shared["p50_ms"] - in_process, 3)
         # The same runs with the client's round trip as idle time before each: what the model
         # itself costs when called as the sidecar calls it (caches and cores gone cold)
         idle = float(entry["rpc_floor_p50_ms"]) / 1e3  # type: ignore[arg-type]

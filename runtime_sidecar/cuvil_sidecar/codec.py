@@ -17,6 +17,7 @@ import torch
 
 from cuvil_sidecar.errors import InvalidInput, RequestTooLarge
 from cuvil_sidecar.messages import InferInput, InferOutput
+from cuvil_sidecar.shared_memory import SharedMemoryRef
 
 
 @dataclass(frozen=True)
@@ -132,10 +133,30 @@ def _from_typed(item: InferInput, datatype: Datatype, elements: int) -> torch.Te
 
 def encode_output(name: str, tensor: torch.Tensor) -> InferOutput:
     """An output tensor -> raw little-endian bytes with its protocol datatype."""
+    datatype, flat = _output_bytes(name, tensor)
+    return InferOutput(name, datatype.name, tuple(tensor.shape), flat.numpy().tobytes())
+
+
+def write_output(
+    name: str, tensor: torch.Tensor, ref: SharedMemoryRef, target: memoryview
+) -> InferOutput:
+    """An output tensor -> its bytes written into ``target`` (the shared memory ``ref`` points
+    at), and an output that carries the reference instead of the bytes."""
+    datatype, flat = _output_bytes(name, tensor)
+    size = flat.numel()
+    if size > len(target):
+        raise InvalidInput(
+            f"output {name!r} of shape {list(tensor.shape)} needs {size} bytes, but its "
+            f"shared memory in region {ref.region!r} holds only {ref.byte_size}"
+        )
+    np.frombuffer(target, dtype=np.uint8, count=size)[:] = flat.numpy()
+    written = SharedMemoryRef(ref.region, size, ref.offset)
+    return InferOutput(name, datatype.name, tuple(tensor.shape), b"", written)
+
+
+def _output_bytes(name: str, tensor: torch.Tensor) -> tuple[Datatype, torch.Tensor]:
     datatype = BY_TORCH.get(tensor.dtype)
     if datatype is None:
         raise TypeError(f"output {name!r} has dtype {tensor.dtype}, which the protocol lacks")
     plain = tensor.detach().to("cpu").contiguous()
-    if plain.dtype is torch.bfloat16:
-        plain = plain.view(torch.int16)
-    return InferOutput(name, datatype.name, tuple(tensor.shape), plain.numpy().tobytes())
+    return datatype, plain.reshape(-1).view(torch.uint8)

@@ -21,6 +21,8 @@
   ``model_warmup``), as ``symbol=size`` pairs, a comma between the symbols of one shape and a
   semicolon between shapes, e.g. ``seq=128;seq=384``. Each is swept over the batch sizes too.
   Sizes clients send but warm-up never met are timed and built on the first requests instead.
+- ``CUVIL_SHARED_MEMORY`` (``system``): Triton's system shared-memory extension, for clients on
+  the same node (``shared_memory.py``); ``off`` answers its RPCs UNIMPLEMENTED.
 - ``CUVIL_TORCH_THREADS`` (0 = torch's default, one per core): intra-op threads per model run
   (ONNX Runtime's ``intra_op_num_threads``). On a node shared with other busy pods, fewer
   threads than cores avoids runs stalling on a thread the scheduler has parked.
@@ -57,6 +59,7 @@ class SidecarConfig:
     warmup_runs: int = 2
     warmup_shapes: tuple[dict[str, int], ...] = ()
     torch_threads: int = 0
+    shared_memory: bool = True
 
     @property
     def batching(self) -> bool:
@@ -91,6 +94,7 @@ class SidecarConfig:
             warmup_runs=_integer(env, "CUVIL_WARMUP_RUNS", cls.warmup_runs, low=0),
             warmup_shapes=_shapes(env, "CUVIL_WARMUP_SHAPES"),
             torch_threads=_integer(env, "CUVIL_TORCH_THREADS", cls.torch_threads, low=0),
+            shared_memory=_choice(env, "CUVIL_SHARED_MEMORY", {"system": True, "off": False}),
         )
 
 
@@ -105,6 +109,14 @@ def _integer(env: Mapping[str, str], key: str, default: int, *, low: int) -> int
     if value < low:
         raise ConfigError(f"{key}={value} is below its minimum {low}")
     return value
+
+
+def _choice(env: Mapping[str, str], key: str, choices: Mapping[str, bool]) -> bool:
+    """One of ``choices`` (the first is the default)."""
+    text = env.get(key, "").strip().lower() or next(iter(choices))
+    if text not in choices:
+        raise ConfigError(f"{key}={text!r} is not one of {sorted(choices)}")
+    return choices[text]
 
 
 def _number(env: Mapping[str, str], key: str, default: float) -> float:

@@ -7,6 +7,8 @@ everything a request can get wrong is caught here (or in ``codec``) and raised a
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import time
 from collections.abc import Hashable
 
@@ -15,11 +17,12 @@ import torch
 import cuvil
 from cuvil.runtime.signature import InputError
 from cuvil_sidecar import tracing
-from cuvil_sidecar.codec import decode_input, encode_output
+from cuvil_sidecar.codec import DATATYPES, decode_input, encode_output, write_output
 from cuvil_sidecar.config import SidecarConfig
-from cuvil_sidecar.errors import InvalidInput, SidecarError
+from cuvil_sidecar.errors import InvalidInput, NotSupported, SidecarError
 from cuvil_sidecar.manager import ModelManager
 from cuvil_sidecar.messages import (
+    InferInput,
     InferRequest,
     InferResponse,
     ModelMetadata,
@@ -27,6 +30,7 @@ from cuvil_sidecar.messages import (
 )
 from cuvil_sidecar.metrics import Metrics
 from cuvil_sidecar.servable import ServedModel
+from cuvil_sidecar.shared_memory import BYTE_SIZE, Region, SharedMemoryRegistry
 
 SERVER_NAME = "cuvil"
 
@@ -36,6 +40,7 @@ class DataPlane:
         self.manager = manager
         self.metrics = metrics
         self.config = config
+        self.shared_memory = SharedMemoryRegistry() if config.shared_memory else None
 
     def live(self) -> bool:
         return True
@@ -44,7 +49,26 @@ class DataPlane:
         return self.manager.ready
 
     def server_metadata(self) -> ServerMetadata:
-        return ServerMetadata(SERVER_NAME, getattr(cuvil, "__version__", "0"), ())
+        extensions = ("system_shared_memory",) if self.shared_memory is not None else ()
+        return ServerMetadata(SERVER_NAME, getattr(cuvil, "__version__", "0"), extensions)
+
+    def register_shared_memory(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        self._registry().register(name, key, offset, byte_size)
+
+    def unregister_shared_memory(self, name: str) -> None:
+        self._registry().unregister(name)
+
+    def shared_memory_status(self, name: str) -> list[Region]:
+        return self._registry().status(name)
+
+    def close(self) -> None:
+        if self.shared_memory is not None:
+            self.shared_memory.close()
+
+    def _registry(self) -> SharedMemoryRegistry:
+        if self.shared_memory is None:
+            raise NotSupported("system shared memory is turned off here (CUVIL_SHARED_MEMORY=off)")
+        return self.shared_memory
 
     def model_ready(self, name: str, version: str) -> bool:
         try:
@@ -90,6 +114,10 @@ class DataPlane:
             raise InvalidInput(
                 f"unknown requested output(s) {unknown}; the model has {list(model.output_names)}"
             )
+        # resolved before the run, so that a bad reference costs no model run
+        targets = {
+            name: self._registry().view(ref, name) for name, ref in request.shared_outputs.items()
+        }
         rows = 1
         key: Hashable = None
         if model.batch_symbol is not None:
@@ -105,7 +133,12 @@ class DataPlane:
             rows=result.batch_rows,
             inline=result.inline,
         )
-        outputs = tuple(encode_output(name, result.outputs[name]) for name in wanted)
+        outputs = tuple(
+            write_output(name, result.outputs[name], request.shared_outputs[name], targets[name])
+            if name in targets
+            else encode_output(name, result.outputs[name])
+            for name in wanted
+        )
         self.metrics.request_succeeded(
             model.name,
             model.version,
@@ -142,9 +175,25 @@ class DataPlane:
                     f"input {item.name!r} has datatype {item.datatype!r}; the model takes "
                     f"{expected[item.name]}"
                 )
+            if item.shared is not None:
+                item = self._from_shared_memory(item)
             tensors[item.name] = decode_input(item, max_bytes=model.max_message_bytes)
         try:
             model.binder.bind(tensors)
         except InputError as error:
             raise InvalidInput(str(error)) from None
         return tensors
+
+    def _from_shared_memory(self, item: InferInput) -> InferInput:
+        """An input in shared memory -> the same input with the region's bytes as its raw data."""
+        assert item.shared is not None
+        view = self._registry().view(item.shared, item.name)
+        datatype = DATATYPES.get(item.datatype)
+        if datatype is not None and all(dim >= 0 for dim in item.shape):
+            needed = math.prod(item.shape) * datatype.torch.itemsize
+            if needed != len(view):
+                raise InvalidInput(
+                    f"input {item.name!r}: {BYTE_SIZE} is {len(view)}, but shape "
+                    f"{list(item.shape)} {item.datatype} takes {needed} bytes"
+                )
+        return dataclasses.replace(item, raw=view)

@@ -33,12 +33,27 @@ class ShuttingDown(SidecarError):
     """The sidecar is stopping and takes no new requests."""
 
 
+class AlreadyExists(SidecarError):
+    """A shared memory region of that name is registered already."""
+
+
+class RegionNotFound(SidecarError):
+    """No shared memory region of that name is registered."""
+
+
+class NotSupported(SidecarError):
+    """A protocol extension this sidecar does not offer, or was configured without."""
+
+
 STATUS_CODES: dict[type[SidecarError], grpc.StatusCode] = {
     InvalidInput: grpc.StatusCode.INVALID_ARGUMENT,
     RequestTooLarge: grpc.StatusCode.INVALID_ARGUMENT,
     ModelNotFound: grpc.StatusCode.NOT_FOUND,
     ModelNotReady: grpc.StatusCode.UNAVAILABLE,
     ShuttingDown: grpc.StatusCode.UNAVAILABLE,
+    AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
+    RegionNotFound: grpc.StatusCode.NOT_FOUND,
+    NotSupported: grpc.StatusCode.UNIMPLEMENTED,
 }
 
 

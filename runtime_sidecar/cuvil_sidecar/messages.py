@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cuvil_sidecar.errors import InvalidInput
+from cuvil_sidecar.shared_memory import SharedMemoryRef, reference
 
 ParameterValue = bool | int | str | float
 
@@ -21,8 +22,9 @@ class InferInput:
     name: str
     datatype: str
     shape: tuple[int, ...]
-    raw: bytes | None = None  # this input's raw_input_contents entry
+    raw: bytes | memoryview | None = None  # its raw_input_contents entry (or shared memory)
     typed: Mapping[str, Sequence[Any]] = field(default_factory=dict)  # non-empty typed fields
+    shared: SharedMemoryRef | None = None  # where it lies in shared memory, instead of raw
 
 
 @dataclass(frozen=True)
@@ -33,36 +35,51 @@ class InferRequest:
     inputs: tuple[InferInput, ...] = ()
     outputs: tuple[str, ...] = ()  # requested output names; empty: all
     parameters: Mapping[str, ParameterValue] = field(default_factory=dict)
+    shared_outputs: Mapping[str, SharedMemoryRef] = field(default_factory=dict)
 
     @classmethod
     def from_pb(cls, request: Any) -> InferRequest:
+        shared = [
+            reference(tensor.name, _parameters_from_pb(tensor.parameters))
+            for tensor in request.inputs
+        ]
+        # raw_input_contents holds one entry per input that is not in shared memory, in order
         raws = list(request.raw_input_contents)
-        if raws and len(raws) != len(request.inputs):
+        unshared = sum(ref is None for ref in shared)
+        if raws and len(raws) != unshared:
             raise InvalidInput(
-                f"raw_input_contents has {len(raws)} entries for {len(request.inputs)} inputs; "
-                "send one entry per input, in the order of `inputs`"
+                f"raw_input_contents has {len(raws)} entries for {unshared} inputs not in "
+                "shared memory; send one entry per such input, in the order of `inputs`"
             )
         inputs = []
-        for index, tensor in enumerate(request.inputs):
+        pending = iter(raws)
+        for tensor, ref in zip(request.inputs, shared, strict=True):
             typed = (
                 {fd.name: value for fd, value in tensor.contents.ListFields()}
                 if tensor.HasField("contents")
                 else {}
             )
-            if raws and typed:
+            if typed and (raws or ref is not None):
+                where = "lies in shared memory" if ref is not None else "uses raw_input_contents"
                 raise InvalidInput(
-                    f"input {tensor.name!r} sets typed contents while the request uses "
-                    "raw_input_contents; use one or the other"
+                    f"input {tensor.name!r} sets typed contents while it {where}; "
+                    "send its data one way only"
                 )
             inputs.append(
                 InferInput(
                     name=tensor.name,
                     datatype=tensor.datatype,
                     shape=tuple(tensor.shape),
-                    raw=raws[index] if raws else None,
+                    raw=next(pending) if raws and ref is None else None,
                     typed=typed,
+                    shared=ref,
                 )
             )
+        shared_outputs = {}
+        for output in request.outputs:
+            ref = reference(output.name, _parameters_from_pb(output.parameters))
+            if ref is not None:
+                shared_outputs[output.name] = ref
         return cls(
             model_name=request.model_name,
             model_version=request.model_version,
@@ -70,6 +87,7 @@ class InferRequest:
             inputs=tuple(inputs),
             outputs=tuple(output.name for output in request.outputs),
             parameters=_parameters_from_pb(request.parameters),
+            shared_outputs=shared_outputs,
         )
 
 
@@ -78,7 +96,8 @@ class InferOutput:
     name: str
     datatype: str
     shape: tuple[int, ...]
-    raw: bytes
+    raw: bytes  # empty when the output was written to shared memory instead
+    shared: SharedMemoryRef | None = None
 
 
 @dataclass(frozen=True)
@@ -95,7 +114,17 @@ class InferResponse:
             model_name=self.model_name, model_version=self.model_version, id=self.id
         )
         for output in self.outputs:
-            response.outputs.add(name=output.name, datatype=output.datatype, shape=output.shape)
+            tensor = response.outputs.add(
+                name=output.name, datatype=output.datatype, shape=output.shape
+            )
+            if output.shared is not None:
+                for key, value in output.shared.parameters().items():
+                    if isinstance(value, str):
+                        tensor.parameters[key].string_param = value
+                    else:
+                        tensor.parameters[key].int64_param = value
+            # one entry per output, as the protocol asks: empty for one in shared memory, so
+            # that clients which pair entries with outputs by position stay aligned
             response.raw_output_contents.append(output.raw)
         return response
 

@@ -98,6 +98,7 @@ async def serve(config: SidecarConfig) -> None:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     await manager.close()
+    dataplane.close()
     if http is not None:
         http.shutdown()
     if provider is not None:

@@ -76,3 +76,30 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             self.dataplane.count_failure(request.model_name)
             raise
         return (await self.dataplane.infer(neutral)).to_pb()
+
+    @_rpc
+    async def SystemSharedMemoryRegister(self, request: Any, context: Any) -> Any:
+        self.dataplane.register_shared_memory(
+            request.name, request.key, request.offset, request.byte_size
+        )
+        return pb.SystemSharedMemoryRegisterResponse()
+
+    @_rpc
+    async def SystemSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
+        self.dataplane.unregister_shared_memory(request.name)
+        return pb.SystemSharedMemoryUnregisterResponse()
+
+    @_rpc
+    async def SystemSharedMemoryStatus(self, request: Any, context: Any) -> Any:
+        status = pb.SystemSharedMemoryStatusResponse.RegionStatus
+        return pb.SystemSharedMemoryStatusResponse(
+            regions={
+                region.name: status(
+                    name=region.name,
+                    key=region.key,
+                    offset=region.offset,
+                    byte_size=region.byte_size,
+                )
+                for region in self.dataplane.shared_memory_status(request.name)
+            }
+        )

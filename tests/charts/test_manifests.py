@@ -226,6 +226,10 @@ def test_sidecar_config_map_parses_as_the_sidecar_reads_it(render: Render) -> No
     config = SidecarConfig.from_env(data)
     assert config.warmup_shapes == ({"seq": 128}, {"seq": 384})
     assert (config.max_batch_size, config.model_instances) == (16, 2)
+    assert config.shared_memory
+    off = render(sets=("sidecar.sharedMemory.mode=off",))
+    data = next(m["data"] for m in off if m["metadata"]["name"].endswith("-sidecar"))
+    assert not SidecarConfig.from_env(data | {"CUVIL_MODEL": "m"}).shared_memory
 
 
 def _dry_run_install(helm_run: HelmRun, *values: str) -> subprocess.CompletedProcess[str]:
@@ -251,6 +255,10 @@ def test_sidecar_snippet_in_notes_is_a_valid_pod(
     assert ("ConfigMap", sidecar["envFrom"][0]["configMapRef"]["name"]) in rendered
     secret = next(v["secret"]["secretName"] for v in snippet["spec"]["volumes"] if "secret" in v)
     assert ("Secret", secret) in rendered
+    # shared memory for tensors: a memory-backed volume at /dev/shm
+    shm = next(m["name"] for m in sidecar["volumeMounts"] if m["mountPath"] == "/dev/shm")
+    volume = next(v for v in snippet["spec"]["volumes"] if v["name"] == shm)
+    assert volume["emptyDir"]["medium"] == "Memory"
     pod = {
         "apiVersion": "v1",
         "kind": "Pod",

@@ -1,8 +1,11 @@
 """Bad input never crashes the sidecar: thousands of malformed requests (hypothesis) each get a
 clean INVALID_ARGUMENT or NOT_FOUND with a message, oversized and unparseable messages get a
-status too, and a valid request afterwards still succeeds."""
+status too, and a valid request afterwards still succeeds. The fuzzed tensors also carry
+shared-memory references of every kind, some into a real registered region."""
 
 from __future__ import annotations
+
+from multiprocessing import shared_memory
 
 import grpc
 import numpy as np
@@ -24,6 +27,25 @@ TYPED_FIELDS = {
     "fp64_contents": st.floats(allow_nan=True),
     "bytes_contents": st.binary(max_size=8),
 }
+# parameters: (key, InferParameter field, value), shared-memory keys most of the time
+SHM_KEYS = ["shared_memory_region", "shared_memory_byte_size", "shared_memory_offset"]
+FUZZ_REGION = "fuzz"  # registered, 4096 bytes
+parameter = st.one_of(
+    st.tuples(
+        st.sampled_from(SHM_KEYS),
+        st.just("string_param"),
+        st.one_of(st.sampled_from([FUZZ_REGION, "nope", ""]), st.text(max_size=4)),
+    ),
+    st.tuples(
+        st.sampled_from(SHM_KEYS),
+        st.sampled_from(["int64_param", "uint64_param"]),
+        st.one_of(st.integers(0, 5000), st.sampled_from([3136, 4096, 2**62])),
+    ),
+    st.tuples(st.sampled_from(SHM_KEYS), st.just("int64_param"), st.integers(-(2**63), -1)),
+    st.tuples(st.sampled_from(SHM_KEYS), st.just("bool_param"), st.booleans()),
+    st.tuples(st.text(max_size=4), st.just("double_param"), st.floats(allow_nan=True)),
+)
+parameters = st.lists(parameter, max_size=3)
 dims = st.one_of(st.integers(-3, 4), st.sampled_from([784, 785, 0, 64, 65, 2**31, 2**62]))
 tensor = st.fixed_dictionaries(
     {
@@ -36,6 +58,7 @@ tensor = st.fixed_dictionaries(
                 lambda field: st.tuples(st.just(field), st.lists(TYPED_FIELDS[field], max_size=6))
             ),
         ),
+        "parameters": parameters,
     }
 )
 requests = st.fixed_dictionaries(
@@ -44,9 +67,16 @@ requests = st.fixed_dictionaries(
         "version": st.sampled_from(["", "1", "2", "latest"]),
         "inputs": st.lists(tensor, max_size=3),
         "raw": st.one_of(st.none(), st.lists(st.binary(max_size=64), max_size=3)),
-        "outputs": st.lists(st.one_of(st.just("output"), st.text(max_size=4)), max_size=2),
+        "outputs": st.lists(
+            st.tuples(st.one_of(st.just("output"), st.text(max_size=4)), parameters), max_size=2
+        ),
     }
 )
+
+
+def set_parameters(target, items: list) -> None:
+    for key, field, value in items:
+        setattr(target.parameters[key], field, value)
 
 
 def build(spec: dict) -> service_pb2.ModelInferRequest:
@@ -57,10 +87,11 @@ def build(spec: dict) -> service_pb2.ModelInferRequest:
         if item["typed"] is not None:
             field, values = item["typed"]
             getattr(pb.contents, field).extend(values)
+        set_parameters(pb, item["parameters"])
     if spec["raw"] is not None:
         request.raw_input_contents.extend(spec["raw"])
-    for name in spec["outputs"]:
-        request.outputs.add(name=name)
+    for name, items in spec["outputs"]:
+        set_parameters(request.outputs.add(name=name), items)
     return request
 
 
@@ -73,8 +104,15 @@ def valid_request() -> service_pb2.ModelInferRequest:
 
 def test_malformed_requests_get_clean_errors(mlp_sidecar: Sidecar) -> None:
     sent: list[grpc.StatusCode] = []
+    details: list[str] = []
+    region = shared_memory.SharedMemory(create=True, size=4096)
     with grpc.insecure_channel(mlp_sidecar.url) as channel:
         stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        stub.SystemSharedMemoryRegister(
+            service_pb2.SystemSharedMemoryRegisterRequest(
+                name=FUZZ_REGION, key="/" + region.name, byte_size=4096
+            )
+        )
 
         @settings(
             max_examples=2000,
@@ -88,6 +126,7 @@ def test_malformed_requests_get_clean_errors(mlp_sidecar: Sidecar) -> None:
                 response = stub.ModelInfer(build(spec), timeout=30)
             except grpc.RpcError as error:
                 sent.append(error.code())
+                details.append(error.details() or "")
                 assert error.code() in CLEAN, (error.code(), error.details(), spec)
                 assert error.details(), spec
                 return
@@ -97,8 +136,15 @@ def test_malformed_requests_get_clean_errors(mlp_sidecar: Sidecar) -> None:
         check()
         assert len(sent) >= 2000
         assert sent.count(grpc.StatusCode.OK) < len(sent) // 100
+        # the shared-memory checks were reached, past the request's other faults
+        assert sum("shared memory" in text for text in details) > 20
         answer = stub.ModelInfer(valid_request(), timeout=30)
         assert list(answer.outputs[0].shape) == [1, 10]
+        stub.SystemSharedMemoryUnregister(
+            service_pb2.SystemSharedMemoryUnregisterRequest(name=FUZZ_REGION)
+        )
+    region.close()
+    region.unlink()
     assert mlp_sidecar.process.poll() is None
 
 

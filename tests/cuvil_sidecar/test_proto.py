@@ -88,6 +88,9 @@ def test_wire_compatible_with_tritonclient() -> None:
         "ServerMetadata",
         "ModelMetadata",
         "ModelInfer",
+        "SystemSharedMemoryStatus",
+        "SystemSharedMemoryRegister",
+        "SystemSharedMemoryUnregister",
     }
     for method, types in mine["methods"].items():
         assert nvidia["methods"][method] == types, method

@@ -12,6 +12,9 @@ spec:
       type: RuntimeDefault
   containers:
     # - name: app ...  (your container: OIP v2 gRPC on localhost:{{ $s.grpcPort }})
+    {{- if eq $s.sharedMemory.mode "system" }}
+    #   volumeMounts: [{name: cuvil-shm, mountPath: /dev/shm}]  (tensors via shared memory)
+    {{- end }}
     - name: cuvil-sidecar
       image: {{ include "cuvil.image" (list . $s.image) }}
       envFrom:
@@ -52,6 +55,10 @@ spec:
           mountPath: {{ $s.cacheDir }}
         - name: cuvil-tmp
           mountPath: /tmp
+        {{- if eq $s.sharedMemory.mode "system" }}
+        - name: cuvil-shm
+          mountPath: /dev/shm
+        {{- end }}
         {{- if and $registrySecret $s.useRegistrySecret }}
         - name: cuvil-registry
           mountPath: /etc/cuvil/registry
@@ -62,6 +69,12 @@ spec:
       emptyDir: {}
     - name: cuvil-tmp
       emptyDir: {}
+    {{- if eq $s.sharedMemory.mode "system" }}
+    - name: cuvil-shm
+      emptyDir:
+        medium: Memory
+        sizeLimit: {{ $s.sharedMemory.sizeLimit }}
+    {{- end }}
     {{- if and $registrySecret $s.useRegistrySecret }}
     - name: cuvil-registry
       secret:
