@@ -20,11 +20,12 @@ called after an idle gap runs several times slower than back to back (the MLP: 9
 back, 206 us after 1 ms of sleep, 550 us after 5 ms, at one thread as at two), and
 ``overhead_vs_idle_ms`` sets the sidecar's p50 against that. ``sync_client`` repeats concurrency 1
 unbatched with tritonclient's synchronous client (what most callers use; no event loop on the
-client side): ``p50_ms``, ``rpc_floor_p50_ms`` and ``overhead_ms`` as above.
-``shared_memory_client`` is the synchronous client again with every input and output in system
-shared memory (Triton's extension, for a client in the same pod): each call copies the inputs
+client side): ``p50_ms``, ``rpc_floor_p50_ms`` and ``overhead_ms`` as above, and
+``shared_memory_p50_ms`` / ``shared_memory_overhead_ms`` with every input and output in system
+shared memory (Triton's extension, for a client in the same pod; each call copies the inputs
 into the segment and the outputs out of it, as a caller with fresh data would, so only the
-tensors' references travel through gRPC.
+tensors' references travel through gRPC). The three are measured in alternating blocks, so that
+a slow phase of the host hits them alike.
 ``server_c1`` splits the concurrency-1 unbatched run from the sidecar's own ``/metrics``:
 ``request_mean_ms`` (decode, run, encode), ``compute_mean_ms`` (the model run alone, to set
 against ``in_process_p50_ms``) and ``outside_ms`` = client p50 minus ``request_mean_ms``
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
@@ -45,7 +47,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -227,42 +229,54 @@ def infer_inputs(kind: Callable[..., Any], inputs: dict[str, np.ndarray]) -> lis
     return items
 
 
-def p50_of(call: Callable[[], object], calls: int = 400, budget_s: float = 3.0) -> float:
-    """Median wall time of ``call`` in ms: ``calls`` runs, fewer (at least 10) past the budget."""
-    for _ in range(3):
-        call()
-    times: list[float] = []
+def interleaved_p50(calls: dict[str, Callable[[], object]], budget_s: float = 6.0) -> dict:
+    """Median wall time in ms of each call, measured in alternating blocks of 10 so that every
+    call sees the same phases of a noisy host; up to 400 runs each, fewer past the budget."""
+    for call in calls.values():
+        for _ in range(3):
+            call()
+    times: dict[str, list[float]] = {name: [] for name in calls}
     give_up = time.perf_counter() + budget_s
-    while len(times) < calls and (len(times) < 10 or time.perf_counter() < give_up):
-        started = time.perf_counter()
-        call()
-        times.append((time.perf_counter() - started) * 1e3)
-    return round(statistics.median(times), 3)
+    while len(times[next(iter(calls))]) < 400 and time.perf_counter() < give_up:
+        for name, call in calls.items():
+            for _ in range(10):
+                started = time.perf_counter()
+                call()
+                times[name].append((time.perf_counter() - started) * 1e3)
+    return {name: round(statistics.median(values), 3) for name, values in times.items()}
 
 
 def sync_client_c1(url: str, model: str, inputs: dict[str, np.ndarray]) -> dict[str, float]:
-    """Concurrency-1 p50 of ModelInfer and of ServerLive through the synchronous client."""
+    """Concurrency-1 p50s through the synchronous client: ModelInfer with raw tensors, the same
+    with every tensor in shared memory, and ServerLive, interleaved."""
     import tritonclient.grpc as syncclient
 
     client = syncclient.InferenceServerClient(url)
     items = infer_inputs(syncclient.InferInput, inputs)
     try:
-        return {
-            "p50_ms": p50_of(lambda: client.infer(model, items)),
-            "rpc_floor_p50_ms": p50_of(client.is_server_live),
-        }
+        with shared_memory_infer(client, model, inputs) as infer_in_shared_memory:
+            medians = interleaved_p50(
+                {
+                    "p50_ms": lambda: client.infer(model, items),
+                    "shared_memory_p50_ms": infer_in_shared_memory,
+                    "rpc_floor_p50_ms": client.is_server_live,
+                }
+            )
     finally:
         client.close()
+    return medians
 
 
-def shared_memory_c1(url: str, model: str, inputs: dict[str, np.ndarray]) -> dict[str, float]:
-    """Concurrency-1 p50 of ModelInfer through the synchronous client, every input and output
-    in one system shared memory segment (inputs copied in and outputs copied out per call)."""
+@contextlib.contextmanager
+def shared_memory_infer(
+    client: Any, model: str, inputs: dict[str, np.ndarray]
+) -> Iterator[Callable[[], list[np.ndarray]]]:
+    """A ModelInfer call with every input and output in one system shared memory segment; each
+    call copies the inputs in and the outputs out, as a caller with fresh data would."""
     from multiprocessing import shared_memory
 
     import tritonclient.grpc as syncclient
 
-    client = syncclient.InferenceServerClient(url)
     first = client.infer(model, infer_inputs(syncclient.InferInput, inputs))
     outputs = {o.name: first.as_numpy(o.name) for o in first.get_response().outputs}
     sizes = [a.nbytes for a in inputs.values()] + [a.nbytes for a in outputs.values()]
@@ -270,38 +284,35 @@ def shared_memory_c1(url: str, model: str, inputs: dict[str, np.ndarray]) -> dic
     client.register_system_shared_memory("bench", "/" + segment.name, segment.size)
     offset = 0
     items, sources, wanted, targets = [], [], [], []
-    for arrays, kind in ((inputs, syncclient.InferInput), (outputs, None)):
-        for name, array in arrays.items():
-            view = np.ndarray(array.shape, array.dtype, buffer=segment.buf, offset=offset)
-            if kind is not None:
-                item = kind(name, list(array.shape), DATATYPES[array.dtype])
-                item.set_shared_memory("bench", array.nbytes, offset)
-                items.append(item)
-                sources.append((view, array))
-            else:
-                request = syncclient.InferRequestedOutput(name)
-                request.set_shared_memory("bench", array.nbytes, offset)
-                wanted.append(request)
-                targets.append(view)
-            offset += array.nbytes
+    for name, array in [*inputs.items(), *outputs.items()]:
+        view = np.ndarray(array.shape, array.dtype, buffer=segment.buf, offset=offset)
+        if name in inputs:
+            item = syncclient.InferInput(name, list(array.shape), DATATYPES[array.dtype])
+            item.set_shared_memory("bench", array.nbytes, offset)
+            items.append(item)
+            sources.append((view, array))
+        else:
+            request = syncclient.InferRequestedOutput(name)
+            request.set_shared_memory("bench", array.nbytes, offset)
+            wanted.append(request)
+            targets.append(view)
+        offset += array.nbytes
 
     def call() -> list[np.ndarray]:
-        for view, array in sources:
-            np.copyto(view, array)
+        for target, source in sources:
+            np.copyto(target, source)
         client.infer(model, items, outputs=wanted)
         return [target.copy() for target in targets]
 
     try:
-        got = call()
-        for target, expected in zip(got, outputs.values(), strict=True):
-            assert np.array_equal(target, expected), "shared memory output differs from raw"
-        return {"p50_ms": p50_of(call)}
+        for got, expected in zip(call(), outputs.values(), strict=True):
+            assert np.array_equal(got, expected), "the shared memory output differs from raw"
+        yield call
     finally:
         sources.clear()  # views into the segment: gone before it closes
         targets.clear()
         del view
         client.unregister_system_shared_memory("bench")
-        client.close()
         segment.close()
         segment.unlink()
 
@@ -381,7 +392,6 @@ def main() -> int:
                 if mode == "batching_off":
                     entry["rpc_floor_p50_ms"] = round(asyncio.run(rpc_floor(url)), 3)
                     entry["sync_client"] = sync_client_c1(url, name, inputs)
-                    entry["shared_memory_client"] = shared_memory_c1(url, name, inputs)
                 rows = []
                 for c in levels:
                     counted = server_counters(metrics_port)
@@ -401,9 +411,7 @@ def main() -> int:
         sync = entry["sync_client"]
         assert isinstance(sync, dict)
         sync["overhead_ms"] = round(sync["p50_ms"] - in_process, 3)
-        shared = entry["shared_memory_client"]
-        assert isinstance(shared, dict)
-        shared["overhead_ms"] = round(shared["p50_ms"] - in_process, 3)
+        sync["shared_memory_overhead_ms"] = round(sync["shared_memory_p50_ms"] - in_process, 3)
         # The same runs with the client's round trip as idle time before each: what the model
         # itself costs when called as the sidecar calls it (caches and cores gone cold)
         idle = float(entry["rpc_floor_p50_ms"]) / 1e3  # type: ignore[arg-type]

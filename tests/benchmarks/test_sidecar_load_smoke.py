@@ -1,0 +1,48 @@
+"""The sidecar load benchmark end to end on the MLP: sidecar subprocesses, tritonclient load at
+two concurrencies with batching off and on, the shared-memory client (whose outputs must equal
+the raw ones), and the JSON it prints."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_mlp_load_report(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "sidecar_load.py"),
+            "--models",
+            "mlp",
+            "--concurrency",
+            "1,2",
+            "--duration",
+            "0.5",
+            "--artifacts",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    mlp = json.loads(done.stdout)["models"]["mlp"]
+    for mode in ("batching_off", "batching_on"):
+        rows = mlp[mode]
+        assert [row["concurrency"] for row in rows] == [1, 2]
+        for row in rows:
+            assert row["requests"] > 0 and row["qps"] > 0
+            assert 0 < row["p50_ms"] <= row["p95_ms"] <= row["p99_ms"]
+    sync = mlp["sync_client"]
+    assert sync["p50_ms"] > 0 and sync["shared_memory_p50_ms"] > 0
+    assert sync["overhead_ms"] == round(sync["p50_ms"] - mlp["in_process_p50_ms"], 3)
+    assert mlp["server_c1"]["request_mean_ms"] >= mlp["server_c1"]["compute_mean_ms"] > 0
+    assert mlp["overhead_ms"] == round(
+        mlp["batching_off"][0]["p50_ms"] - mlp["in_process_p50_ms"], 3
+    )
