@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from cuvil.runtime import rowwise
 from cuvil.runtime.conv_weights import ConvWeight
 from cuvil.runtime.direct_conv import DirectConv
 from cuvil.runtime.dnnl import load as load_dnnl
@@ -132,26 +133,14 @@ def _onednn_conv(
 
 
 def rms_norm_kernel(args: Mapping[str, Any], dynamic: Sequence[str]) -> Callable[..., Any]:
-    """``cuvil.rms_norm(input, weight, eps)``."""
+    """``cuvil.rms_norm(input, weight, eps)``: one native pass (runtime/rowwise.py)."""
     check_runtime_args(dynamic, ("input",))
-    weight, eps = args["weight"], float(args["eps"])
-    shape = [int(weight.shape[-1])]
-
-    def rms_norm(x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, shape, weight, eps)
-
-    return rms_norm
+    return rowwise.rms_norm(args["weight"], float(args["eps"]))
 
 
 def rope_kernel(args: Mapping[str, Any], dynamic: Sequence[str]) -> Callable[..., Any]:
-    """``cuvil.rope(input, cos, sin)``: x * cos + rotate_half(x) * sin."""
-
-    def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return torch.addcmul(x * cos, rotated, sin)
-
-    return rope
+    """``cuvil.rope(input, cos, sin)``: x * cos + rotate_half(x) * sin, one native pass."""
+    return rowwise.rope()
 
 
 def attention_kernel(args: Mapping[str, Any], dynamic: Sequence[str]) -> Callable[..., Any]:

@@ -72,7 +72,8 @@ class CompiledModel:
     def execution(self) -> dict[str, Any]:
         """What runs on this machine: the precision the GEMMs compute in (a bf16 artifact runs
         fp32 GEMMs on a CPU without bf16 instructions), the GEMM path each linear chose, which
-        oneDNN the convolutions and linears call, and whether the Winograd path is offered."""
+        oneDNN the convolutions and linears call, and whether Cuvil's native kernels (Winograd
+        transforms; RMSNorm and RoPE) are offered."""
         dtypes = {tensor.dtype for tensor in self.contents.weights.values()}
         has_bf16 = torch.bfloat16 in dtypes
         return {
@@ -81,6 +82,7 @@ class CompiledModel:
             "tactics": self._plan.tactic_choices(),
             "onednn": describe_dnnl(),
             "winograd": describe_native("winograd"),
+            "rowwise": describe_native("rowwise"),
         }
 
     def memory_plan(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, Any]:
