@@ -120,3 +120,24 @@ def test_the_kernel_factories_use_them() -> None:
     q, cos, sin = _rope_inputs()[0]
     rope = rope_kernel({}, ["input", "cos", "sin"])
     assert _relative(rope(q, cos, sin), rowwise.rope_with_torch(q, cos, sin)) < TOLERANCE
+
+
+def test_a_compiled_llama_runs_them_and_matches_eager() -> None:
+    import cuvil
+    from cuvil.models import tiny_llama
+
+    spec = tiny_llama()
+    compiled = cuvil.jit(
+        spec.model, spec.example_inputs, dynamic_shapes=spec.dynamic_shapes, name=spec.name
+    )
+    assert compiled.execution()["rowwise"].startswith("native (")
+    steps = {step.name: step.kernel for step in compiled._plan.steps}
+    natives = [name for name, kernel in steps.items() if kernel.__qualname__.endswith("native")]
+    assert sum(name.startswith("rms_norm") for name in natives) == 5  # 2 layers x 2 + final
+    assert sum(name.startswith("rope") for name in natives) == 4  # q and k per layer
+    ids = torch.randint(0, 2048, (1, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = spec.model(input_ids=ids).logits
+    got = compiled.run({"input_ids": ids})
+    logits = next(iter(got.values()))
+    assert _relative(logits, want) < 1e-4
