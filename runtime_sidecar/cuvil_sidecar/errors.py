@@ -41,6 +41,10 @@ class RegionNotFound(SidecarError):
     """No shared memory region of that name is registered."""
 
 
+class TooManyRegions(SidecarError):
+    """The sidecar holds as many shared memory regions as it takes."""
+
+
 class NotSupported(SidecarError):
     """A protocol extension this sidecar does not offer, or was configured without."""
 
@@ -53,6 +57,7 @@ STATUS_CODES: dict[type[SidecarError], grpc.StatusCode] = {
     ShuttingDown: grpc.StatusCode.UNAVAILABLE,
     AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
     RegionNotFound: grpc.StatusCode.NOT_FOUND,
+    TooManyRegions: grpc.StatusCode.RESOURCE_EXHAUSTED,
     NotSupported: grpc.StatusCode.UNIMPLEMENTED,
 }
 

@@ -16,8 +16,11 @@ ResNet-50 at batch 1 that is 600 KB per request that protobuf and HTTP/2 no long
 Keys are names in ``/dev/shm`` (``/name``, as ``shm_open`` and Python's
 ``multiprocessing.shared_memory`` use them), never paths: a key with another ``/`` or a ``..``
 is refused, so a client cannot make the sidecar map an arbitrary file. Every offset and size is
-checked against the region before anything is read or written. All of this runs on the event
-loop thread, so the registry needs no lock.
+checked against the region before anything is read or written, and against the segment's
+current size too: touching a mapping past the end of a segment that its owner shrank since
+would kill the process (SIGBUS), so each region keeps its descriptor open to ask. At most
+``MAX_REGIONS`` regions are registered at once. All of this runs on the event loop thread, so
+the registry needs no lock.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cuvil_sidecar.errors import AlreadyExists, InvalidInput, RegionNotFound
+from cuvil_sidecar.errors import AlreadyExists, InvalidInput, RegionNotFound, TooManyRegions
 
 REGION = "shared_memory_region"
 BYTE_SIZE = "shared_memory_byte_size"
@@ -39,6 +42,7 @@ OFFSET = "shared_memory_offset"
 PARAMETERS = (REGION, BYTE_SIZE, OFFSET)
 
 SHM_ROOT = Path("/dev/shm")
+MAX_REGIONS = 256  # each holds a descriptor and a mapping
 KEY_PATTERN = re.compile(r"/?[A-Za-z0-9_.\-]{1,255}")
 
 
@@ -86,6 +90,7 @@ class Region:
     offset: int
     byte_size: int
     mapping: mmap.mmap
+    descriptor: int  # kept open to check the segment's size before each access
 
 
 class SharedMemoryRegistry:
@@ -98,6 +103,10 @@ class SharedMemoryRegistry:
     def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
         if not name:
             raise InvalidInput("a shared memory region needs a name")
+        if len(self._regions) >= MAX_REGIONS:
+            raise TooManyRegions(
+                f"{MAX_REGIONS} shared memory regions are registered already; unregister some"
+            )
         if name in self._regions:
             raise AlreadyExists(
                 f"shared memory region {name!r} is already registered (key "
@@ -125,9 +134,10 @@ class SharedMemoryRegistry:
                     f"runs past the end of {key!r}, which holds {size} bytes"
                 )
             mapping = mmap.mmap(descriptor, size)
-        finally:
+        except BaseException:
             os.close(descriptor)
-        self._regions[name] = Region(name, key, offset, byte_size, mapping)
+            raise
+        self._regions[name] = Region(name, key, offset, byte_size, mapping, descriptor)
 
     def unregister(self, name: str) -> None:
         """Forget ``name`` (every region when empty); an unknown name is not an error."""
@@ -135,6 +145,7 @@ class SharedMemoryRegistry:
         for each in names:
             region = self._regions.pop(each, None)
             if region is not None:
+                os.close(region.descriptor)
                 _close(region.mapping)
 
     def status(self, name: str) -> list[Region]:
@@ -157,6 +168,12 @@ class SharedMemoryRegistry:
                 f"past the end of region {ref.region!r} ({region.byte_size} bytes)"
             )
         start = region.offset + ref.offset
+        size = os.fstat(region.descriptor).st_size
+        if start + ref.byte_size > size:
+            raise InvalidInput(
+                f"tensor {tensor!r}: shared memory key {region.key!r} of region {ref.region!r} "
+                f"shrank to {size} bytes since it was registered; register it again"
+            )
         return memoryview(region.mapping)[start : start + ref.byte_size]
 
     def close(self) -> None:

@@ -6,6 +6,7 @@ naming the problem; and the registry's own checks without a server."""
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import urllib.request
 from collections.abc import Iterator
@@ -19,8 +20,19 @@ import torch
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aioclient
 from cuvil_sidecar.config import SidecarConfig
-from cuvil_sidecar.errors import AlreadyExists, InvalidInput, NotSupported, RegionNotFound
-from cuvil_sidecar.shared_memory import SharedMemoryRef, SharedMemoryRegistry, reference
+from cuvil_sidecar.errors import (
+    AlreadyExists,
+    InvalidInput,
+    NotSupported,
+    RegionNotFound,
+    TooManyRegions,
+)
+from cuvil_sidecar.shared_memory import (
+    MAX_REGIONS,
+    SharedMemoryRef,
+    SharedMemoryRegistry,
+    reference,
+)
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
@@ -239,6 +251,32 @@ def test_registry_maps_checks_and_forgets(tmp_path: Path) -> None:
     registry.unregister("")
     with pytest.raises(RegionNotFound):
         registry.status("a")
+
+
+def test_a_segment_shrunk_after_registration_is_refused_not_read(tmp_path: Path) -> None:
+    """Reading a mapping past the end of a truncated file would kill the process (SIGBUS)."""
+    segment = tmp_path / "seg"
+    segment.write_bytes(bytes(4096))
+    registry = SharedMemoryRegistry(tmp_path)
+    registry.register("a", "/seg", 0, 4096)
+    assert len(registry.view(SharedMemoryRef("a", 4096), "t")) == 4096
+    os.truncate(segment, 1024)
+    assert len(registry.view(SharedMemoryRef("a", 1024), "t")) == 1024
+    with pytest.raises(InvalidInput, match="shrank to 1024 bytes"):
+        registry.view(SharedMemoryRef("a", 2048), "t")
+    registry.close()
+
+
+def test_registrations_are_bounded_and_give_back_descriptors(tmp_path: Path) -> None:
+    (tmp_path / "seg").write_bytes(bytes(64))
+    registry = SharedMemoryRegistry(tmp_path)
+    before = len(os.listdir("/proc/self/fd"))
+    for index in range(MAX_REGIONS):
+        registry.register(f"r{index}", "/seg", 0, 64)
+    with pytest.raises(TooManyRegions):
+        registry.register("one-more", "/seg", 0, 64)
+    registry.unregister("")
+    assert len(os.listdir("/proc/self/fd")) == before
 
 
 @pytest.mark.parametrize(
