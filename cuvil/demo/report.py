@@ -78,6 +78,9 @@ def serve_lines(served: Served) -> list[str]:
         f"{_ms(served.percentile('sidecar', 50))} p99 {_ms(served.percentile('sidecar', 99))} "
         f"(gRPC round trip); eager p50 {_ms(served.percentile('eager', 50))} "
         f"p99 {_ms(served.percentile('eager', 99))} on the same inputs",
+        f"  the same requests with tensors in shared memory (Triton's system shared-memory "
+        f"extension): sidecar p50 {_ms(served.percentile('shared_memory', 50))} "
+        f"p99 {_ms(served.percentile('shared_memory', 99))}",
         f"  answers vs eager: max error {served.max_relative_error:.2e} of the output scale "
         f"({'ok' if served.ok else 'FAILED'})",
     ]

@@ -56,6 +56,8 @@ def test_demo_compiles_serves_and_checks_the_mlp(tmp_path: Path) -> None:
     ]
     assert "mlp" in tags
     assert "5 tritonclient ModelInfer requests (x [1, 784])" in out
+    # the same requests through shared memory, each answer checked against the gRPC one
+    assert re.search(r"tensors in shared memory .*: sidecar p50 \d+\.\d+ ms", out)
     assert re.search(r"answers vs eager: max error \S+ of the output scale \(ok\)", out)
     # One trace: the compile spans (this process) and the serving spans (the sidecar, over OTLP).
     tree = out[out.index("== trace") : out.index("== summary")]
