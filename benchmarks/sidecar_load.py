@@ -270,51 +270,21 @@ def sync_client_c1(url: str, model: str, inputs: dict[str, np.ndarray]) -> dict[
 @contextlib.contextmanager
 def shared_memory_infer(
     client: Any, model: str, inputs: dict[str, np.ndarray]
-) -> Iterator[Callable[[], list[np.ndarray]]]:
+) -> Iterator[Callable[[], dict[str, np.ndarray]]]:
     """A ModelInfer call with every input and output in one system shared memory segment; each
     call copies the inputs in and the outputs out, as a caller with fresh data would."""
-    from multiprocessing import shared_memory
-
     import tritonclient.grpc as syncclient
+
+    from cuvil.demo.shared_tensors import SharedTensors
 
     first = client.infer(model, infer_inputs(syncclient.InferInput, inputs))
     outputs = {o.name: first.as_numpy(o.name) for o in first.get_response().outputs}
-    sizes = [a.nbytes for a in inputs.values()] + [a.nbytes for a in outputs.values()]
-    segment = shared_memory.SharedMemory(create=True, size=sum(sizes))
-    client.register_system_shared_memory("bench", "/" + segment.name, segment.size)
-    offset = 0
-    items, sources, wanted, targets = [], [], [], []
-    for name, array in [*inputs.items(), *outputs.items()]:
-        view = np.ndarray(array.shape, array.dtype, buffer=segment.buf, offset=offset)
-        if name in inputs:
-            item = syncclient.InferInput(name, list(array.shape), DATATYPES[array.dtype])
-            item.set_shared_memory("bench", array.nbytes, offset)
-            items.append(item)
-            sources.append((view, array))
-        else:
-            request = syncclient.InferRequestedOutput(name)
-            request.set_shared_memory("bench", array.nbytes, offset)
-            wanted.append(request)
-            targets.append(view)
-        offset += array.nbytes
-
-    def call() -> list[np.ndarray]:
-        for target, source in sources:
-            np.copyto(target, source)
-        client.infer(model, items, outputs=wanted)
-        return [target.copy() for target in targets]
-
-    try:
-        for got, expected in zip(call(), outputs.values(), strict=True):
-            assert np.array_equal(got, expected), "the shared memory output differs from raw"
-        yield call
-    finally:
-        sources.clear()  # views into the segment: gone before it closes
-        targets.clear()
-        del view
-        client.unregister_system_shared_memory("bench")
-        segment.close()
-        segment.unlink()
+    specs = [(name, DATATYPES[array.dtype], array) for name, array in inputs.items()]
+    arrays = list(inputs.values())
+    with SharedTensors(client, "bench", specs, outputs) as shared:
+        for name, got in shared.infer(model, arrays).items():
+            assert np.array_equal(got, outputs[name]), "the shared memory output differs from raw"
+        yield lambda: shared.infer(model, arrays)
 
 
 async def load(

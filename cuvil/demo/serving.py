@@ -8,7 +8,6 @@ register the same ``inference.*`` names.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import signal
@@ -28,6 +27,7 @@ import torch
 from cuvil_worker.checks import call as eager_outputs
 from torch.utils import _pytree as pytree
 
+from cuvil.demo.shared_tensors import SharedTensors
 from cuvil.verify import compare_output
 
 SERVE_TOLERANCE = 1e-3  # max abs error / output scale, as the sidecar's own golden check
@@ -253,61 +253,19 @@ def ask_through_shared_memory(
     """The same requests again with every input and output in one POSIX shared memory segment
     (Triton's system shared-memory extension, as an app container in the sidecar's pod would
     send them): timed into ``served.shared_memory_ms``, each answer compared with the gRPC one."""
-    from multiprocessing import shared_memory
-
-    first_inputs = [t.numpy() for t in pytree.tree_leaves(answers[0][0])]
-    sizes = [a.nbytes for a in first_inputs] + [a.nbytes for a in answers[0][1].values()]
-    segment = shared_memory.SharedMemory(create=True, size=max(1, sum(sizes)))
-    region = f"demo-{served.name}"
-    client.register_system_shared_memory(region, "/" + segment.name, segment.size)
-    try:
-        _ask_in(segment, region, client, served, inputs_meta, answers)
-    finally:
-        client.unregister_system_shared_memory(region)
-        with contextlib.suppress(BufferError):  # a view still held after a failure
-            segment.close()
-        segment.unlink()
-
-
-def _ask_in(
-    segment: Any,
-    region: str,
-    client: Any,
-    served: Served,
-    inputs_meta: list[dict[str, Any]],
-    answers: list[tuple[Any, dict[str, np.ndarray]]],
-) -> None:
-    import tritonclient.grpc as grpcclient
-
-    offset = 0
-    request, views = [], []
-    for entry, leaf in zip(inputs_meta, pytree.tree_leaves(answers[0][0]), strict=True):
-        array = leaf.numpy()
-        item = grpcclient.InferInput(entry["name"], list(array.shape), entry["datatype"])
-        item.set_shared_memory(region, array.nbytes, offset)
-        request.append(item)
-        views.append(np.ndarray(array.shape, array.dtype, buffer=segment.buf, offset=offset))
-        offset += array.nbytes
-    wanted, targets = [], {}
-    for name, array in answers[0][1].items():
-        output = grpcclient.InferRequestedOutput(name)
-        output.set_shared_memory(region, array.nbytes, offset)
-        wanted.append(output)
-        targets[name] = np.ndarray(array.shape, array.dtype, buffer=segment.buf, offset=offset)
-        offset += array.nbytes
-    for index, (inputs, over_grpc) in enumerate(answers):
-        start = time.perf_counter()
-        for view, leaf in zip(views, pytree.tree_leaves(inputs), strict=True):
-            np.copyto(view, leaf.numpy())
-        client.infer(served.name, request, outputs=wanted)
-        got = {name: target.copy() for name, target in targets.items()}
-        if index > 0:
-            served.shared_memory_ms.append((time.perf_counter() - start) * 1e3)
-        for name, answer in got.items():
-            reference = torch.from_numpy(np.array(over_grpc[name]))
-            error = compare_output(name, torch.from_numpy(answer), reference)
-            if error.relative_to_scale > SERVE_TOLERANCE:
-                served.failures.append(
-                    f"request {index} through shared memory: {name} differs from the gRPC "
-                    f"answer by {error.relative_to_scale:.2e} of its scale"
-                )
+    first = [leaf.numpy() for leaf in pytree.tree_leaves(answers[0][0])]
+    specs = [(e["name"], e["datatype"], a) for e, a in zip(inputs_meta, first, strict=True)]
+    with SharedTensors(client, f"demo-{served.name}", specs, answers[0][1]) as shared:
+        for index, (inputs, over_grpc) in enumerate(answers):
+            start = time.perf_counter()
+            got = shared.infer(served.name, [leaf.numpy() for leaf in pytree.tree_leaves(inputs)])
+            if index > 0:
+                served.shared_memory_ms.append((time.perf_counter() - start) * 1e3)
+            for name, answer in got.items():
+                reference = torch.from_numpy(np.array(over_grpc[name]))
+                error = compare_output(name, torch.from_numpy(answer), reference)
+                if error.relative_to_scale > SERVE_TOLERANCE:
+                    served.failures.append(
+                        f"request {index} through shared memory: {name} differs from the gRPC "
+                        f"answer by {error.relative_to_scale:.2e} of its scale"
+                    )
