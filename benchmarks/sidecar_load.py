@@ -18,13 +18,15 @@ own cost.
 trip before each call, as the sidecar is between requests at concurrency 1: on this host a model
 called after an idle gap runs several times slower than back to back (the MLP: 95 us back to
 back, 206 us after 1 ms of sleep, 550 us after 5 ms, at one thread as at two), and
-``overhead_vs_idle_ms`` sets the sidecar's p50 against that. ``sync_client`` repeats concurrency 1
+``overhead_vs_idle_ms`` sets the sidecar's p50 against that. Every run is served by the first of
+``--frontends`` (``CUVIL_GRPC_FRONTEND``, default native). ``sync_client`` repeats concurrency 1
 unbatched with tritonclient's synchronous client (what most callers use; no event loop on the
-client side): ``p50_ms``, ``rpc_floor_p50_ms`` and ``overhead_ms`` as above, and
+client side) once per front end, an unbatched sidecar each, their calls interleaved:
+``p50_ms``, ``rpc_floor_p50_ms`` and ``overhead_ms`` as above, and
 ``shared_memory_p50_ms`` / ``shared_memory_overhead_ms`` with every input and output in system
 shared memory (Triton's extension, for a client in the same pod; each call copies the inputs
 into the segment and the outputs out of it, as a caller with fresh data would, so only the
-tensors' references travel through gRPC). The three are measured in alternating blocks, so that
+tensors' references travel through gRPC). All are measured in alternating blocks, so that
 a slow phase of the host hits them alike.
 ``server_c1`` splits the concurrency-1 unbatched run from the sidecar's own ``/metrics``:
 ``request_mean_ms`` (decode, run, encode), ``compute_mean_ms`` (the model run alone, to set
@@ -37,6 +39,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -133,6 +136,7 @@ def start_sidecar(
     metrics_port: int = 0,
     threads: int = 0,
     warmup_shapes: str = "",
+    frontend: str = "native",
 ) -> tuple[subprocess.Popen, str]:
     port = free_port()
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("CUVIL_", "OTEL_"))}
@@ -145,6 +149,7 @@ def start_sidecar(
         "CUVIL_MAX_QUEUE_DELAY_US": str(delay_us),
         "CUVIL_TORCH_THREADS": str(threads),
         "CUVIL_WARMUP_SHAPES": warmup_shapes,
+        "CUVIL_GRPC_FRONTEND": frontend,
         "PYTHONPATH": os.pathsep.join([str(REPO / "runtime_sidecar"), str(REPO)]),
     }
     process = subprocess.Popen(
@@ -246,25 +251,30 @@ def interleaved_p50(calls: dict[str, Callable[[], object]], budget_s: float = 6.
     return {name: round(statistics.median(values), 3) for name, values in times.items()}
 
 
-def sync_client_c1(url: str, model: str, inputs: dict[str, np.ndarray]) -> dict[str, float]:
-    """Concurrency-1 p50s through the synchronous client: ModelInfer with raw tensors, the same
-    with every tensor in shared memory, and ServerLive, interleaved."""
+def sync_client_c1(
+    urls: dict[str, str], model: str, inputs: dict[str, np.ndarray]
+) -> dict[str, dict[str, float]]:
+    """Concurrency-1 p50s through the synchronous client, per front end (``urls``: front end ->
+    its unbatched sidecar): ModelInfer with raw tensors, the same with every tensor in shared
+    memory, and ServerLive, all interleaved across the front ends."""
     import tritonclient.grpc as syncclient
 
-    client = syncclient.InferenceServerClient(url)
-    items = infer_inputs(syncclient.InferInput, inputs)
-    try:
-        with shared_memory_infer(client, model, inputs) as infer_in_shared_memory:
-            medians = interleaved_p50(
-                {
-                    "p50_ms": lambda: client.infer(model, items),
-                    "shared_memory_p50_ms": infer_in_shared_memory,
-                    "rpc_floor_p50_ms": client.is_server_live,
-                }
-            )
-    finally:
-        client.close()
-    return medians
+    calls: dict[str, Callable[[], object]] = {}
+    with contextlib.ExitStack() as stack:
+        for frontend, url in urls.items():
+            client = syncclient.InferenceServerClient(url)
+            stack.callback(client.close)
+            items = infer_inputs(syncclient.InferInput, inputs)
+            in_shared_memory = stack.enter_context(shared_memory_infer(client, model, inputs))
+            calls[f"{frontend}/p50_ms"] = functools.partial(client.infer, model, items)
+            calls[f"{frontend}/shared_memory_p50_ms"] = in_shared_memory
+            calls[f"{frontend}/rpc_floor_p50_ms"] = client.is_server_live
+        medians = interleaved_p50(calls, budget_s=6.0 * len(urls))
+    split: dict[str, dict[str, float]] = {frontend: {} for frontend in urls}
+    for key, value in medians.items():
+        frontend, _, name = key.partition("/")
+        split[frontend][name] = value
+    return split
 
 
 @contextlib.contextmanager
@@ -324,6 +334,39 @@ async def load(
     }
 
 
+def compare_frontends(
+    url: str,
+    frontends: list[str],
+    path: Path,
+    name: str,
+    inputs: dict[str, np.ndarray],
+    args: argparse.Namespace,
+) -> dict[str, dict[str, float]]:
+    """``sync_client_c1`` on the running unbatched sidecar (the first front end) and one more
+    unbatched sidecar for each other front end, side by side."""
+    urls = {frontends[0]: url}
+    others = []
+    try:
+        for frontend in frontends[1:]:
+            log = args.artifacts / f"{name}-batching_off-{frontend}.log"
+            process, urls[frontend] = start_sidecar(
+                path,
+                1,
+                args.queue_delay_us,
+                log,
+                0,
+                args.torch_threads,
+                WARMUP_SHAPES.get(name, ""),
+                frontend,
+            )
+            others.append(process)
+        return sync_client_c1(urls, name, inputs)
+    finally:
+        for process in others:
+            process.send_signal(signal.SIGTERM)
+            process.wait(30)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="mlp,minilm,resnet50")
@@ -335,9 +378,15 @@ def main() -> int:
     parser.add_argument(
         "--torch-threads", type=int, default=0, help="the sidecar's CUVIL_TORCH_THREADS (0: all)"
     )
+    parser.add_argument(
+        "--frontends",
+        default="native,grpcio",
+        help="CUVIL_GRPC_FRONTEND values: the first serves every run, all are in sync_client",
+    )
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     levels = [int(c) for c in args.concurrency.split(",")]
+    frontends = args.frontends.split(",")
     models: dict[str, dict[str, object]] = {}
     for name in args.models.split(","):
         path = compiled_artifact(name, args.artifacts)
@@ -345,7 +394,7 @@ def main() -> int:
         # Measured before and after the sidecar runs; the lower median is the baseline (on a
         # shared machine a neighbour's burst can inflate one of them many times over).
         before = in_process_p50(path, inputs, 200)
-        entry: dict[str, object] = {}
+        entry: dict[str, object] = {"frontend": frontends[0]}
         for mode, batch in (("batching_off", 1), ("batching_on", args.max_batch_size)):
             log = args.artifacts / f"{name}-{mode}.log"
             metrics_port = free_port()
@@ -357,11 +406,14 @@ def main() -> int:
                 metrics_port,
                 args.torch_threads,
                 WARMUP_SHAPES.get(name, ""),
+                frontends[0],
             )
             try:
                 if mode == "batching_off":
                     entry["rpc_floor_p50_ms"] = round(asyncio.run(rpc_floor(url)), 3)
-                    entry["sync_client"] = sync_client_c1(url, name, inputs)
+                    entry["sync_client"] = compare_frontends(
+                        url, frontends, path, name, inputs, args
+                    )
                 rows = []
                 for c in levels:
                     counted = server_counters(metrics_port)
@@ -378,10 +430,11 @@ def main() -> int:
         off = entry["batching_off"]
         assert isinstance(off, list)
         entry["overhead_ms"] = round(off[0]["p50_ms"] - in_process, 3)
-        sync = entry["sync_client"]
-        assert isinstance(sync, dict)
-        sync["overhead_ms"] = round(sync["p50_ms"] - in_process, 3)
-        sync["shared_memory_overhead_ms"] = round(sync["shared_memory_p50_ms"] - in_process, 3)
+        by_frontend = entry["sync_client"]
+        assert isinstance(by_frontend, dict)
+        for sync in by_frontend.values():
+            sync["overhead_ms"] = round(sync["p50_ms"] - in_process, 3)
+            sync["shared_memory_overhead_ms"] = round(sync["shared_memory_p50_ms"] - in_process, 3)
         # The same runs with the client's round trip as idle time before each: what the model
         # itself costs when called as the sidecar calls it (caches and cores gone cold)
         idle = float(entry["rpc_floor_p50_ms"]) / 1e3  # type: ignore[arg-type]

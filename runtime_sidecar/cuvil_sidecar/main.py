@@ -15,13 +15,18 @@ def run(config: SidecarConfig) -> int:
         level=os.environ.get("CUVIL_LOG_LEVEL", "INFO").upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    from cuvil.runtime.native import NativeError
     from cuvil_sidecar.server import serve
 
     if config.torch_threads:
         import torch
 
         torch.set_num_threads(config.torch_threads)
-    asyncio.run(serve(config))
+    try:
+        asyncio.run(serve(config))
+    except NativeError as error:  # only with CUVIL_GRPC_FRONTEND=native; auto falls back
+        print(f"cuvil-sidecar: CUVIL_GRPC_FRONTEND=native: {error}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -13,14 +13,10 @@ import logging
 import signal
 from typing import Any
 
-import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
-
 from cuvil_sidecar import tracing
-from cuvil_sidecar._generated import grpc_service_pb2_grpc as pb_grpc
 from cuvil_sidecar.config import SidecarConfig
 from cuvil_sidecar.dataplane import DataPlane
+from cuvil_sidecar.frontend import open_frontend
 from cuvil_sidecar.manager import ModelManager
 from cuvil_sidecar.metrics import Metrics, serve_http
 from cuvil_sidecar.servicer import SERVICE_NAME, InferenceServicer
@@ -34,44 +30,26 @@ GRACE_S = 5.0
 async def serve(config: SidecarConfig) -> None:
     provider = tracing.configure()
     metrics = Metrics()
-    health_servicer = health.aio.HealthServicer()
 
     async def on_ready(ready: bool) -> None:
-        status = (
-            health_pb2.HealthCheckResponse.SERVING
-            if ready
-            else health_pb2.HealthCheckResponse.NOT_SERVING
-        )
         for service in ("", SERVICE_NAME):
-            await health_servicer.set(service, status)
+            await server.set_serving(service, ready)
 
     manager = ModelManager(config, ModelSource(config.model, config.cache_dir), metrics, on_ready)
     dataplane = DataPlane(manager, metrics, config)
-    server = grpc.aio.server(
-        interceptors=tracing.server_interceptors(provider),
-        options=[
-            ("grpc.max_receive_message_length", config.max_message_bytes),
-            ("grpc.max_send_message_length", config.max_message_bytes),
-        ],
-    )
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(dataplane), server)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-    )
+    server = open_frontend(InferenceServicer(dataplane), config, provider)
+    port = await server.start(f"{config.host}:{config.grpc_port}")
     await on_ready(False)
-    address = f"{config.host}:{config.grpc_port}"
-    port = server.add_insecure_port(address)
-    await server.start()
     http = (
         serve_http(config.host, config.metrics_port, metrics, manager.readiness)
         if config.metrics_port
         else None
     )
     log.info(
-        "cuvil-sidecar listening: gRPC %s:%d, metrics %s; loading %s",
+        "cuvil-sidecar listening: gRPC %s:%d (%s), metrics %s; loading %s",
         config.host,
         port,
+        server.name,
         f"{config.host}:{config.metrics_port}" if http else "off",
         config.model,
     )

@@ -1,8 +1,9 @@
 """OpenTelemetry for the sidecar: a tracer provider from the standard ``OTEL_*`` variables, the
 per-request child spans, and the link to the trace that compiled the artifact.
 
-Span tree per ModelInfer (the server span comes from opentelemetry-instrumentation-grpc and
-continues the caller's W3C ``traceparent``)::
+Span tree per ModelInfer (the server span comes from opentelemetry-instrumentation-grpc on the
+grpcio front end, from ``server_span`` on the native one; both continue the caller's W3C
+``traceparent``)::
 
     /inference.GRPCInferenceService/ModelInfer     (server span, kind SERVER)
       cuvil.infer      decode, wait, encode; linked to the compile trace when the artifact has one
@@ -25,12 +26,13 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
-from opentelemetry import trace
-from opentelemetry.trace import Link, SpanContext, TraceFlags
+from opentelemetry import propagate, trace
+from opentelemetry.trace import Link, SpanContext, SpanKind, TraceFlags
+from opentelemetry.trace.status import Status, StatusCode
 
 log = logging.getLogger("cuvil_sidecar.tracing")
 tracer = trace.get_tracer("cuvil_sidecar")
@@ -97,12 +99,45 @@ def infer_span(model: str, digest: str, links: Sequence[Link]) -> AbstractContex
     )
 
 
+def server_span(
+    path: str, metadata: Callable[[], Sequence[tuple[str, Any]]]
+) -> AbstractContextManager[Any]:
+    """The SERVER span of one call on the native front end, continuing the caller's
+    ``traceparent`` from the call's metadata (read only when tracing is on), named and
+    attributed as opentelemetry-instrumentation-grpc names grpcio's."""
+    if not _enabled:
+        return _NO_SPAN
+    carrier = {key: value for key, value in metadata() if isinstance(value, str)}
+    service, _, method = path.lstrip("/").partition("/")
+    return tracer.start_as_current_span(
+        path,
+        context=propagate.extract(carrier),
+        kind=SpanKind.SERVER,
+        attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": method},
+    )
+
+
+def set_rpc_status(span: Any, code: int, details: str) -> None:
+    """The call's gRPC status on its server span (from ``server_span``)."""
+    if span is None:
+        return
+    span.set_attribute("rpc.grpc.status_code", code)
+    if code != 0:
+        span.set_status(Status(StatusCode.ERROR, details))
+
+
 def server_interceptors(provider: Any) -> list[Any]:
     if provider is None:
         return []
-    from opentelemetry.instrumentation.grpc import aio_server_interceptor
+    from opentelemetry.instrumentation.grpc import aio_server_interceptor, filters
 
-    return [aio_server_interceptor(tracer_provider=provider)]
+    # Health probes are not traced (nor are they on the native front end); the interceptor
+    # also breaks the streaming Watch on grpcio's asyncio server.
+    return [
+        aio_server_interceptor(
+            tracer_provider=provider, filter_=filters.negate(filters.health_check())
+        )
+    ]
 
 
 def compile_links(config: Mapping[str, Any]) -> tuple[Link, ...]:

@@ -1,6 +1,6 @@
 """The sidecar load benchmark end to end on the MLP: sidecar subprocesses, tritonclient load at
-two concurrencies with batching off and on, the shared-memory client (whose outputs must equal
-the raw ones), and the JSON it prints."""
+two concurrencies with batching off and on, the synchronous and shared-memory clients (whose
+outputs must equal the raw ones) on both gRPC front ends, and the JSON it prints."""
 
 from __future__ import annotations
 
@@ -39,9 +39,12 @@ def test_mlp_load_report(tmp_path: Path) -> None:
         for row in rows:
             assert row["requests"] > 0 and row["qps"] > 0
             assert 0 < row["p50_ms"] <= row["p95_ms"] <= row["p99_ms"]
-    sync = mlp["sync_client"]
-    assert sync["p50_ms"] > 0 and sync["shared_memory_p50_ms"] > 0
-    assert sync["overhead_ms"] == round(sync["p50_ms"] - mlp["in_process_p50_ms"], 3)
+    assert mlp["frontend"] == "native"
+    assert set(mlp["sync_client"]) == {"native", "grpcio"}
+    for sync in mlp["sync_client"].values():
+        assert sync["p50_ms"] > 0 and sync["shared_memory_p50_ms"] > 0
+        assert sync["rpc_floor_p50_ms"] > 0
+        assert sync["overhead_ms"] == round(sync["p50_ms"] - mlp["in_process_p50_ms"], 3)
     assert mlp["server_c1"]["request_mean_ms"] >= mlp["server_c1"]["compute_mean_ms"] > 0
     assert mlp["overhead_ms"] == round(
         mlp["batching_off"][0]["p50_ms"] - mlp["in_process_p50_ms"], 3

@@ -227,9 +227,12 @@ def test_sidecar_config_map_parses_as_the_sidecar_reads_it(render: Render) -> No
     assert config.warmup_shapes == ({"seq": 128}, {"seq": 384})
     assert (config.max_batch_size, config.model_instances) == (16, 2)
     assert config.shared_memory
-    off = render(sets=("sidecar.sharedMemory.mode=off",))
-    data = next(m["data"] for m in off if m["metadata"]["name"].endswith("-sidecar"))
-    assert not SidecarConfig.from_env(data | {"CUVIL_MODEL": "m"}).shared_memory
+    assert config.grpc_frontend == "native"  # the image has the native front end built in
+    changed = render(sets=("sidecar.sharedMemory.mode=off", "sidecar.grpcFrontend=grpcio"))
+    data = next(m["data"] for m in changed if m["metadata"]["name"].endswith("-sidecar"))
+    config = SidecarConfig.from_env(data | {"CUVIL_MODEL": "m"})
+    assert not config.shared_memory
+    assert config.grpc_frontend == "grpcio"
 
 
 def _dry_run_install(helm_run: HelmRun, *values: str) -> subprocess.CompletedProcess[str]:

@@ -49,7 +49,9 @@ def compile_spec(
 
 
 class Sidecar:
-    """One sidecar process on free loopback ports; ``url`` is what tritonclient takes."""
+    """One sidecar process on free loopback ports; ``url`` is what tritonclient takes. It serves
+    on the native gRPC front end unless ``CUVIL_GRPC_FRONTEND`` says otherwise: ``native``, not
+    ``auto``, so that a front end that does not build fails the tests instead of falling back."""
 
     def __init__(self, model: Path | str, log_path: Path, **env: str) -> None:
         self.grpc_port, self.metrics_port = free_port(), free_port()
@@ -68,8 +70,10 @@ class Sidecar:
             "CUVIL_METRICS_PORT": str(self.metrics_port),
             "PYTHONPATH": os.pathsep.join([str(REPO / "runtime_sidecar"), str(REPO)]),
             "OMP_NUM_THREADS": "2",
+            "CUVIL_GRPC_FRONTEND": "native",
         }
         environ |= env
+        self.frontend = environ["CUVIL_GRPC_FRONTEND"]
         self._log = log_path.open("wb")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "cuvil_sidecar.main"],
@@ -175,16 +179,19 @@ def resnet_artifact(artifact_dir: Path, resnet_spec: catalog.ModelSpec) -> Path:
     return compile_spec(resnet_spec, artifact_dir / "resnet50.cuvil")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="session", params=["native", "grpcio"])
 def mlp_sidecar(
+    request: pytest.FixtureRequest,
     mlp_artifact: Path,
     tmp_path_factory: pytest.TempPathFactory,
     otlp_receiver,  # noqa: F811
 ) -> Iterator[Sidecar]:
-    """The shared MLP sidecar: batching on, traces exported to the test's OTLP receiver."""
+    """The shared MLP sidecar: batching on, traces exported to the test's OTLP receiver; once on
+    each gRPC front end, so that every test using it holds for both."""
     sidecar = Sidecar(
         mlp_artifact,
         tmp_path_factory.mktemp("mlp-sidecar") / "sidecar.log",
+        CUVIL_GRPC_FRONTEND=request.param,
         CUVIL_MAX_BATCH_SIZE="8",
         CUVIL_MAX_QUEUE_DELAY_US="2000",
         CUVIL_MAX_MESSAGE_BYTES=str(4 * 2**20),
