@@ -24,7 +24,7 @@
 - ``CUVIL_SHARED_MEMORY`` (``system``): Triton's system shared-memory extension, for clients on
   the same node (``shared_memory.py``); ``off`` answers its RPCs UNIMPLEMENTED.
 - ``CUVIL_GRPC_FRONTEND`` (``auto``): the gRPC server: ``native`` (gRPC C++, built on first use
-  from the system's ``libgrpc++-dev``; ~0.2 ms less per call), ``grpcio`` (grpcio's asyncio
+  from the system's ``libgrpc++-dev``; ~0.1 ms less per call), ``grpcio`` (grpcio's asyncio
   server), or ``auto``: native where it builds, else grpcio with a warning saying why.
 - ``CUVIL_TORCH_THREADS`` (0 = torch's default, one per core): intra-op threads per model run
   (ONNX Runtime's ``intra_op_num_threads``). On a node shared with other busy pods, fewer
