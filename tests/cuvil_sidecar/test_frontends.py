@@ -152,3 +152,31 @@ def test_sigterm_drains_in_flight_calls(mlp_artifact: Path, tmp_path: Path, fron
     with pytest.raises(InferenceServerException, match=r"(?i)unavailable|failed to connect"):
         client.is_server_live(client_timeout=2)
     client.close()
+
+
+@pytest.mark.parametrize("frontend", ["native", "grpcio"])
+def test_a_call_the_client_gave_up_on_does_not_stall_the_server(
+    mlp_artifact: Path, tmp_path: Path, frontend: str
+) -> None:
+    """A client deadline that passes while the request waits in a 300 ms batching window: the
+    client gets DEADLINE_EXCEEDED, the server answers the abandoned call into the void, and the
+    next requests are served."""
+    sidecar = Sidecar(
+        mlp_artifact,
+        tmp_path / "sidecar.log",
+        CUVIL_GRPC_FRONTEND=frontend,
+        CUVIL_MAX_BATCH_SIZE="8",
+        CUVIL_MAX_QUEUE_DELAY_US="300000",
+    )
+    with ready_sidecar(sidecar):
+        client = grpcclient.InferenceServerClient(sidecar.url)
+        x = np.ones((1, 784), np.float32)
+        item = grpcclient.InferInput("x", [1, 784], "FP32")
+        item.set_data_from_numpy(x)
+        with pytest.raises(InferenceServerException, match="Deadline"):
+            client.infer("mlp", [item], client_timeout=0.05)
+        for _ in range(3):
+            answer = client.infer("mlp", [item], client_timeout=10)
+            assert answer.as_numpy("output").shape == (1, 10)
+        assert client.is_server_live()
+        client.close()
