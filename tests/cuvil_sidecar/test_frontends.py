@@ -8,6 +8,8 @@ import asyncio
 import os
 import signal
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import grpc
@@ -19,7 +21,7 @@ from cuvil_sidecar.native_frontend import parse_metadata
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from tests.cuvil_sidecar.conftest import Sidecar, ready_sidecar
+from tests.cuvil_sidecar.conftest import REPO, Sidecar, ready_sidecar
 
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
 
@@ -95,6 +97,35 @@ def test_auto_falls_back_to_grpcio_and_says_why(mlp_artifact: Path, tmp_path: Pa
         log = sidecar.log()
     assert "native gRPC front end is not available (pkg-config is not installed" in log
     assert "(grpcio), metrics" in log
+
+
+def test_a_prebuilt_front_end_needs_no_toolchain(mlp_artifact: Path, tmp_path: Path) -> None:
+    """What the image does: ``python -m cuvil_sidecar.native`` fills the cache at build time,
+    and the sidecar then loads the library with no compiler or pkg-config on PATH."""
+    environ = dict(os.environ, CUVIL_NATIVE_CACHE=str(tmp_path / "cache"))
+    environ["PYTHONPATH"] = os.pathsep.join([str(REPO / "runtime_sidecar"), str(REPO)])
+    built = subprocess.run(
+        [sys.executable, "-m", "cuvil_sidecar.native"],
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert built.returncode == 0, built.stderr
+    assert Path(built.stdout.strip()).parent == tmp_path / "cache"
+    sidecar = Sidecar(
+        mlp_artifact,
+        tmp_path / "sidecar.log",
+        CUVIL_GRPC_FRONTEND="native",
+        PATH=str(tmp_path / "bin-none"),
+        CUVIL_NATIVE_CACHE=str(tmp_path / "cache"),
+    )
+    with ready_sidecar(sidecar):
+        client = grpcclient.InferenceServerClient(sidecar.url)
+        assert infer_mlp(client).shape == (1, 10)
+        client.close()
+        assert "(native), metrics" in sidecar.log()
 
 
 def test_native_without_toolchain_refuses_to_start(mlp_artifact: Path, tmp_path: Path) -> None:
