@@ -73,7 +73,7 @@ def serve_lines(served: Served) -> list[str]:
     shapes = ", ".join(f"{k} {v}" for k, v in served.input_shapes.items())
     return [
         f"  sidecar ready in {served.ready_seconds:.1f} s (pull from the layout, verify digests, "
-        "load, warm up, golden check)",
+        f"load, warm up, golden check), serving on the {served.frontend} gRPC front end",
         f"  {served.requests} tritonclient ModelInfer requests ({shapes}): sidecar p50 "
         f"{_ms(served.percentile('sidecar', 50))} p99 {_ms(served.percentile('sidecar', 99))} "
         f"(gRPC round trip); eager p50 {_ms(served.percentile('eager', 50))} "

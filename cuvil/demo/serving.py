@@ -9,6 +9,7 @@ register the same ``inference.*`` names.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -77,6 +78,13 @@ class SidecarProcess:
     def log_tail(self, chars: int = 2000) -> str:
         return self.log_path.read_text(errors="replace")[-chars:]
 
+    def frontend(self) -> str:
+        """The gRPC front end its start-up line names (``native`` or ``grpcio``)."""
+        found = re.search(
+            r"listening: gRPC \S+ \((\w+)\)", self.log_path.read_text(errors="replace")
+        )
+        return found.group(1) if found else "unknown"
+
     def _watch(self) -> None:
         """Polls readiness from spawn on, so that ``ready_seconds`` is the sidecar's own time
         (pull, verify, load, warm up, golden check), whenever the demo gets to wait for it."""
@@ -129,6 +137,7 @@ class Served:
     name: str
     requests: int
     ready_seconds: float
+    frontend: str  # the sidecar's gRPC front end: native (gRPC C++) or grpcio
     sidecar_ms: list[float] = field(default_factory=list)
     shared_memory_ms: list[float] = field(default_factory=list)  # tensors in /dev/shm instead
     eager_ms: list[float] = field(default_factory=list)
@@ -190,7 +199,7 @@ def send_requests(
     while the other's threads still spin on the same cores."""
     import tritonclient.grpc as grpcclient
 
-    served = Served(sidecar.name, count, sidecar.ready_seconds or 0.0)
+    served = Served(sidecar.name, count, sidecar.ready_seconds or 0.0, sidecar.frontend())
     client = grpcclient.InferenceServerClient(sidecar.url)
     answers: list[tuple[Any, dict[str, np.ndarray]]] = []
     try:

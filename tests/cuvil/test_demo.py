@@ -56,6 +56,9 @@ def test_demo_compiles_serves_and_checks_the_mlp(tmp_path: Path) -> None:
     ]
     assert "mlp" in tags
     assert "5 tritonclient ModelInfer requests (x [1, 784])" in out
+    # the front end: gRPC C++ where the machine has it (scripts/test installs it)
+    served = out.count("sidecar ready in")
+    assert served >= 1 and out.count("serving on the native gRPC front end") == served, out
     # the same requests through shared memory, each answer checked against the gRPC one
     assert re.search(r"tensors in shared memory .*: sidecar p50 \d+\.\d+ ms", out)
     assert re.search(r"answers vs eager: max error \S+ of the output scale \(ok\)", out)
