@@ -147,17 +147,22 @@ def test_unknown_front_end_is_a_config_error(mlp_artifact: Path, tmp_path: Path)
     assert "CUVIL_GRPC_FRONTEND='h2o' is not one of" in sidecar.log()
 
 
-@pytest.mark.parametrize("frontend", ["native", "grpcio"])
-def test_sigterm_drains_in_flight_calls(mlp_artifact: Path, tmp_path: Path, frontend: str) -> None:
-    """Requests held in a 300 ms batching window when SIGTERM comes are still answered; the
-    process then exits 0 and the port is closed."""
-    sidecar = Sidecar(
-        mlp_artifact,
+def slow_batching_sidecar(artifact: Path, tmp_path: Path, frontend: str) -> Sidecar:
+    """Batching with a 300 ms window: a lone request waits there, in flight, that long."""
+    return Sidecar(
+        artifact,
         tmp_path / "sidecar.log",
         CUVIL_GRPC_FRONTEND=frontend,
         CUVIL_MAX_BATCH_SIZE="8",
         CUVIL_MAX_QUEUE_DELAY_US="300000",
     )
+
+
+@pytest.mark.parametrize("frontend", ["native", "grpcio"])
+def test_sigterm_drains_in_flight_calls(mlp_artifact: Path, tmp_path: Path, frontend: str) -> None:
+    """Requests held in a 300 ms batching window when SIGTERM comes are still answered; the
+    process then exits 0 and the port is closed."""
+    sidecar = slow_batching_sidecar(mlp_artifact, tmp_path, frontend)
     probe = grpcclient.InferenceServerClient(sidecar.url)
     sidecar.wait_ready(probe)
     probe.close()
@@ -192,14 +197,7 @@ def test_a_call_the_client_gave_up_on_does_not_stall_the_server(
     """A client deadline that passes while the request waits in a 300 ms batching window: the
     client gets DEADLINE_EXCEEDED, the server answers the abandoned call into the void, and the
     next requests are served."""
-    sidecar = Sidecar(
-        mlp_artifact,
-        tmp_path / "sidecar.log",
-        CUVIL_GRPC_FRONTEND=frontend,
-        CUVIL_MAX_BATCH_SIZE="8",
-        CUVIL_MAX_QUEUE_DELAY_US="300000",
-    )
-    with ready_sidecar(sidecar):
+    with ready_sidecar(slow_batching_sidecar(mlp_artifact, tmp_path, frontend)) as sidecar:
         client = grpcclient.InferenceServerClient(sidecar.url)
         x = np.ones((1, 784), np.float32)
         item = grpcclient.InferInput("x", [1, 784], "FP32")
