@@ -53,14 +53,8 @@ class Aborted(Exception):
 class NativeContext:
     """The part of ``grpc.aio.ServicerContext`` the servicer uses."""
 
-    def __init__(self, metadata: bytes) -> None:
-        self._metadata = metadata
-
     async def abort(self, code: grpc.StatusCode, details: str = "") -> NoReturn:
         raise Aborted(code, details)
-
-    def invocation_metadata(self) -> tuple[tuple[str, str | bytes], ...]:
-        return parse_metadata(self._metadata)
 
 
 def parse_metadata(blob: bytes) -> tuple[tuple[str, str | bytes], ...]:
@@ -202,7 +196,7 @@ class NativeFrontend:
             name = method.request_type.DESCRIPTOR.name
             return grpc.StatusCode.INVALID_ARGUMENT, f"the request is not a valid {name}", b""
         try:
-            response = await method.handler(request, NativeContext(metadata))
+            response = await method.handler(request, NativeContext())
         except Aborted as aborted:
             return aborted.code, aborted.details, b""
         except Exception as error:

@@ -26,6 +26,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch  # noqa: F401  loaded first: its libgomp is the one the kernels bind to
@@ -99,19 +100,23 @@ def build(name: str, *, for_this_cpu: bool = True) -> Path:
     compiler = _compiler()
     if compiler is None:
         raise NativeError("no C compiler (cc or gcc) on PATH")
+    source_path = SOURCES / f"{name}.c"
+    compile_into(target, lambda built: [compiler, *flags, str(source_path), "-o", str(built)])
+    return target
+
+
+def compile_into(target: Path, command: Callable[[Path], list[str]]) -> None:
+    """Runs the compiler ``command(output)`` on a scratch output beside ``target`` and renames
+    it into place: atomic, so concurrent builders all end with a whole file."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
-        result = subprocess.run(
-            [compiler, *flags, str(SOURCES / f"{name}.c"), "-o", str(built)],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
+        arguments = command(built)
+        result = subprocess.run(arguments, capture_output=True, text=True, check=False)
         if result.returncode != 0:
-            raise NativeError(f"compiling {name}.c failed: {result.stderr.strip()[:500]}")
-        os.replace(built, target)  # atomic: concurrent builders all end with a whole file
-    return target
+            source = next((Path(a).name for a in arguments if a.endswith((".c", ".cc"))), "")
+            raise NativeError(f"compiling {source} failed: {result.stderr.strip()[:500]}")
+        os.replace(built, target)
 
 
 @functools.cache

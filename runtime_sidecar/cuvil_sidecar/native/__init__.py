@@ -21,10 +21,9 @@ import hashlib
 import os
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
-from cuvil.runtime.native import NativeError, cache_dir
+from cuvil.runtime.native import NativeError, cache_dir, compile_into
 
 SOURCE = Path(__file__).parent / "frontend.cc"
 FLAGS = ("-O2", "-std=c++17", "-fPIC", "-shared")
@@ -80,11 +79,7 @@ def build() -> Path:
         return target
     flags = _grpc_flags()
     compiler = _compiler()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        built = Path(scratch) / target.name
-        _run([compiler, *FLAGS, str(SOURCE), "-o", str(built), *flags])
-        os.replace(built, target)  # atomic: concurrent builders all end with a whole file
+    compile_into(target, lambda built: [compiler, *FLAGS, str(SOURCE), "-o", str(built), *flags])
     return target
 
 
