@@ -22,10 +22,10 @@ from cuvil.runtime.linear_kernels import compute_precision
 from cuvil.runtime.native import describe as describe_native
 from cuvil.runtime.plan import ExecutionPlan
 from cuvil.runtime.signature import InputBinder, InputError, Signature
-from cuvil.runtime.tactics import ROUNDS
+from cuvil.runtime.tactics import trial_length
 
 TARGET_DEVICES = {"cpu": "cpu", "cuda": "cuda"}
-SETTLE_RUNS = 3 * (ROUNDS + 1) + 1  # up to three candidates, each a warm-up and ROUNDS timed calls
+SETTLE_RUNS = trial_length(3) + 1  # up to three candidates
 
 
 def target_device(target: str) -> torch.device:
@@ -103,6 +103,11 @@ class CompiledModel:
                 return runs  # no choice this shape meets is still open
             before = after
         return max_runs
+
+    def preset_tactics(self, choices: Mapping[str, Mapping[int, str]]) -> int:
+        """Run the kernels chosen before (``execution()["tactics"]``, e.g. from the tactics cache,
+        runtime/tactics_cache.py) instead of timing them; returns how many choices were taken."""
+        return self._plan.preset_tactics(choices)
 
     def run(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Run on named inputs; returns outputs by name. Tensors on the model's device are used

@@ -7,14 +7,22 @@ in a loop, and oneDNN's erf-GELU post-op is 45 % slower than a separate in-place
 the tiny Llama, where each weight arrives from L3 rather than L2, oneDNN is 8 % faster overall.
 Timing candidates back to back on a hot weight picked the wrong path there, so the timing is
 done in place: while a bucket (row counts rounded up to a power of two) is undecided, its calls
-take the candidates one after another, each for ``ROUNDS + 1`` consecutive calls (A A A A A
-B B B B B ...), timed where the model really runs them; the first call of each run is untimed
-(oneDNN builds its primitive there, and the caches still hold the previous candidate's copy of
-the weight), and after that the fastest serves the bucket. Runs rather than alternation
+take the candidates in runs of ``ROUNDS + 1`` consecutive calls, timed where the model really
+runs them; the first call of each run is untimed (oneDNN builds its primitive there, and the
+caches still hold the previous candidate's copy of the weight). Runs rather than alternation
 (A B A B), because each path keeps its own copy of the weight: alternating, every call found
 its weight evicted by the other path's copy, a state that never occurs once one is chosen. A
 one-row GEMM split across cores (runtime/split_gemm.py) only wins with its weight slices still
-in each core's L2, which alternation never showed. Every call returns the
+in each core's L2, which alternation never showed.
+
+The runs go round the candidates ``BLOCKS`` times (A A A A A B B B B B, three times over), and
+a candidate's time is the median over its runs of each run's fastest call. One run each was not
+enough on a shared host: every op of a model times its candidates in the same model runs, so a
+slow second of the host decided all of them at once. Three ResNet-50 loads in a row picked
+``gemm`` for all 20 pointwise convolutions in one (51.2 ms a run) and ``onednn`` in the two
+others (46.1 and 46.8 ms). For the same reason each ``Tactics`` starts its round at a different
+candidate (by the order they were made), so that a slow stretch falls on different candidates
+of different ops. After the trial the fastest serves the bucket. Every call returns the
 candidate's result, so nothing runs twice. Candidates must be pure: same inputs, same result
 (to rounding).
 
@@ -28,12 +36,22 @@ kernel choice, e.g. for bisecting a numerical difference).
 
 from __future__ import annotations
 
+import itertools
 import os
+import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-ROUNDS = 4  # timed calls per candidate, after one untimed warm-up call each
+ROUNDS = 4  # timed calls per run of a candidate, after one untimed warm-up call
+BLOCKS = 3  # runs per candidate
+
+_made = itertools.count()  # staggers where each Tactics starts its round
+
+
+def trial_length(candidates: int) -> int:
+    """Calls a bucket with this many candidates takes to decide."""
+    return candidates * BLOCKS * (ROUNDS + 1)
 
 
 def timing_enabled() -> bool:
@@ -46,26 +64,32 @@ def bucket(rows: int) -> int:
 
 
 class _Trial:
-    """The calls of one undecided bucket: whose turn it is, and each candidate's best time."""
+    """The calls of one undecided bucket: whose turn it is, and each candidate's runs' bests."""
 
-    def __init__(self, count: int) -> None:
+    def __init__(self, count: int, offset: int = 0) -> None:
         self.calls = 0
         self.count = count
-        self.best = [float("inf")] * count
+        self.offset = offset
+        self.runs: list[list[float]] = [[] for _ in range(count)]
 
     def next_index(self) -> int:
-        return (self.calls // (ROUNDS + 1)) % self.count
+        return (self.calls // (ROUNDS + 1) + self.offset) % self.count
 
     def record(self, index: int, seconds: float) -> None:
-        if self.calls % (ROUNDS + 1):  # the first call of each candidate's run is its warm-up
-            self.best[index] = min(self.best[index], seconds)
+        position = self.calls % (ROUNDS + 1)
+        if position == 1:  # position 0, the run's first call, is its warm-up
+            self.runs[index].append(seconds)
+        elif position:
+            self.runs[index][-1] = min(self.runs[index][-1], seconds)
         self.calls += 1
 
     def winner(self) -> int | None:
-        """The fastest candidate (fastest call: the one no neighbour slowed), once all ran."""
-        if self.calls < self.count * (ROUNDS + 1):
+        """The candidate whose runs were fastest (median over its runs of each run's fastest
+        call: the call no neighbour slowed, in the run no slow stretch of the host hit)."""
+        if self.calls < trial_length(self.count):
             return None
-        return self.best.index(min(self.best))
+        times = [statistics.median(runs) for runs in self.runs]
+        return times.index(min(times))
 
 
 class Tactics:
@@ -89,6 +113,7 @@ class Tactics:
         self.chosen: dict[int, tuple[str, Callable[..., Any]]] = {}
         self.on_decided = on_decided
         self._trials: dict[int, _Trial] = {}
+        self._serial = next(_made)
 
     def candidates_for(self, key: int) -> tuple[tuple[str, Callable[..., Any]], ...]:
         return self.small if key <= self.small_keys else self.candidates
@@ -101,7 +126,9 @@ class Tactics:
         if len(candidates) == 1 or not timing_enabled():
             self.chosen[key] = candidates[0]
             return candidates[0][1](*args)
-        trial = self._trials.setdefault(key, _Trial(len(candidates)))
+        trial = self._trials.get(key)
+        if trial is None:
+            trial = self._trials[key] = _Trial(len(candidates), self._serial % len(candidates))
         index = trial.next_index()
         start = time.perf_counter()
         result = candidates[index][1](*args)
@@ -113,6 +140,22 @@ class Tactics:
             if self.on_decided is not None:
                 self.on_decided(self.describe())
         return result
+
+    def preset(self, choices: Mapping[int, str]) -> int:
+        """Take choices made before (bucket -> candidate name; ``runtime/tactics_cache.py``)
+        instead of timing those buckets again. A name this op does not offer for that bucket is
+        skipped, and the bucket is timed as usual. Returns how many choices were taken."""
+        taken = 0
+        for key, name in choices.items():
+            offered = dict(self.candidates_for(key))
+            if key in self.chosen or name not in offered:
+                continue
+            self.chosen[key] = (name, offered[name])
+            self._trials.pop(key, None)
+            taken += 1
+        if taken and self.on_decided is not None:
+            self.on_decided(self.describe())
+        return taken
 
     def describe(self) -> dict[int, str]:
         """bucket -> name of the chosen candidate, or ``timing`` while its calls still take the

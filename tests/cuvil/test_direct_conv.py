@@ -85,8 +85,13 @@ def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
 @pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
 @pytest.mark.parametrize("residual", [False, True])
 def test_direct_convolution_matches_torch(
-    dnnl: dnnl_module.Dnnl, geometry: tuple[int, ...], activation: str, residual: bool
+    dnnl: dnnl_module.Dnnl,
+    geometry: tuple[int, ...],
+    activation: str,
+    residual: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.setenv("CUVIL_TACTICS", "first")  # the direct path, never Winograd's (own test)
     torch.manual_seed(0)
     inputs, outputs, kernel, *_, groups = geometry
     args = _args(torch.randn(outputs, inputs // groups, kernel, kernel), geometry, activation)

@@ -3,6 +3,7 @@ weights run widened to fp32 where the CPU has no bf16 instructions."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -16,7 +17,7 @@ from cuvil.runtime.linear_kernels import (
     linear_kernel,
     swiglu_kernel,
 )
-from cuvil.runtime.tactics import ROUNDS, Tactics, bucket
+from cuvil.runtime.tactics import BLOCKS, ROUNDS, Tactics, bucket, trial_length
 
 REFERENCE = {
     "none": lambda y: y,
@@ -88,12 +89,43 @@ def test_tactics_time_candidates_in_place_then_keep_the_faster() -> None:
         return x + 1
 
     tactics = Tactics([("slow", slow), ("fast", fast)])
-    results = [tactics.run(8, n) for n in range(2 * (ROUNDS + 1))]
-    assert results == [n + 1 for n in range(2 * (ROUNDS + 1))]  # every call answered, once
-    assert calls == ["slow"] * (ROUNDS + 1) + ["fast"] * (ROUNDS + 1)  # a run each, undecided
+    length = trial_length(2)
+    results = [tactics.run(8, n) for n in range(length)]
+    assert results == [n + 1 for n in range(length)]  # every call answered, once
+    runs = [calls[at : at + ROUNDS + 1] for at in range(0, length, ROUNDS + 1)]
+    assert all(len(set(run)) == 1 for run in runs)  # runs of one candidate
+    assert [run[0] for run in runs[:2]] * BLOCKS == [run[0] for run in runs]  # taking turns
     assert tactics.describe() == {8: "fast"}
-    assert tactics.run(8, 1) == 2 and calls[-1] == "fast" and len(calls) == 2 * ROUNDS + 3
+    assert tactics.run(8, 1) == 2 and calls[-1] == "fast" and len(calls) == length + 1
     assert tactics.run(16, 1) == 2 and tactics.describe() == {8: "fast", 16: "timing"}
+
+
+def test_one_slow_stretch_does_not_decide_a_tactic() -> None:
+    """The fast candidate's first run is slowed (a neighbour's burst); its other runs decide."""
+    fast_calls = 0
+
+    def steady() -> str:
+        time.sleep(0.002)
+        return "steady"
+
+    def fast() -> str:
+        nonlocal fast_calls
+        fast_calls += 1
+        time.sleep(0.006 if fast_calls <= ROUNDS + 1 else 0)
+        return "fast"
+
+    tactics = Tactics([("steady", steady), ("fast", fast)])
+    for _ in range(trial_length(2)):
+        tactics.run(1)
+    assert tactics.describe() == {1: "fast"}
+
+
+def test_tactics_start_their_rounds_at_different_candidates() -> None:
+    firsts = set()
+    for _ in range(4):
+        tactics = Tactics([("a", lambda: "a"), ("b", lambda: "b")])
+        firsts.add(tactics.run(1))
+    assert firsts == {"a", "b"}
 
 
 def test_tactics_first_disables_timing(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -137,7 +169,7 @@ def test_compiled_model_reports_the_paths_its_linears_chose() -> None:
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
     compiled = cuvil.jit(model.eval(), (torch.randn(2, 8),))
-    for _ in range(3 * (ROUNDS + 1)):  # the calls that time the paths (2 rows: three of them)
+    for _ in range(trial_length(3)):  # the calls that time the paths (2 rows: three of them)
         compiled(torch.randn(2, 8))
     tactics = compiled.execution()["tactics"]
     assert len(tactics) == 2
@@ -170,11 +202,11 @@ def test_few_row_candidates_join_only_small_buckets() -> None:
         return lambda: calls.append(name) or name
 
     tactics = Tactics([("a", path("a")), ("b", path("b"))], [("c", path("c"))], small_keys=4)
-    for _ in range(3 * (ROUNDS + 1)):
+    for _ in range(trial_length(3)):
         tactics.run(4)
     assert set(calls) == {"a", "b", "c"} and tactics.describe()[4] in {"a", "b", "c"}
     calls.clear()
-    for _ in range(2 * (ROUNDS + 1)):
+    for _ in range(trial_length(2)):
         tactics.run(8)
     assert set(calls) == {"a", "b"} and tactics.describe()[8] in {"a", "b"}
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from cuvil.runtime.cpu_kernels import conv2d_kernel
 from cuvil.runtime.pointwise_conv import gemm_conv, is_pointwise
-from cuvil.runtime.tactics import ROUNDS
+from cuvil.runtime.tactics import trial_length
 
 ACTIVATIONS = {"none": lambda y: y, "relu": torch.relu, "silu": F.silu, "relu6": F.relu6}
 SHAPES = [(1, 16, 24, 7), (3, 8, 5, 5), (2, 8, 8, 1)]  # batch, in, out, size (1: ambiguous layout)
@@ -90,7 +90,7 @@ def test_kernel_times_both_paths_and_keeps_matching(residual: bool) -> None:
     x = _channels_last(1, 8, 6, 6)
     extra = (_channels_last(1, 12, 6, 6),) if residual else ()
     expected = _expected(x, weight, bias, str(args["activation"]), *extra)
-    for _ in range(2 * (ROUNDS + 1)):  # every call of the trial, whichever path it takes
+    for _ in range(trial_length(2)):  # every call of the trial, whichever path it takes
         _close(kernel(x, *extra), expected)
     assert kernel.tactics.describe()[1] in {"onednn", "gemm"}
     _close(kernel(x, *extra), expected)

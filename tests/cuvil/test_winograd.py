@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from cuvil.runtime import native
 from cuvil.runtime.cpu_kernels import conv2d_kernel
+from cuvil.runtime.tactics import trial_length
 from cuvil.runtime.winograd import WinogradConv, winograd_conv, with_winograd_tactic
 
 TOLERANCE = 2e-5  # relative to the output's scale; measured 1e-6 to 8e-6
@@ -135,11 +136,11 @@ def test_tactic_frees_the_transformed_weight_when_direct_wins() -> None:
     conv = with_winograd_tactic(instant, weight, bias, [1, 1], "none")
     tactics = conv.tactics  # type: ignore[attr-defined]
     winograd = dict(tactics.candidates)["winograd"]
-    for _ in range(12):
+    for _ in range(trial_length(2) + 2):
         assert _relative(conv(x), want) < TOLERANCE
     assert tactics.describe() == {1: "onednn"}
     assert winograd._transformed is None  # released once the other path was chosen
-    assert len(calls) > 5  # and the direct path serves from then on
+    assert len(calls) == trial_length(2) // 2 + 2  # and the direct path serves from then on
 
 
 def test_conv2d_kernel_offers_winograd_only_where_it_can_win() -> None:
@@ -221,7 +222,7 @@ def test_compiled_model_matches_eager_while_the_tactic_times_both_paths() -> Non
         x = torch.randn(batch, 8, 20, 20)
         with torch.no_grad():
             want = model(x)
-        for _ in range(12):  # 2 candidates x 5 calls decide the bucket
+        for _ in range(trial_length(2) + 2):  # the calls that decide the bucket, and two more
             assert _relative(compiled(x), want) < TOLERANCE
     assert compiled.execution()["winograd"].startswith("native (")
     choices = compiled.execution()["tactics"]
