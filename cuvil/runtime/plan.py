@@ -305,6 +305,16 @@ class ExecutionPlan:
                 trials.update(((step.name, key), n) for key, n in tactics.trial_calls().items())
         return trials
 
+    def preset_tactics(self, choices: Mapping[str, Mapping[int, str]]) -> int:
+        """node -> {row bucket: path} made before: taken instead of timed (``Tactics.preset``).
+        Returns how many were taken."""
+        taken = 0
+        for step in self.steps:
+            tactics = getattr(step.kernel, "tactics", None)
+            if tactics is not None and step.name in choices:
+                taken += tactics.preset(choices[step.name])
+        return taken
+
     def tactic_choices(self) -> dict[str, dict[int, str]]:
         """node -> {row bucket: GEMM path, or "timing"} for the kernels that have run with a
         choice to make (see runtime/tactics)."""

@@ -8,6 +8,10 @@
 - ``CUVIL_METRICS_PORT`` (8002): HTTP ``/metrics`` (Prometheus), ``/v2/health/live`` and
   ``/v2/health/ready`` (503 with the reason while not ready); 0 turns it off.
 - ``CUVIL_CACHE_DIR`` (``~/.cache/cuvil``): node cache for pulled artifacts.
+- ``CUVIL_TACTICS_CACHE`` (``$CUVIL_CACHE_DIR/tactics``): where the kernel choices timed at
+  warm-up are kept per artifact and machine (``cuvil/runtime/tactics_cache.py``), so that a
+  restart or reload of the same artifact runs the same kernels without timing them again
+  (TensorRT's timing cache); ``off`` times them on every load.
 - ``CUVIL_MAX_BATCH_SIZE`` (8): most rows one joined batch holds; 0 or 1 turns batching off.
 - ``CUVIL_MAX_QUEUE_DELAY_US`` (500): how long a request may wait for others to join it.
 - ``CUVIL_MODEL_INSTANCES`` (1): batches executed at once (Triton's instance count).
@@ -56,6 +60,7 @@ class SidecarConfig:
     grpc_port: int = 8001
     metrics_port: int = 8002
     cache_dir: Path | None = None
+    tactics_cache: Path | None = None
     max_batch_size: int = 8
     max_queue_delay_us: int = 500
     model_instances: int = 1
@@ -81,6 +86,9 @@ class SidecarConfig:
                 "CUVIL_MODEL is not set: give an artifact path or a registry reference"
             )
         cache = env.get("CUVIL_CACHE_DIR")
+        tactics = env.get("CUVIL_TACTICS_CACHE", "").strip()
+        if not tactics:
+            tactics = str(Path(cache or "~/.cache/cuvil").expanduser() / "tactics")
         return cls(
             model=model,
             model_name=env.get("CUVIL_MODEL_NAME") or None,
@@ -88,6 +96,7 @@ class SidecarConfig:
             grpc_port=_integer(env, "CUVIL_GRPC_PORT", cls.grpc_port, low=0),
             metrics_port=_integer(env, "CUVIL_METRICS_PORT", cls.metrics_port, low=0),
             cache_dir=Path(cache) if cache else None,
+            tactics_cache=None if tactics.lower() == "off" else Path(tactics),
             max_batch_size=_integer(env, "CUVIL_MAX_BATCH_SIZE", cls.max_batch_size, low=0),
             max_queue_delay_us=_integer(
                 env, "CUVIL_MAX_QUEUE_DELAY_US", cls.max_queue_delay_us, low=0

@@ -12,6 +12,10 @@ up to the largest joined batch (and that size itself): these buckets are settled
 in between (up to ``PRIMED_UP_TO``) then run once each: their kernel choices are those of the
 next power of two, already made, so one run only builds their oneDNN primitives (7-30 ms each),
 which the first joined batch of that size would otherwise wait for.
+
+The kernel choices warm-up makes are kept in the tactics cache (``CUVIL_TACTICS_CACHE``), and a
+later load of the same artifact on the same machine takes them instead of timing again: a
+restarted sidecar runs the kernels its predecessor ran.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import torch
 from cuvil.artifact import media_types as mt
 from cuvil.artifact.files import ArtifactError, decode_files, read_files
 from cuvil.dtypes import torch_dtype
+from cuvil.runtime import tactics_cache
 from cuvil.runtime.model import CompiledModel
 from cuvil.runtime.signature import InputBinder, InputError, Signature
 from cuvil.shape_expr import compile_expr
@@ -69,6 +74,7 @@ def load_checked(
     golden_tolerance: float,
     progress: Progress = lambda message: None,
     warmup_shapes: tuple[Mapping[str, int], ...] = (),
+    tactics_cache_dir: Path | None = None,
 ) -> LoadedModel:
     started = time.perf_counter()
     progress(f"fetching {source}")
@@ -88,6 +94,7 @@ def load_checked(
         model.config["annotations"] = annotations | dict(model.config.get("annotations") or {})
     if model.device.type == "cuda" and not torch.cuda.is_available():
         raise StartupError(f"{path} targets {model.config.get('target')} but no GPU is visible")
+    cached = tactics_cache.take_cached(model, digest, tactics_cache_dir)
     symbol = batch_symbol(model.signature)
     buckets = shape_buckets(model, symbol, max_rows, warmup_shapes)
     fastest = float("inf")
@@ -109,6 +116,7 @@ def load_checked(
             raise StartupError(f"warm-up at {bucket} failed: {error}") from error
     progress("checking golden outputs")
     check_golden(model, golden_tolerance)
+    tactics_cache.keep(model, digest, tactics_cache_dir, cached)
     before = resident_mib()
     if trim_heap():  # what loading and warm-up freed goes back to the OS
         log.info("resident %.0f MiB after warm-up, %.0f MiB trimmed", before, resident_mib())

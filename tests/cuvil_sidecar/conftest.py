@@ -71,6 +71,7 @@ class Sidecar:
             "PYTHONPATH": os.pathsep.join([str(REPO / "runtime_sidecar"), str(REPO)]),
             "OMP_NUM_THREADS": "2",
             "CUVIL_GRPC_FRONTEND": "native",
+            "CUVIL_TACTICS_CACHE": str(log_path.parent / "tactics"),  # not the user's cache
         }
         environ |= env
         self.frontend = environ["CUVIL_GRPC_FRONTEND"]

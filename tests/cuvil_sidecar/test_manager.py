@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from cuvil_sidecar.config import ConfigError, SidecarConfig
 from cuvil_sidecar.errors import ModelNotFound, ModelNotReady
-from cuvil_sidecar.manager import ModelManager
+from cuvil_sidecar.manager import ModelManager, in_own_thread
 from cuvil_sidecar.metrics import Metrics
 from cuvil_sidecar.source import ModelSource
 
@@ -182,3 +182,36 @@ def test_joined_batches_respect_the_models_batch_bound(mlp_artifact: Path) -> No
         await manager.close()
 
     asyncio.run(scenario())
+
+
+def _os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_a_load_leaves_no_openmp_threads_behind() -> None:
+    """Loading runs on a thread that ends with it, taking its OpenMP pool along: a pool left
+    beside the serving thread's makes libgomp stop spinning, and every model run slower."""
+    import torch
+
+    def parallel_work() -> float:
+        x = torch.randn(512, 512)
+        return float((x @ x).sum())  # a parallel region: this thread gets an OpenMP pool
+
+    async def main() -> tuple[float, int]:
+        before = _os_threads()
+        result = await in_own_thread(parallel_work)
+        deadline = time.monotonic() + 5
+        while _os_threads() > before and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        with pytest.raises(ZeroDivisionError):
+            await in_own_thread(lambda: 1 / 0)
+        return result, _os_threads() - before
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        result, left = asyncio.run(main())
+    finally:
+        torch.set_num_threads(threads)
+    assert result != 0.0
+    assert left <= 0, f"{left} threads outlived the load"

@@ -4,6 +4,7 @@ them then meets no kernel choice still being timed."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from cuvil_sidecar.startup import (
 )
 
 import cuvil
+from cuvil.runtime.model import CompiledModel
 
 
 def test_warmup_shapes_from_the_environment() -> None:
@@ -63,3 +65,33 @@ def test_served_shapes_meet_no_open_kernel_choice(minilm_artifact: Path) -> None
     unwarmed = bucket_inputs(model, {"batch": 1, "seq": 300})  # 300 rows: a new bucket
     model.run(unwarmed)
     assert model._plan.tactic_trials() != {}  # the check can fail: this size was never warmed
+
+
+def test_tactics_cache_setting() -> None:
+    default = SidecarConfig.from_env({"CUVIL_MODEL": "m", "CUVIL_CACHE_DIR": "/var/cache/cuvil"})
+    assert default.tactics_cache == Path("/var/cache/cuvil/tactics")
+    off = SidecarConfig.from_env({"CUVIL_MODEL": "m", "CUVIL_TACTICS_CACHE": "off"})
+    assert off.tactics_cache is None
+    elsewhere = SidecarConfig.from_env({"CUVIL_MODEL": "m", "CUVIL_TACTICS_CACHE": "/t"})
+    assert elsewhere.tactics_cache == Path("/t")
+
+
+def test_a_reload_runs_the_kernels_the_first_load_chose(
+    minilm_artifact: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    def loaded() -> CompiledModel:
+        return load_checked(
+            ModelSource(str(minilm_artifact)),
+            source_digest="sha256:test",
+            max_rows=2,
+            warmup_runs=1,
+            golden_tolerance=1e-3,
+            tactics_cache_dir=tmp_path,
+        ).model
+
+    first = loaded().execution()["tactics"]
+    assert first and [path.suffix for path in tmp_path.iterdir()] == [".json"]
+    with caplog.at_level(logging.INFO, "cuvil.runtime.tactics_cache"):
+        second = loaded()
+    assert f"took {sum(map(len, first.values()))} kernel choices" in caplog.text
+    assert second.execution()["tactics"] == first
