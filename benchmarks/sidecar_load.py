@@ -4,7 +4,8 @@ compiled model in process. Prints one JSON document.
 
     .venv/bin/python benchmarks/sidecar_load.py --models mlp,minilm,resnet50 --duration 3
 
-Each model is compiled once per version of the compiler's sources (kept in --artifacts, default
+The in-process runs and every sidecar share one tactics cache (``tactics/`` beside the
+artifacts), so all of them run the same kernels. Each model is compiled once per version of the compiler's sources (kept in --artifacts, default
 /tmp/cuvil-bench-artifacts, named by a digest of cuvil/**/*.py, so that an artifact compiled by
 older code is never measured as if it were current), then
 served by a sidecar subprocess per batching mode on loopback ports. Requests are batch 1 (MiniLM:
@@ -21,8 +22,11 @@ back, 206 us after 1 ms of sleep, 550 us after 5 ms, at one thread as at two), a
 ``overhead_vs_idle_ms`` sets the sidecar's p50 against that. Every run is served by the first of
 ``--frontends`` (``CUVIL_GRPC_FRONTEND``, default native). ``sync_client`` repeats concurrency 1
 unbatched with tritonclient's synchronous client (what most callers use; no event loop on the
-client side) once per front end, an unbatched sidecar each, their calls interleaved:
-``p50_ms``, ``rpc_floor_p50_ms`` and ``overhead_ms`` as above, and
+client side) once per front end, an unbatched sidecar each, their calls interleaved with each
+other and with in-process runs of the model in the benchmark's own process
+(``sync_client_in_process_p50_ms``): ``p50_ms``, ``rpc_floor_p50_ms``, and ``overhead_ms``
+against those in-process runs, measured in the same stretch of time (the fairest of these
+figures on a noisy host), and
 ``shared_memory_p50_ms`` / ``shared_memory_overhead_ms`` with every input and output in system
 shared memory (Triton's extension, for a client in the same pod; each call copies the inputs
 into the segment and the outputs out of it, as a caller with fresh data would, so only the
@@ -97,11 +101,9 @@ def compiled_artifact(name: str, folder: Path) -> Path:
     return model.save(path)
 
 
-def in_process_p50(
-    path: Path, inputs: dict[str, np.ndarray], runs: int, idle_s: float = 0.0
-) -> float:
-    """``CompiledModel.run`` p50 back to back, or with the process idle ``idle_s`` before each
-    call, as a server is between one client's requests at concurrency 1."""
+def in_process_call(path: Path, inputs: dict[str, np.ndarray]) -> Callable[[], object]:
+    """``CompiledModel.run`` on ``inputs`` in this process, warmed up, running the kernels the
+    sidecars run (the same tactics cache)."""
     import torch
 
     from cuvil.artifact import media_types
@@ -110,7 +112,6 @@ def in_process_p50(
     from cuvil.runtime.model import load
 
     model = load(path)
-    # the kernels the sidecars run: both take their choices from one tactics cache
     digest = "sha256:" + hashlib.sha256(read_files(path)[media_types.CONFIG_FILE]).hexdigest()
     cached = tactics_cache.take_cached(model, digest, tactics_folder(path))
     tensors = {name: torch.from_numpy(array) for name, array in inputs.items()}
@@ -119,13 +120,22 @@ def in_process_p50(
     warm_until = time.perf_counter() + 1.0  # time, not runs: a fresh process starts slow here
     while time.perf_counter() < warm_until:
         model.run(tensors)
+    return functools.partial(model.run, tensors)
+
+
+def in_process_p50(
+    path: Path, inputs: dict[str, np.ndarray], runs: int, idle_s: float = 0.0
+) -> float:
+    """``CompiledModel.run`` p50 back to back, or with the process idle ``idle_s`` before each
+    call, as a server is between one client's requests at concurrency 1."""
+    run = in_process_call(path, inputs)
     times: list[float] = []
     give_up = time.perf_counter() + 3.0  # at most ~3 s per model, at least 10 runs
     while len(times) < runs and (len(times) < 10 or time.perf_counter() < give_up):
         if idle_s:
             time.sleep(idle_s)
         started = time.perf_counter()
-        model.run(tensors)
+        run()
         times.append((time.perf_counter() - started) * 1e3)
     return statistics.median(times)
 
@@ -268,14 +278,18 @@ def interleaved_p50(calls: dict[str, Callable[[], object]], budget_s: float = 6.
 
 
 def sync_client_c1(
-    urls: dict[str, str], model: str, inputs: dict[str, np.ndarray]
+    urls: dict[str, str],
+    model: str,
+    inputs: dict[str, np.ndarray],
+    in_process: Callable[[], object],
 ) -> dict[str, dict[str, float]]:
     """Concurrency-1 p50s through the synchronous client, per front end (``urls``: front end ->
     its unbatched sidecar): ModelInfer with raw tensors, the same with every tensor in shared
-    memory, and ServerLive, all interleaved across the front ends."""
+    memory, and ServerLive, all interleaved across the front ends and with ``in_process`` runs
+    of the same model in this process (under ``"in_process"``)."""
     import tritonclient.grpc as syncclient
 
-    calls: dict[str, Callable[[], object]] = {}
+    calls: dict[str, Callable[[], object]] = {"in_process/p50_ms": in_process}
     with contextlib.ExitStack() as stack:
         for frontend, url in urls.items():
             client = syncclient.InferenceServerClient(url)
@@ -286,7 +300,7 @@ def sync_client_c1(
             calls[f"{frontend}/shared_memory_p50_ms"] = in_shared_memory
             calls[f"{frontend}/rpc_floor_p50_ms"] = client.is_server_live
         medians = interleaved_p50(calls, budget_s=6.0 * len(urls))
-    split: dict[str, dict[str, float]] = {frontend: {} for frontend in urls}
+    split: dict[str, dict[str, float]] = {frontend: {} for frontend in [*urls, "in_process"]}
     for key, value in medians.items():
         frontend, _, name = key.partition("/")
         split[frontend][name] = value
@@ -376,7 +390,7 @@ def compare_frontends(
                 frontend,
             )
             others.append(process)
-        return sync_client_c1(urls, name, inputs)
+        return sync_client_c1(urls, name, inputs, in_process_call(path, inputs))
     finally:
         for process in others:
             process.send_signal(signal.SIGTERM)
@@ -448,9 +462,11 @@ def main() -> int:
         entry["overhead_ms"] = round(off[0]["p50_ms"] - in_process, 3)
         by_frontend = entry["sync_client"]
         assert isinstance(by_frontend, dict)
+        beside = by_frontend.pop("in_process")["p50_ms"]  # measured in the same blocks
+        entry["sync_client_in_process_p50_ms"] = beside
         for sync in by_frontend.values():
-            sync["overhead_ms"] = round(sync["p50_ms"] - in_process, 3)
-            sync["shared_memory_overhead_ms"] = round(sync["shared_memory_p50_ms"] - in_process, 3)
+            sync["overhead_ms"] = round(sync["p50_ms"] - beside, 3)
+            sync["shared_memory_overhead_ms"] = round(sync["shared_memory_p50_ms"] - beside, 3)
         # The same runs with the client's round trip as idle time before each: what the model
         # itself costs when called as the sidecar calls it (caches and cores gone cold)
         idle = float(entry["rpc_floor_p50_ms"]) / 1e3  # type: ignore[arg-type]
