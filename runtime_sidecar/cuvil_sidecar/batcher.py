@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import threading
 import time
 from collections.abc import Callable, Hashable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cuvil_sidecar.errors import ShuttingDown
+from cuvil_sidecar.handoff import Handoff
 
 # Runs shorter than this (recent average) skip the worker thread when batching is off and the
 # model is idle: well above the ~0.2 ms hand-off it saves, well below a run worth overlapping.
@@ -79,6 +81,7 @@ class Batcher:
         )
         self._closed = False
         self._direct = 0  # requests running alone, inline or on the executor (batching off)
+        self._direct_lock = threading.Lock()
         self.recent_run_s = float("inf")  # average of recent runs; unknown until the first
 
     @property
@@ -105,17 +108,22 @@ class Batcher:
         loop = asyncio.get_running_loop()
         job = _Job(inputs, rows, key, loop.create_future())
         if not self._tasks:
-            inline = self._direct == 0 and self.runs_inline
-            self._direct += 1
+            with self._direct_lock:  # (a call resumed on a worker lowers it there)
+                alone = self._direct == 0
+                self._direct += 1
+            inline = alone and self.runs_inline
             try:
                 if inline:
                     started, results, finished = self._execute([job])
                 else:
-                    started, results, finished = await loop.run_in_executor(
-                        self._executor, self._execute, [job]
+                    # Alone, the call goes on from the worker after the run (handoff.py); with
+                    # others queued, the worker turns to the next run and the loop answers.
+                    started, results, finished = await Handoff(
+                        self._executor, self._execute, [job], resume_on_worker=alone
                     )
             finally:
-                self._direct -= 1
+                with self._direct_lock:
+                    self._direct -= 1
             return BatchResult(results[0], job.enqueued_ns, started, finished, 1, rows, inline)
         self._queue.put_nowait(job)
         return await job.future

@@ -21,6 +21,7 @@ import contextvars
 import ctypes
 import logging
 import struct
+import threading
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -28,7 +29,7 @@ from typing import Any, NoReturn
 import grpc
 from google.protobuf.message import DecodeError
 
-from cuvil_sidecar import tracing
+from cuvil_sidecar import handoff, tracing
 from cuvil_sidecar.native import DISPATCH, load
 
 log = logging.getLogger("cuvil_sidecar.native_frontend")
@@ -94,10 +95,14 @@ class NativeFrontend:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._parked: set[asyncio.Future[Any]] = set()  # what not-yet-task calls wait for
+        self._alive = 0  # calls begun and not yet finished, wherever they run
+        self._alive_lock = threading.Lock()
+        self._loop_thread = 0
 
     async def start(self, address: str) -> int:
         """Listen; returns the bound port. Call from the event loop that serves the calls."""
         self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
         names = b"".join(method.path.encode() + b"\0" for method in self._methods)
         error = ctypes.create_string_buffer(512)
         handle = self._library.cuvil_frontend_start(
@@ -130,6 +135,10 @@ class NativeFrontend:
         await stopped  # gRPC has no call left to hand over
         while self._tasks or self._parked:
             await asyncio.gather(*self._tasks, asyncio.sleep(0), return_exceptions=True)
+        while self._alive:  # calls on a worker finish once their run ends
+            for waiting in [*self._parked, *self._tasks]:
+                waiting.cancel()
+            await asyncio.sleep(0.005)
         self._library.cuvil_frontend_free(handle)  # only once every call is finished
 
     # --- on gRPC's threads ---------------------------------------------------------------------
@@ -151,14 +160,22 @@ class NativeFrontend:
         """Runs the call at once, up to its first wait. A call answered without waiting (health,
         metadata, a small model's inline run) needs no task, which saves a turn of the loop
         (~35 us here); one that waits becomes a task when what it waits for is done, as
-        Python 3.12's eager tasks do."""
+        Python 3.12's eager tasks do. A model run handed to a worker thread (``handoff``) goes
+        on from that thread, to the end of the call."""
         coroutine = self._serve(call, self._methods[index], payload, metadata)
-        context = contextvars.copy_context()
-        try:
-            waited = context.run(coroutine.send, None)
-        except StopIteration:
-            return
-        self._park(coroutine, context, waited)
+        with self._alive_lock:
+            self._alive += 1
+        handoff.drive(coroutine, contextvars.copy_context(), self._on_wait)
+
+    def _on_wait(
+        self, coroutine: Coroutine[Any, Any, None], context: contextvars.Context, waited: Any
+    ) -> None:
+        """A call waits for ``waited``: parked on the loop, from whichever thread drove it."""
+        if threading.get_ident() == self._loop_thread:
+            self._park(coroutine, context, waited)
+        else:  # resumed on a worker, and now waiting for the loop after all
+            assert self._loop is not None
+            self._loop.call_soon_threadsafe(self._park, coroutine, context, waited)
 
     def _park(
         self, coroutine: Coroutine[Any, Any, None], context: contextvars.Context, waited: Any
@@ -179,6 +196,7 @@ class NativeFrontend:
         waited.add_done_callback(adopt, context=context)
 
     async def _serve(self, call: int, method: Method, payload: bytes, metadata: bytes) -> None:
+        """The whole call, on the loop or (after a handoff) on a worker thread."""
         code, details, response = grpc.StatusCode.UNAVAILABLE, "the server is stopping", b""
         try:
             with tracing.server_span(method.path, lambda: parse_metadata(metadata)) as span:
@@ -186,6 +204,8 @@ class NativeFrontend:
                 tracing.set_rpc_status(span, code.value[0], details)
         finally:
             self._finish(call, code, details, response)
+            with self._alive_lock:
+                self._alive -= 1
 
     async def _answer(
         self, method: Method, payload: bytes, metadata: bytes

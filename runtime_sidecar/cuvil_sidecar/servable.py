@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 
 from cuvil.runtime.signature import InputBinder
 from cuvil_sidecar.batcher import Batcher
@@ -52,6 +53,8 @@ class ServedModel:
         )
         self._metrics = metrics
         self.in_flight = 0
+        self._in_flight_lock = threading.Lock()  # a call may end on a worker (handoff.py)
+        self._loop = asyncio.get_running_loop()
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -79,13 +82,22 @@ class ServedModel:
         )
 
     def acquire(self) -> ServedModel:
-        self.in_flight += 1
-        self._idle.clear()
+        """Called on the event loop."""
+        with self._in_flight_lock:
+            self.in_flight += 1
+            self._idle.clear()
         return self
 
     def release(self) -> None:
-        self.in_flight -= 1
-        if self.in_flight == 0:
+        """Called on the event loop, or on a worker thread where a call ended there."""
+        with self._in_flight_lock:
+            self.in_flight -= 1
+            idle = self.in_flight == 0
+        if idle:
+            self._loop.call_soon_threadsafe(self._set_idle)
+
+    def _set_idle(self) -> None:
+        if self.in_flight == 0:  # none acquired since
             self._idle.set()
 
     async def retire(self) -> None:
