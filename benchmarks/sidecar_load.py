@@ -5,12 +5,13 @@ compiled model in process. Prints one JSON document.
     .venv/bin/python benchmarks/sidecar_load.py --models mlp,minilm,resnet50 --duration 3
 
 The in-process runs and every sidecar share one tactics cache (``tactics/`` beside the
-artifacts), so all of them run the same kernels. Each model is compiled once per version of the compiler's sources (kept in --artifacts, default
-/tmp/cuvil-bench-artifacts, named by a digest of cuvil/**/*.py, so that an artifact compiled by
-older code is never measured as if it were current), then
-served by a sidecar subprocess per batching mode on loopback ports. Requests are batch 1 (MiniLM:
-sequence 128, warmed up through CUVIL_WARMUP_SHAPES). ``overhead_ms`` = sidecar p50 at concurrency
-1 without batching minus the in-process ``CompiledModel.run`` p50 on the same input;
+artifacts), so all of them run the same kernels. Each model is compiled once per version of the
+compiler's sources (kept in --artifacts, default /tmp/cuvil-bench-artifacts, named by a digest of
+cuvil/**/*.py, so that an artifact compiled by older code is never measured as if it were
+current), then served by a sidecar subprocess per batching mode on loopback ports. Requests are
+batch 1 (MiniLM: sequence 128, warmed up through CUVIL_WARMUP_SHAPES). ``overhead_ms`` = sidecar
+p50 at concurrency 1 without batching minus the in-process ``CompiledModel.run`` p50 on the same
+input;
 ``rpc_floor_p50_ms`` is a bare ServerLive round trip through the same client, the part of the
 overhead that is gRPC and the Python client rather than the sidecar's data path. The client runs on
 the same machine and competes with the server for its cores, so the figures overstate the sidecar's
