@@ -21,6 +21,7 @@ from cuvil_sidecar.tracing import compile_links
 log = logging.getLogger("cuvil_sidecar.servable")
 
 VERSION = "1"  # one version is served at a time; a reload replaces it in place
+RETIRE_POLL_S = 0.005  # how often a replaced model looks whether its last call has ended
 
 
 class ServedModel:
@@ -54,9 +55,6 @@ class ServedModel:
         self._metrics = metrics
         self.in_flight = 0
         self._in_flight_lock = threading.Lock()  # a call may end on a worker (handoff.py)
-        self._loop = asyncio.get_running_loop()
-        self._idle = asyncio.Event()
-        self._idle.set()
 
     def _count_execution(self, requests: int, rows: int) -> None:
         self._metrics.add("nv_inference_exec_count", self.name, self.version)
@@ -82,26 +80,19 @@ class ServedModel:
         )
 
     def acquire(self) -> ServedModel:
-        """Called on the event loop."""
         with self._in_flight_lock:
             self.in_flight += 1
-            self._idle.clear()
         return self
 
     def release(self) -> None:
-        """Called on the event loop, or on a worker thread where a call ended there."""
+        """On the event loop, or on the worker thread a call ended on: nothing here may wake the
+        loop (that would cost every call a turn of it, for the rare retirement)."""
         with self._in_flight_lock:
             self.in_flight -= 1
-            idle = self.in_flight == 0
-        if idle:
-            self._loop.call_soon_threadsafe(self._set_idle)
-
-    def _set_idle(self) -> None:
-        if self.in_flight == 0:  # none acquired since
-            self._idle.set()
 
     async def retire(self) -> None:
         """Let in-flight requests finish, then stop the batcher and its threads."""
-        await self._idle.wait()
+        while self.in_flight:
+            await asyncio.sleep(RETIRE_POLL_S)
         await self.batcher.close()
         log.info("retired %s %s", self.name, self.digest)
