@@ -27,7 +27,11 @@ client side) once per front end, an unbatched sidecar each, their calls interlea
 other and with in-process runs of the model in the benchmark's own process
 (``sync_client_in_process_p50_ms``): ``p50_ms``, ``rpc_floor_p50_ms``, and ``overhead_ms``
 against those in-process runs, measured in the same stretch of time (the fairest of these
-figures on a noisy host), and
+figures on a noisy host); ``transport_floor_p50_ms`` is the same ModelInfer (same tensors, same
+response bytes) answered by ``echo_server.py`` on the same native front end, interleaved too:
+what gRPC, protobuf and tritonclient cost for a call of this size with no sidecar work at all,
+and ``beyond_transport_floor_ms`` = ``p50_ms`` minus that floor minus the in-process run: what
+the sidecar itself adds (decoding, dispatch to the model, encoding); and
 ``shared_memory_p50_ms`` / ``shared_memory_overhead_ms`` with every input and output in system
 shared memory (Triton's extension, for a client in the same pod; each call copies the inputs
 into the segment and the outputs out of it, as a caller with fresh data would, so only the
@@ -283,15 +287,21 @@ def sync_client_c1(
     model: str,
     inputs: dict[str, np.ndarray],
     in_process: Callable[[], object],
+    echo_url: str,
 ) -> dict[str, dict[str, float]]:
     """Concurrency-1 p50s through the synchronous client, per front end (``urls``: front end ->
     its unbatched sidecar): ModelInfer with raw tensors, the same with every tensor in shared
-    memory, and ServerLive, all interleaved across the front ends and with ``in_process`` runs
-    of the same model in this process (under ``"in_process"``)."""
+    memory, and ServerLive, all interleaved across the front ends, with ``in_process`` runs of
+    the same model in this process (under ``"in_process"``) and with the same ModelInfer
+    answered by ``echo_server.py`` at ``echo_url`` (under ``"transport_floor"``)."""
     import tritonclient.grpc as syncclient
 
     calls: dict[str, Callable[[], object]] = {"in_process/p50_ms": in_process}
     with contextlib.ExitStack() as stack:
+        echo = syncclient.InferenceServerClient(echo_url)
+        stack.callback(echo.close)
+        items = infer_inputs(syncclient.InferInput, inputs)
+        calls["transport_floor/p50_ms"] = functools.partial(echo.infer, model, items)
         for frontend, url in urls.items():
             client = syncclient.InferenceServerClient(url)
             stack.callback(client.close)
@@ -301,7 +311,9 @@ def sync_client_c1(
             calls[f"{frontend}/shared_memory_p50_ms"] = in_shared_memory
             calls[f"{frontend}/rpc_floor_p50_ms"] = client.is_server_live
         medians = interleaved_p50(calls, budget_s=6.0 * len(urls))
-    split: dict[str, dict[str, float]] = {frontend: {} for frontend in [*urls, "in_process"]}
+    split: dict[str, dict[str, float]] = {
+        frontend: {} for frontend in [*urls, "in_process", "transport_floor"]
+    }
     for key, value in medians.items():
         frontend, _, name = key.partition("/")
         split[frontend][name] = value
@@ -365,6 +377,43 @@ async def load(
     }
 
 
+def start_echo_server(
+    url: str,
+    model: str,
+    inputs: dict[str, np.ndarray],
+    folder: Path,
+    processes: list[subprocess.Popen],
+) -> str:
+    """``echo_server.py`` answering with the sidecar at ``url``'s response to ``inputs``;
+    appended to ``processes`` (stopped with them)."""
+    import tritonclient.grpc as syncclient
+
+    client = syncclient.InferenceServerClient(url)
+    answer = client.infer(model, infer_inputs(syncclient.InferInput, inputs))
+    client.close()
+    recorded = folder / f"{model}-response.bin"
+    recorded.write_bytes(answer.get_response().SerializeToString())
+    port = free_port()
+    environ = dict(os.environ)
+    environ["PYTHONPATH"] = os.pathsep.join([str(REPO / "runtime_sidecar"), str(REPO)])
+    process = subprocess.Popen(
+        [sys.executable, str(REPO / "benchmarks" / "echo_server.py"), str(port), str(recorded)],
+        env=environ,
+    )
+    processes.append(process)
+    echo = syncclient.InferenceServerClient(f"127.0.0.1:{port}")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with contextlib.suppress(Exception):
+            if echo.is_server_live():
+                echo.close()
+                return f"127.0.0.1:{port}"
+        if process.poll() is not None:
+            break
+        time.sleep(0.05)
+    raise RuntimeError("echo_server.py did not start")
+
+
 def compare_frontends(
     url: str,
     frontends: list[str],
@@ -391,7 +440,8 @@ def compare_frontends(
                 frontend,
             )
             others.append(process)
-        return sync_client_c1(urls, name, inputs, in_process_call(path, inputs))
+        echo_url = start_echo_server(urls[frontends[0]], name, inputs, args.artifacts, others)
+        return sync_client_c1(urls, name, inputs, in_process_call(path, inputs), echo_url)
     finally:
         for process in others:
             process.send_signal(signal.SIGTERM)
@@ -465,8 +515,11 @@ def main() -> int:
         assert isinstance(by_frontend, dict)
         beside = by_frontend.pop("in_process")["p50_ms"]  # measured in the same blocks
         entry["sync_client_in_process_p50_ms"] = beside
+        floor = by_frontend.pop("transport_floor")["p50_ms"]
+        entry["transport_floor_p50_ms"] = floor
         for sync in by_frontend.values():
             sync["overhead_ms"] = round(sync["p50_ms"] - beside, 3)
+            sync["beyond_transport_floor_ms"] = round(sync["p50_ms"] - floor - beside, 3)
             sync["shared_memory_overhead_ms"] = round(sync["shared_memory_p50_ms"] - beside, 3)
         # The same runs with the client's round trip as idle time before each: what the model
         # itself costs when called as the sidecar calls it (caches and cores gone cold)

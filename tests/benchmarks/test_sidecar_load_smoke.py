@@ -1,6 +1,7 @@
 """The sidecar load benchmark end to end on the MLP: sidecar subprocesses, tritonclient load at
 two concurrencies with batching off and on, the synchronous and shared-memory clients (whose
-outputs must equal the raw ones) on both gRPC front ends, and the JSON it prints."""
+outputs must equal the raw ones) on both gRPC front ends beside in-process runs and the echo
+server's transport floor, and the JSON it prints."""
 
 from __future__ import annotations
 
@@ -41,10 +42,13 @@ def test_mlp_load_report(tmp_path: Path) -> None:
             assert 0 < row["p50_ms"] <= row["p95_ms"] <= row["p99_ms"]
     assert mlp["frontend"] == "native"
     assert set(mlp["sync_client"]) == {"native", "grpcio"}
+    beside, floor = mlp["sync_client_in_process_p50_ms"], mlp["transport_floor_p50_ms"]
+    assert beside > 0 and floor > 0
     for sync in mlp["sync_client"].values():
         assert sync["p50_ms"] > 0 and sync["shared_memory_p50_ms"] > 0
         assert sync["rpc_floor_p50_ms"] > 0
-        assert sync["overhead_ms"] == round(sync["p50_ms"] - mlp["in_process_p50_ms"], 3)
+        assert sync["overhead_ms"] == round(sync["p50_ms"] - beside, 3)
+        assert sync["beyond_transport_floor_ms"] == round(sync["p50_ms"] - floor - beside, 3)
     assert mlp["server_c1"]["request_mean_ms"] >= mlp["server_c1"]["compute_mean_ms"] > 0
     assert mlp["overhead_ms"] == round(
         mlp["batching_off"][0]["p50_ms"] - mlp["in_process_p50_ms"], 3
