@@ -84,6 +84,7 @@ def open_frontend(servicer: InferenceServicer, config: SidecarConfig, provider: 
 
 def _native(servicer: InferenceServicer, config: SidecarConfig) -> Frontend:
     from cuvil_sidecar.native_frontend import Method, NativeFrontend
+    from cuvil_sidecar.wire import split_infer_request
 
     service = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
     methods = [
@@ -91,6 +92,7 @@ def _native(servicer: InferenceServicer, config: SidecarConfig) -> Frontend:
             f"/{service.full_name}/{method.name}",
             getattr(pb, method.input_type.name),
             getattr(servicer, method.name),
+            split_infer_request if method.name == "ModelInfer" else None,
         )
         for method in service.methods
     ]

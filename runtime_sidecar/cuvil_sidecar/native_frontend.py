@@ -42,6 +42,7 @@ class Method:
     path: str  # "/package.Service/Method"
     request_type: Any  # the protobuf message class of its request
     handler: Callable[[Any, Any], Awaitable[Any]]  # async (request, context) -> response
+    parse: Callable[[bytes], Any] | None = None  # request bytes -> request; default FromString
 
 
 class Aborted(Exception):
@@ -211,7 +212,7 @@ class NativeFrontend:
         self, method: Method, payload: bytes, metadata: bytes
     ) -> tuple[grpc.StatusCode, str, bytes]:
         try:
-            request = method.request_type.FromString(payload)
+            request = (method.parse or method.request_type.FromString)(payload)
         except DecodeError:
             name = method.request_type.DESCRIPTOR.name
             return grpc.StatusCode.INVALID_ARGUMENT, f"the request is not a valid {name}", b""

@@ -1,0 +1,106 @@
+"""Cutting raw_input_contents out of a large ModelInferRequest (cuvil_sidecar/wire.py) reads
+exactly what protobuf reads: the same fields, the same tensor bytes, the same failures."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from cuvil_sidecar import wire
+from cuvil_sidecar._generated import grpc_service_pb2 as pb
+from cuvil_sidecar.messages import InferRequest
+from google.protobuf.message import DecodeError
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+names = st.text(min_size=0, max_size=12)
+parameters = st.dictionaries(
+    names,
+    st.one_of(
+        st.builds(lambda v: pb.InferParameter(string_param=v), names),
+        st.builds(lambda v: pb.InferParameter(int64_param=v), st.integers(-(2**63), 2**63 - 1)),
+        st.builds(lambda v: pb.InferParameter(bool_param=v), st.booleans()),
+    ),
+    max_size=3,
+)
+
+
+@st.composite
+def requests(draw: st.DrawFn) -> pb.ModelInferRequest:
+    request = pb.ModelInferRequest(
+        model_name=draw(names), model_version=draw(names), id=draw(names)
+    )
+    for key, value in draw(parameters).items():
+        request.parameters[key].CopyFrom(value)
+    for _ in range(draw(st.integers(0, 3))):
+        tensor = request.inputs.add(
+            name=draw(names), datatype=draw(st.sampled_from(["FP32", "INT64"]))
+        )
+        tensor.shape.extend(draw(st.lists(st.integers(-1, 2**40), max_size=4)))
+        for key, value in draw(parameters).items():
+            tensor.parameters[key].CopyFrom(value)
+        request.raw_input_contents.append(draw(st.binary(max_size=300)))
+    for _ in range(draw(st.integers(0, 2))):
+        request.outputs.add(name=draw(names))
+    return request
+
+
+def _without_raws(request: pb.ModelInferRequest) -> pb.ModelInferRequest:
+    copy = pb.ModelInferRequest()
+    copy.CopyFrom(request)
+    copy.ClearField("raw_input_contents")
+    return copy
+
+
+@settings(max_examples=300, deadline=None)
+@given(requests(), st.randoms(use_true_random=False))
+def test_cutting_reads_what_protobuf_reads(
+    request: pb.ModelInferRequest, rng: random.Random
+) -> None:
+    # Serialized in field order, and as shuffled pieces: a parser must take fields in any order
+    pieces = [
+        pb.ModelInferRequest(raw_input_contents=[raw]).SerializeToString()
+        for raw in request.raw_input_contents
+    ]
+    pieces.append(_without_raws(request).SerializeToString())
+    rng.shuffle(pieces)
+    for payload in (request.SerializeToString(), b"".join(pieces)):
+        whole = pb.ModelInferRequest.FromString(payload)
+        rest, raws = wire.cut_field(payload, wire.RAW_INPUT_CONTENTS)
+        assert pb.ModelInferRequest.FromString(rest) == _without_raws(whole)
+        assert [bytes(raw) for raw in raws] == list(whole.raw_input_contents)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.binary(max_size=200))
+def test_bytes_that_are_no_message_fail_as_protobuf_fails(payload: bytes) -> None:
+    try:
+        expected = pb.ModelInferRequest.FromString(payload)
+    except DecodeError:
+        with pytest.raises(DecodeError):
+            wire.split_infer_request(payload, split_from=0)
+        return
+    got = wire.split_infer_request(payload, split_from=0)
+    assert list(got.raw_input_contents) == list(expected.raw_input_contents)
+    assert got.model_name == expected.model_name and list(got.inputs) == list(expected.inputs)
+
+
+def test_a_large_request_reaches_the_tensors_uncopied_and_equal() -> None:
+    image = bytes(range(256)) * 2400  # 600 KB, ResNet-50's input
+    request = pb.ModelInferRequest(model_name="resnet50", id="7")
+    request.inputs.add(name="pixel_values", datatype="FP32", shape=[1, 3, 224, 224])
+    request.raw_input_contents.append(image)
+    payload = request.SerializeToString()
+    assert len(payload) >= wire.SPLIT_FROM
+    split = wire.split_infer_request(payload)
+    assert isinstance(split, wire.SplitInferRequest)
+    assert isinstance(split.raw_input_contents[0], memoryview)  # a view: no copy made
+    assert split.raw_input_contents[0].obj is payload
+    ours, theirs = InferRequest.from_pb(split), InferRequest.from_pb(request)
+    assert ours.model_name == "resnet50" and ours.id == "7"
+    assert [bytes(i.raw or b"") for i in ours.inputs] == [
+        bytes(i.raw or b"") for i in theirs.inputs
+    ]
+    assert [(i.name, i.shape) for i in ours.inputs] == [(i.name, i.shape) for i in theirs.inputs]
+    small = pb.ModelInferRequest(model_name="mlp").SerializeToString()
+    assert not isinstance(wire.split_infer_request(small), wire.SplitInferRequest)
