@@ -132,9 +132,10 @@ def _from_typed(item: InferInput, datatype: Datatype, elements: int) -> torch.Te
 
 
 def encode_output(name: str, tensor: torch.Tensor) -> InferOutput:
-    """An output tensor -> raw little-endian bytes with its protocol datatype."""
+    """An output tensor -> its raw little-endian bytes (a view of the tensor's memory, copied
+    only into the answer) with its protocol datatype."""
     datatype, flat = _output_bytes(name, tensor)
-    return InferOutput(name, datatype.name, tuple(tensor.shape), flat.numpy().tobytes())
+    return InferOutput(name, datatype.name, tuple(tensor.shape), memoryview(flat.numpy().data))
 
 
 def write_output(

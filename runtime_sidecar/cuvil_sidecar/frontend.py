@@ -18,7 +18,6 @@ from grpc_reflection.v1alpha import reflection
 from cuvil.runtime.native import NativeError
 from cuvil_sidecar import tracing
 from cuvil_sidecar._generated import grpc_service_pb2 as pb
-from cuvil_sidecar._generated import grpc_service_pb2_grpc as pb_grpc
 from cuvil_sidecar.config import SidecarConfig
 from cuvil_sidecar.servicer import SERVICE_NAME, InferenceServicer
 
@@ -50,7 +49,7 @@ class GrpcioFrontend:
                 ("grpc.max_send_message_length", config.max_message_bytes),
             ],
         )
-        pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, self._server)
+        self._server.add_generic_rpc_handlers((_inference_service(servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server
@@ -67,6 +66,27 @@ class GrpcioFrontend:
 
     async def stop(self, grace_s: float) -> None:
         await self._server.stop(grace_s)
+
+
+def _inference_service(servicer: InferenceServicer) -> grpc.GenericRpcHandler:
+    """The inference service for grpcio. Its answers are serialized by their own
+    ``SerializeToString``: a large ModelInfer answer is a ``wire.EncodedInferResponse``."""
+    service = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+    return grpc.method_handlers_generic_handler(
+        service.full_name,
+        {
+            method.name: grpc.unary_unary_rpc_method_handler(
+                getattr(servicer, method.name),
+                request_deserializer=getattr(pb, method.input_type.name).FromString,
+                response_serializer=_serialized,
+            )
+            for method in service.methods
+        },
+    )
+
+
+def _serialized(response: Any) -> bytes:
+    return bytes(response.SerializeToString())
 
 
 def open_frontend(servicer: InferenceServicer, config: SidecarConfig, provider: Any) -> Frontend:

@@ -96,7 +96,7 @@ class InferOutput:
     name: str
     datatype: str
     shape: tuple[int, ...]
-    raw: bytes  # empty when the output was written to shared memory instead
+    raw: bytes | memoryview  # empty when the output was written to shared memory instead
     shared: SharedMemoryRef | None = None
 
 
@@ -108,7 +108,10 @@ class InferResponse:
     outputs: tuple[InferOutput, ...]
 
     def to_pb(self) -> Any:
+        """The response message; for large outputs a ``wire.EncodedInferResponse``, which
+        serializes as the same message with fewer copies."""
         from cuvil_sidecar._generated import grpc_service_pb2 as pb
+        from cuvil_sidecar.wire import ENCODE_FROM, EncodedInferResponse
 
         response = pb.ModelInferResponse(
             model_name=self.model_name, model_version=self.model_version, id=self.id
@@ -123,9 +126,12 @@ class InferResponse:
                         tensor.parameters[key].string_param = value
                     else:
                         tensor.parameters[key].int64_param = value
-            # one entry per output, as the protocol asks: empty for one in shared memory, so
-            # that clients which pair entries with outputs by position stay aligned
-            response.raw_output_contents.append(output.raw)
+        # one entry per output, as the protocol asks: empty for one in shared memory, so that
+        # clients which pair entries with outputs by position stay aligned
+        raws = [output.raw for output in self.outputs]
+        if sum(memoryview(raw).nbytes for raw in raws) >= ENCODE_FROM:
+            return EncodedInferResponse(response, raws)
+        response.raw_output_contents.extend(bytes(raw) for raw in raws)
         return response
 
 

@@ -90,9 +90,19 @@ def infer_both_ways(
     return sync, asyncio.run(run())
 
 
-def test_minilm(minilm_artifact: Path, minilm_spec, tmp_path: Path) -> None:
+# Both gRPC servers: MiniLM's answer (2 x 24 x 384 floats) is large enough to be written by
+# wire.EncodedInferResponse, ResNet-50's 600 KB request to have its image cut out (native).
+FRONTENDS = pytest.mark.parametrize("frontend", ["native", "grpcio"])
+
+
+@FRONTENDS
+def test_minilm(minilm_artifact: Path, minilm_spec, tmp_path: Path, frontend: str) -> None:
     sidecar = Sidecar(
-        minilm_artifact, tmp_path / "minilm.log", CUVIL_MAX_BATCH_SIZE="4", CUVIL_WARMUP_RUNS="3"
+        minilm_artifact,
+        tmp_path / "minilm.log",
+        CUVIL_MAX_BATCH_SIZE="4",
+        CUVIL_WARMUP_RUNS="3",
+        CUVIL_GRPC_FRONTEND=frontend,
     )
     try:
         watch_start_up(sidecar, "minilm")
@@ -117,9 +127,14 @@ def test_minilm(minilm_artifact: Path, minilm_spec, tmp_path: Path) -> None:
         assert sidecar.stop() == 0, sidecar.log()
 
 
-def test_resnet50(resnet_artifact: Path, resnet_spec, tmp_path: Path) -> None:
+@FRONTENDS
+def test_resnet50(resnet_artifact: Path, resnet_spec, tmp_path: Path, frontend: str) -> None:
     sidecar = Sidecar(
-        resnet_artifact, tmp_path / "resnet.log", CUVIL_MAX_BATCH_SIZE="4", CUVIL_WARMUP_RUNS="3"
+        resnet_artifact,
+        tmp_path / "resnet.log",
+        CUVIL_MAX_BATCH_SIZE="4",
+        CUVIL_WARMUP_RUNS="3",
+        CUVIL_GRPC_FRONTEND=frontend,
     )
     try:
         watch_start_up(sidecar, "resnet50")

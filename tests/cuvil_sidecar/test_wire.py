@@ -104,3 +104,45 @@ def test_a_large_request_reaches_the_tensors_uncopied_and_equal() -> None:
     assert [(i.name, i.shape) for i in ours.inputs] == [(i.name, i.shape) for i in theirs.inputs]
     small = pb.ModelInferRequest(model_name="mlp").SerializeToString()
     assert not isinstance(wire.split_infer_request(small), wire.SplitInferRequest)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(names, st.lists(st.integers(0, 2**40), max_size=3)), max_size=3),
+    st.lists(st.binary(max_size=400), min_size=3, max_size=3),
+)
+def test_an_encoded_response_is_the_message_protobuf_would_write(
+    outputs: list[tuple[str, list[int]]], raws: list[bytes]
+) -> None:
+    header = pb.ModelInferResponse(model_name="m", model_version="1", id="x")
+    for name, shape in outputs:
+        header.outputs.add(name=name, datatype="FP32", shape=shape)
+    entries = raws[: len(outputs)]
+    expected = pb.ModelInferResponse()
+    expected.CopyFrom(header)
+    expected.raw_output_contents.extend(entries)
+    encoded = wire.EncodedInferResponse(header, [memoryview(raw) for raw in entries])
+    assert pb.ModelInferResponse.FromString(encoded.SerializeToString()) == expected
+
+
+def test_a_large_output_is_encoded_from_the_tensor_and_reads_back_equal() -> None:
+    import torch
+    from cuvil_sidecar.codec import encode_output
+    from cuvil_sidecar.messages import InferResponse
+
+    hidden, pooled = torch.randn(1, 128, 384), torch.randn(1, 384)  # MiniLM's outputs
+    response = InferResponse(
+        "minilm",
+        "1",
+        "",
+        (encode_output("last_hidden_state", hidden), encode_output("pooler_output", pooled)),
+    )
+    message = response.to_pb()
+    assert isinstance(message, wire.EncodedInferResponse)
+    parsed = pb.ModelInferResponse.FromString(message.SerializeToString())
+    assert [output.name for output in parsed.outputs] == ["last_hidden_state", "pooler_output"]
+    assert list(parsed.outputs[0].shape) == [1, 128, 384]
+    assert parsed.raw_output_contents[0] == hidden.numpy().tobytes()
+    assert parsed.raw_output_contents[1] == pooled.numpy().tobytes()
+    small = InferResponse("mlp", "1", "", (encode_output("y", torch.randn(1, 10)),)).to_pb()
+    assert isinstance(small, pb.ModelInferResponse)  # small answers stay plain messages
