@@ -4,6 +4,7 @@ batching that joins concurrent requests and splits them exactly, and /metrics mo
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -161,3 +162,26 @@ def test_reflection_lists_the_services(mlp_sidecar: Sidecar) -> None:
         assert {"inference.GRPCInferenceService", "grpc.health.v1.Health"} <= services
         described = database.FindFileContainingSymbol("inference.GRPCInferenceService")
         assert "ModelInfer" in [method.name for method in described.service[0].method]
+
+
+def test_openmp_threads_spin_briefly(mlp_sidecar: Sidecar) -> None:
+    """Set before torch loads libgomp (cuvil_sidecar/main.py); the log says what holds."""
+    assert "OpenMP spin: GOMP_SPINCOUNT=1000" in mlp_sidecar.log()
+
+
+def test_an_operators_spin_count_wins_and_a_late_one_is_told(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    from cuvil_sidecar.main import set_omp_spin
+
+    log = logging.getLogger("test-spin")
+    monkeypatch.setenv("GOMP_SPINCOUNT", "50")
+    with caplog.at_level(logging.INFO, "test-spin"):
+        set_omp_spin(log)
+        assert "GOMP_SPINCOUNT=50, as set" in caplog.text
+        monkeypatch.delenv("GOMP_SPINCOUNT")
+        set_omp_spin(log)  # torch is loaded in this process: too late to set
+    assert "libgomp's default (torch was loaded first" in caplog.text
+    assert "GOMP_SPINCOUNT" not in os.environ
