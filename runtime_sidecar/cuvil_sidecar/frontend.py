@@ -8,6 +8,7 @@ port; ``CUVIL_GRPC_FRONTEND`` picks: ``auto`` (native, else grpcio with a warnin
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Protocol
 
@@ -112,7 +113,9 @@ def _native(servicer: InferenceServicer, config: SidecarConfig) -> Frontend:
             f"/{service.full_name}/{method.name}",
             getattr(pb, method.input_type.name),
             getattr(servicer, method.name),
-            split_infer_request if method.name == "ModelInfer" else None,
+            functools.partial(split_infer_request, request_type=pb.ModelInferRequest)
+            if method.name == "ModelInfer"
+            else None,
         )
         for method in service.methods
     ]

@@ -27,12 +27,12 @@ from typing import Any
 
 from google.protobuf.message import DecodeError
 
-from cuvil_sidecar._generated import grpc_service_pb2 as pb
-
 SPLIT_FROM = 64 * 1024  # request bytes from which the tensors are cut out
 ENCODE_FROM = 64 * 1024  # output bytes from which a response is an EncodedInferResponse
-RAW_INPUT_CONTENTS = pb.ModelInferRequest.DESCRIPTOR.fields_by_name["raw_input_contents"].number
-RAW_OUTPUT_CONTENTS = pb.ModelInferResponse.DESCRIPTOR.fields_by_name["raw_output_contents"].number
+# Field numbers of the protocol (KServe's and Triton's grpc_service.proto; tests check ours).
+# No generated module is imported here: tests load NVIDIA's, and the two cannot share a process.
+RAW_INPUT_CONTENTS = 7  # ModelInferRequest.raw_input_contents
+RAW_OUTPUT_CONTENTS = 6  # ModelInferResponse.raw_output_contents
 _LENGTH_DELIMITED = 2
 
 
@@ -73,15 +73,16 @@ class SplitInferRequest:
         return getattr(self._header, name)
 
 
-def split_infer_request(payload: bytes, split_from: int = SPLIT_FROM) -> Any:
-    """``payload`` as a ModelInferRequest, its tensor bytes uncopied when it is large."""
+def split_infer_request(payload: bytes, request_type: Any, split_from: int = SPLIT_FROM) -> Any:
+    """``payload`` as a ``request_type`` (ModelInferRequest), its tensor bytes uncopied when it
+    is large."""
     if len(payload) < split_from:
-        return pb.ModelInferRequest.FromString(payload)
+        return request_type.FromString(payload)
     try:
         rest, raws = cut_field(payload, RAW_INPUT_CONTENTS)
     except DecodeError:
-        return pb.ModelInferRequest.FromString(payload)  # raises DecodeError, as protobuf says
-    return SplitInferRequest(pb.ModelInferRequest.FromString(rest), raws)
+        return request_type.FromString(payload)  # raises DecodeError, as protobuf says
+    return SplitInferRequest(request_type.FromString(rest), raws)
 
 
 def cut_field(payload: bytes, number: int) -> tuple[bytes, list[memoryview]]:

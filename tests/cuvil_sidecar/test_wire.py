@@ -1,5 +1,9 @@
 """Cutting raw_input_contents out of a large ModelInferRequest (cuvil_sidecar/wire.py) reads
-exactly what protobuf reads: the same fields, the same tensor bytes, the same failures."""
+exactly what protobuf reads: the same fields, the same tensor bytes, the same failures; and a
+response serialized from tensor views is the message protobuf would write.
+
+The messages are NVIDIA's (tritonclient's generated module): the same wire format as the
+sidecar's, which cannot be loaded beside it in one process (test_proto checks they agree)."""
 
 from __future__ import annotations
 
@@ -7,11 +11,11 @@ import random
 
 import pytest
 from cuvil_sidecar import wire
-from cuvil_sidecar._generated import grpc_service_pb2 as pb
 from cuvil_sidecar.messages import InferRequest
 from google.protobuf.message import DecodeError
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tritonclient.grpc import service_pb2 as pb
 
 names = st.text(min_size=0, max_size=12)
 parameters = st.dictionaries(
@@ -78,9 +82,9 @@ def test_bytes_that_are_no_message_fail_as_protobuf_fails(payload: bytes) -> Non
         expected = pb.ModelInferRequest.FromString(payload)
     except DecodeError:
         with pytest.raises(DecodeError):
-            wire.split_infer_request(payload, split_from=0)
+            wire.split_infer_request(payload, pb.ModelInferRequest, split_from=0)
         return
-    got = wire.split_infer_request(payload, split_from=0)
+    got = wire.split_infer_request(payload, pb.ModelInferRequest, split_from=0)
     assert list(got.raw_input_contents) == list(expected.raw_input_contents)
     assert got.model_name == expected.model_name and list(got.inputs) == list(expected.inputs)
 
@@ -92,7 +96,7 @@ def test_a_large_request_reaches_the_tensors_uncopied_and_equal() -> None:
     request.raw_input_contents.append(image)
     payload = request.SerializeToString()
     assert len(payload) >= wire.SPLIT_FROM
-    split = wire.split_infer_request(payload)
+    split = wire.split_infer_request(payload, pb.ModelInferRequest)
     assert isinstance(split, wire.SplitInferRequest)
     assert isinstance(split.raw_input_contents[0], memoryview)  # a view: no copy made
     assert split.raw_input_contents[0].obj is payload
@@ -103,7 +107,9 @@ def test_a_large_request_reaches_the_tensors_uncopied_and_equal() -> None:
     ]
     assert [(i.name, i.shape) for i in ours.inputs] == [(i.name, i.shape) for i in theirs.inputs]
     small = pb.ModelInferRequest(model_name="mlp").SerializeToString()
-    assert not isinstance(wire.split_infer_request(small), wire.SplitInferRequest)
+    assert not isinstance(
+        wire.split_infer_request(small, pb.ModelInferRequest), wire.SplitInferRequest
+    )
 
 
 @settings(max_examples=200, deadline=None)
@@ -125,24 +131,25 @@ def test_an_encoded_response_is_the_message_protobuf_would_write(
     assert pb.ModelInferResponse.FromString(encoded.SerializeToString()) == expected
 
 
-def test_a_large_output_is_encoded_from_the_tensor_and_reads_back_equal() -> None:
+def test_output_tensors_are_encoded_from_views_and_read_back_equal() -> None:
     import torch
     from cuvil_sidecar.codec import encode_output
-    from cuvil_sidecar.messages import InferResponse
 
     hidden, pooled = torch.randn(1, 128, 384), torch.randn(1, 384)  # MiniLM's outputs
-    response = InferResponse(
-        "minilm",
-        "1",
-        "",
-        (encode_output("last_hidden_state", hidden), encode_output("pooler_output", pooled)),
-    )
-    message = response.to_pb()
-    assert isinstance(message, wire.EncodedInferResponse)
-    parsed = pb.ModelInferResponse.FromString(message.SerializeToString())
+    outputs = [encode_output("last_hidden_state", hidden), encode_output("pooler_output", pooled)]
+    assert all(isinstance(output.raw, memoryview) for output in outputs)  # no copy yet
+    header = pb.ModelInferResponse(model_name="minilm", model_version="1")
+    for output in outputs:
+        header.outputs.add(name=output.name, datatype=output.datatype, shape=output.shape)
+    encoded = wire.EncodedInferResponse(header, [output.raw for output in outputs])
+    parsed = pb.ModelInferResponse.FromString(encoded.SerializeToString())
     assert [output.name for output in parsed.outputs] == ["last_hidden_state", "pooler_output"]
     assert list(parsed.outputs[0].shape) == [1, 128, 384]
     assert parsed.raw_output_contents[0] == hidden.numpy().tobytes()
     assert parsed.raw_output_contents[1] == pooled.numpy().tobytes()
-    small = InferResponse("mlp", "1", "", (encode_output("y", torch.randn(1, 10)),)).to_pb()
-    assert isinstance(small, pb.ModelInferResponse)  # small answers stay plain messages
+
+
+def test_the_field_numbers_are_the_protocols() -> None:
+    request = pb.ModelInferRequest.DESCRIPTOR.fields_by_name["raw_input_contents"]
+    response = pb.ModelInferResponse.DESCRIPTOR.fields_by_name["raw_output_contents"]
+    assert (request.number, response.number) == (wire.RAW_INPUT_CONTENTS, wire.RAW_OUTPUT_CONTENTS)
