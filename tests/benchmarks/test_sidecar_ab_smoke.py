@@ -1,0 +1,48 @@
+"""The side-by-side benchmark end to end on the MLP, the working tree against its own HEAD: two
+sidecars at once, alternating calls at concurrency 1 and windows at 16, one JSON document on
+stdout, and the base's worktree gone afterwards."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_mlp_against_head(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "sidecar_ab.py"),
+            "--base",
+            "HEAD",
+            "--models",
+            "mlp",
+            "--rounds",
+            "1",
+            "--window",
+            "0.3",
+            "--scale",
+            "20",
+            "--artifacts",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert report["base"] == "HEAD"
+    c1, c16 = report["mlp"]["c1"], report["mlp"]["c16"]
+    assert set(c1) == set(c16) == {"base", "working_tree"}
+    assert all(p50 > 0 for p50 in c1.values())
+    assert all(side["qps"] > 0 and side["p95_ms"] > 0 for side in c16.values())
+    trees = subprocess.run(
+        ["git", "-C", str(REPO), "worktree", "list"], capture_output=True, text=True, check=True
+    )
+    assert "cuvil-ab-" not in trees.stdout  # the base's checkout was removed
