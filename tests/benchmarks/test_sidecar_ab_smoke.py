@@ -4,39 +4,18 @@ stdout, and the base's worktree gone afterwards."""
 
 from __future__ import annotations
 
-import json
 import subprocess
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.benchmarks.scripts import REPO, run_report
 
 
 def test_mlp_against_head(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "benchmarks" / "sidecar_ab.py"),
-            "--base",
-            "HEAD",
-            "--models",
-            "mlp",
-            "--rounds",
-            "1",
-            "--window",
-            "0.3",
-            "--scale",
-            "20",
-            "--artifacts",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=REPO,
+    report = run_report(
+        "sidecar_ab.py",
+        *("--base", "HEAD", "--models", "mlp", "--rounds", "1", "--window", "0.3"),
+        *("--scale", "20", "--artifacts", str(tmp_path)),
     )
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout)
     assert report["base"] == "HEAD"
     c1, c16 = report["mlp"]["c1"], report["mlp"]["c16"]
     assert set(c1) == set(c16) == {"base", "working_tree"}

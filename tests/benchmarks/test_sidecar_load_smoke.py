@@ -5,35 +5,18 @@ server's transport floor, and the JSON it prints."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.benchmarks.scripts import run_report
 
 
 def test_mlp_load_report(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "benchmarks" / "sidecar_load.py"),
-            "--models",
-            "mlp",
-            "--concurrency",
-            "1,2",
-            "--duration",
-            "0.5",
-            "--artifacts",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=REPO,
+    report = run_report(
+        "sidecar_load.py",
+        *("--models", "mlp", "--concurrency", "1,2", "--duration", "0.5"),
+        *("--artifacts", str(tmp_path)),
     )
-    assert done.returncode == 0, done.stderr[-3000:]
-    mlp = json.loads(done.stdout)["models"]["mlp"]
+    mlp = report["models"]["mlp"]
     for mode in ("batching_off", "batching_on"):
         rows = mlp[mode]
         assert [row["concurrency"] for row in rows] == [1, 2]
