@@ -31,7 +31,14 @@ figures on a noisy host); ``transport_floor_p50_ms`` is the same ModelInfer (sam
 response bytes) answered by ``echo_server.py`` on the same native front end, interleaved too:
 what gRPC, protobuf and tritonclient cost for a call of this size with no sidecar work at all,
 and ``beyond_transport_floor_ms`` = ``p50_ms`` minus that floor minus the in-process run: what
-the sidecar itself adds (decoding, dispatch to the model, encoding); and
+the sidecar itself adds (decoding, dispatch to the model, encoding);
+``model_floor_p50_ms`` is the same call answered by an echo server that first runs the model
+itself on the same tensors (loaded from the same artifact and tactics cache), and
+``beyond_model_floor_ms`` = ``p50_ms`` minus it: what the sidecar's decoding, dispatch and
+encoding add to a call that has gRPC and the model's run in it anyway. A call that waits for a
+model costs more than one answered at once where idle threads wake slowly and a run leaves the
+caches cold (a VM's halted vCPUs; MiniLM here: ~1 ms more), which the in-process baseline
+cannot show; and
 ``shared_memory_p50_ms`` / ``shared_memory_overhead_ms`` with every input and output in system
 shared memory (Triton's extension, for a client in the same pod; each call copies the inputs
 into the segment and the outputs out of it, as a caller with fresh data would, so only the
@@ -287,21 +294,22 @@ def sync_client_c1(
     model: str,
     inputs: dict[str, np.ndarray],
     in_process: Callable[[], object],
-    echo_url: str,
+    floors: dict[str, str],
 ) -> dict[str, dict[str, float]]:
     """Concurrency-1 p50s through the synchronous client, per front end (``urls``: front end ->
     its unbatched sidecar): ModelInfer with raw tensors, the same with every tensor in shared
     memory, and ServerLive, all interleaved across the front ends, with ``in_process`` runs of
     the same model in this process (under ``"in_process"``) and with the same ModelInfer
-    answered by ``echo_server.py`` at ``echo_url`` (under ``"transport_floor"``)."""
+    answered by each ``echo_server.py`` in ``floors`` (name -> its address; under its name)."""
     import tritonclient.grpc as syncclient
 
     calls: dict[str, Callable[[], object]] = {"in_process/p50_ms": in_process}
     with contextlib.ExitStack() as stack:
-        echo = syncclient.InferenceServerClient(echo_url)
-        stack.callback(echo.close)
-        items = infer_inputs(syncclient.InferInput, inputs)
-        calls["transport_floor/p50_ms"] = functools.partial(echo.infer, model, items)
+        for floor, url in floors.items():
+            echo = syncclient.InferenceServerClient(url)
+            stack.callback(echo.close)
+            items = infer_inputs(syncclient.InferInput, inputs)
+            calls[f"{floor}/p50_ms"] = functools.partial(echo.infer, model, items)
         for frontend, url in urls.items():
             client = syncclient.InferenceServerClient(url)
             stack.callback(client.close)
@@ -310,9 +318,9 @@ def sync_client_c1(
             calls[f"{frontend}/p50_ms"] = functools.partial(client.infer, model, items)
             calls[f"{frontend}/shared_memory_p50_ms"] = in_shared_memory
             calls[f"{frontend}/rpc_floor_p50_ms"] = client.is_server_live
-        medians = interleaved_p50(calls, budget_s=6.0 * len(urls))
+        medians = interleaved_p50(calls, budget_s=6.0 * (len(urls) + len(floors)))
     split: dict[str, dict[str, float]] = {
-        frontend: {} for frontend in [*urls, "in_process", "transport_floor"]
+        frontend: {} for frontend in [*urls, "in_process", *floors]
     }
     for key, value in medians.items():
         frontend, _, name = key.partition("/")
@@ -377,15 +385,8 @@ async def load(
     }
 
 
-def start_echo_server(
-    url: str,
-    model: str,
-    inputs: dict[str, np.ndarray],
-    folder: Path,
-    processes: list[subprocess.Popen],
-) -> str:
-    """``echo_server.py`` answering with the sidecar at ``url``'s response to ``inputs``;
-    appended to ``processes`` (stopped with them)."""
+def record_response(url: str, model: str, inputs: dict[str, np.ndarray], folder: Path) -> Path:
+    """The sidecar at ``url``'s serialized answer to ``inputs``, in a file for the echo server."""
     import tritonclient.grpc as syncclient
 
     client = syncclient.InferenceServerClient(url)
@@ -393,16 +394,26 @@ def start_echo_server(
     client.close()
     recorded = folder / f"{model}-response.bin"
     recorded.write_bytes(answer.get_response().SerializeToString())
+    return recorded
+
+
+def start_echo_server(
+    recorded: Path, processes: list[subprocess.Popen], model: tuple[Path, Path] | None = None
+) -> str:
+    """``echo_server.py`` answering with ``recorded``, after running ``model`` (its artifact and
+    saved inputs) when given; appended to ``processes`` (stopped with them)."""
+    import tritonclient.grpc as syncclient
+
     port = free_port()
     environ = dict(os.environ)
     environ["PYTHONPATH"] = os.pathsep.join([str(REPO / "runtime_sidecar"), str(REPO)])
-    process = subprocess.Popen(
-        [sys.executable, str(REPO / "benchmarks" / "echo_server.py"), str(port), str(recorded)],
-        env=environ,
-    )
+    script = str(REPO / "benchmarks" / "echo_server.py")
+    command = [sys.executable, script, str(port), str(recorded)]
+    command += [str(path) for path in model or ()]
+    process = subprocess.Popen(command, env=environ)
     processes.append(process)
     echo = syncclient.InferenceServerClient(f"127.0.0.1:{port}")
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         with contextlib.suppress(Exception):
             if echo.is_server_live():
@@ -423,7 +434,7 @@ def compare_frontends(
     args: argparse.Namespace,
 ) -> dict[str, dict[str, float]]:
     """``sync_client_c1`` on the running unbatched sidecar (the first front end) and one more
-    unbatched sidecar for each other front end, side by side."""
+    unbatched sidecar for each other front end, side by side, with both echo servers."""
     urls = {frontends[0]: url}
     others = []
     try:
@@ -440,8 +451,14 @@ def compare_frontends(
                 frontend,
             )
             others.append(process)
-        echo_url = start_echo_server(urls[frontends[0]], name, inputs, args.artifacts, others)
-        return sync_client_c1(urls, name, inputs, in_process_call(path, inputs), echo_url)
+        recorded = record_response(urls[frontends[0]], name, inputs, args.artifacts)
+        saved = args.artifacts / f"{name}-inputs.npz"
+        np.savez(saved, allow_pickle=False, **inputs)
+        floors = {
+            "transport_floor": start_echo_server(recorded, others),
+            "model_floor": start_echo_server(recorded, others, (path, saved)),
+        }
+        return sync_client_c1(urls, name, inputs, in_process_call(path, inputs), floors)
     finally:
         for process in others:
             process.send_signal(signal.SIGTERM)
@@ -517,9 +534,12 @@ def main() -> int:
         entry["sync_client_in_process_p50_ms"] = beside
         floor = by_frontend.pop("transport_floor")["p50_ms"]
         entry["transport_floor_p50_ms"] = floor
+        model_floor = by_frontend.pop("model_floor")["p50_ms"]
+        entry["model_floor_p50_ms"] = model_floor
         for sync in by_frontend.values():
             sync["overhead_ms"] = round(sync["p50_ms"] - beside, 3)
             sync["beyond_transport_floor_ms"] = round(sync["p50_ms"] - floor - beside, 3)
+            sync["beyond_model_floor_ms"] = round(sync["p50_ms"] - model_floor, 3)
             sync["shared_memory_overhead_ms"] = round(sync["shared_memory_p50_ms"] - beside, 3)
         # The same runs with the client's round trip as idle time before each: what the model
         # itself costs when called as the sidecar calls it (caches and cores gone cold)

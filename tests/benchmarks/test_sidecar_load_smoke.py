@@ -1,7 +1,7 @@
 """The sidecar load benchmark end to end on the MLP: sidecar subprocesses, tritonclient load at
 two concurrencies with batching off and on, the synchronous and shared-memory clients (whose
 outputs must equal the raw ones) on both gRPC front ends beside in-process runs and the echo
-server's transport floor, and the JSON it prints."""
+servers' floors (answering at once, and after running the model), and the JSON it prints."""
 
 from __future__ import annotations
 
@@ -27,11 +27,14 @@ def test_mlp_load_report(tmp_path: Path) -> None:
     assert set(mlp["sync_client"]) == {"native", "grpcio"}
     beside, floor = mlp["sync_client_in_process_p50_ms"], mlp["transport_floor_p50_ms"]
     assert beside > 0 and floor > 0
+    model_floor = mlp["model_floor_p50_ms"]
+    assert model_floor > 0
     for sync in mlp["sync_client"].values():
         assert sync["p50_ms"] > 0 and sync["shared_memory_p50_ms"] > 0
         assert sync["rpc_floor_p50_ms"] > 0
         assert sync["overhead_ms"] == round(sync["p50_ms"] - beside, 3)
         assert sync["beyond_transport_floor_ms"] == round(sync["p50_ms"] - floor - beside, 3)
+        assert sync["beyond_model_floor_ms"] == round(sync["p50_ms"] - model_floor, 3)
     assert mlp["server_c1"]["request_mean_ms"] >= mlp["server_c1"]["compute_mean_ms"] > 0
     assert mlp["overhead_ms"] == round(
         mlp["batching_off"][0]["p50_ms"] - mlp["in_process_p50_ms"], 3
