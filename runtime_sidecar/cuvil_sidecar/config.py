@@ -33,9 +33,10 @@
 - ``CUVIL_TORCH_THREADS`` (0 = torch's default, one per core): intra-op threads per model run
   (ONNX Runtime's ``intra_op_num_threads``). On a node shared with other busy pods, fewer
   threads than cores avoids runs stalling on a thread the scheduler has parked.
-- ``GOMP_SPINCOUNT`` (1000 here, libgomp's own default 300000): how long OpenMP threads spin for
-  more work before sleeping; short, so that after a run they give their cores back to the
-  client, gRPC and the next request at once (``main.py``).
+- ``GOMP_SPINCOUNT`` (3000 here, libgomp's own default 300000): how long OpenMP threads spin for
+  more work before sleeping; long enough to bridge the gaps between a run's parallel regions,
+  short enough that after a run they give their cores back to the client, gRPC and the next
+  request (``main.py``).
 
 Tracing is configured by the standard ``OTEL_*`` variables (see ``tracing.py``).
 """

@@ -10,11 +10,15 @@ import sys
 from cuvil_sidecar.config import ConfigError, SidecarConfig
 
 # OpenMP threads spin this many rounds for more work before they sleep (libgomp's default,
-# 300000, is milliseconds). Within a model run the next parallel region comes sooner; after it,
-# a thread spinning on for milliseconds takes a core from the client, gRPC and the next decode.
-# On 2 cores, the MLP at concurrency 16 with batching: 1399 QPS with the default, 2237 with
-# 1000; ResNet-50 at concurrency 1 keeps what one OpenMP pool gained (manager.in_own_thread).
-OMP_SPIN = "1000"
+# 300000, is milliseconds; a round is a `pause`, some 25 ns here). Within a model run the next
+# parallel region comes within microseconds, and a thread that slept must be woken for it; after
+# the run, a thread spinning on for milliseconds takes a core from the client, gRPC and the next
+# decode. Measured on 2 cores, sidecars side by side: the MLP at concurrency 16 with batching
+# ran 1399 QPS with the default and 2237 with 1000; MiniLM at concurrency 1 ran 0.5 ms slower
+# with 1000 than with the default (its threads slept between regions), and 3000 kept both: MiniLM
+# 25.25 against 25.72 ms (p50) with 1000, the MLP 1688 against 1537 QPS (within the noise).
+# ResNet-50 (long regions) did not move.
+OMP_SPIN = "3000"
 
 
 def set_omp_spin(log: logging.Logger) -> None:

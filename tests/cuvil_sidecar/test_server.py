@@ -15,6 +15,7 @@ import pytest
 import torch
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aioclient
+from cuvil_sidecar.main import OMP_SPIN
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
@@ -166,7 +167,7 @@ def test_reflection_lists_the_services(mlp_sidecar: Sidecar) -> None:
 
 def test_openmp_threads_spin_briefly(mlp_sidecar: Sidecar) -> None:
     """Set before torch loads libgomp (cuvil_sidecar/main.py); the log says what holds."""
-    assert "OpenMP spin: GOMP_SPINCOUNT=1000" in mlp_sidecar.log()
+    assert f"OpenMP spin: GOMP_SPINCOUNT={OMP_SPIN}" in mlp_sidecar.log()
 
 
 def test_an_operators_spin_count_wins_and_a_late_one_is_told(
