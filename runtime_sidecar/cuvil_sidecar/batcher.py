@@ -3,6 +3,13 @@ compatible requests behind it (same dtypes and same non-batch dims) until the ba
 ``max_rows`` rows or the oldest has waited ``max_delay_s``, runs the batch once on a worker
 thread and splits every output back along the batch dim, row for row.
 
+A batch waits for company only while there can be some: given ``in_flight`` (the requests the
+server holds for the model in any phase: decoding, queued, running, encoding), a batch that
+already holds every one of them runs at once. A lone client (concurrency 1, or a trickle of
+requests) then gets the unbatched latency instead of paying the whole delay for nothing: the
+MLP at concurrency 1 with batching took 3.5 ms a call against 0.84 unbatched. Under load there
+are always other requests in flight, and batches fill as before.
+
 Requests that could not join stay at the head of the line for the next batch. With
 ``max_rows <= 1`` (batching off, or a model without a shared batch dim) every request runs alone:
 straight on the worker threads, whose queue is then the request queue, or, when nothing else is
@@ -65,8 +72,10 @@ class Batcher:
         instances: int = 1,
         on_execute: Callable[[int, int], None] | None = None,
         name: str = "model",
+        in_flight: Callable[[], int] | None = None,
     ) -> None:
         self._run = run
+        self._in_flight = in_flight  # None: unknown, so a batch always waits its delay
         self.max_rows = max(1, max_rows)
         self.max_delay_s = max_delay_s
         self._on_execute = on_execute  # (requests, rows) per execution, on the worker thread
@@ -200,7 +209,7 @@ class Batcher:
         while rows < self.max_rows:
             if self._queue.empty():
                 remaining = deadline - time.monotonic()
-                if remaining <= 0:
+                if remaining <= 0 or not self._company_possible(batch):
                     break
                 try:
                     job = await asyncio.wait_for(self._queue.get(), remaining)
@@ -215,6 +224,12 @@ class Batcher:
                 rows += job.rows
             else:
                 self._held.append(job)
+
+    def _company_possible(self, batch: list[_Job]) -> bool:
+        """Whether a request not yet here could still join: one the server holds elsewhere."""
+        if self._in_flight is None:
+            return True
+        return self._in_flight() > len(batch) + len(self._held)
 
     def _execute(self, batch: list[_Job]) -> tuple[int, list[dict[str, torch.Tensor]], int]:
         if len(batch) == 1:

@@ -13,7 +13,8 @@
   restart or reload of the same artifact runs the same kernels without timing them again
   (TensorRT's timing cache); ``off`` times them on every load.
 - ``CUVIL_MAX_BATCH_SIZE`` (8): most rows one joined batch holds; 0 or 1 turns batching off.
-- ``CUVIL_MAX_QUEUE_DELAY_US`` (500): how long a request may wait for others to join it.
+- ``CUVIL_MAX_QUEUE_DELAY_US`` (500): how long a request may wait for others to join it; one
+  alone in the server (no other request in flight) does not wait.
 - ``CUVIL_MODEL_INSTANCES`` (1): batches executed at once (Triton's instance count).
 - ``CUVIL_MAX_MESSAGE_BYTES`` (64 MiB): largest gRPC message received or sent.
 - ``CUVIL_POLL_INTERVAL_S`` (0): poll ``CUVIL_MODEL`` for a new digest every N seconds

@@ -51,6 +51,7 @@ class ServedModel:
             instances=config.model_instances,
             on_execute=self._count_execution,
             name=self.name,
+            in_flight=lambda: self.in_flight,
         )
         self._metrics = metrics
         self.in_flight = 0

@@ -1,6 +1,7 @@
 """The batcher on its own: requests joined up to max_rows, results split back row for row,
 incompatible shapes kept apart, a request that breaks a joined batch fails alone, and, with
-batching off, quick runs on the event loop while slow ones stay on the worker thread."""
+batching off, quick runs on the event loop while slow ones stay on the worker thread; a batch
+waits for company only while the server holds other requests."""
 
 from __future__ import annotations
 
@@ -131,6 +132,38 @@ def test_batching_never_runs_inline() -> None:
         for _ in range(3):
             await batcher.submit({"x": torch.ones(1, 4)}, rows=1, key=(4,))
         assert threading.main_thread() not in threads and not batcher.runs_inline
+        await batcher.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_request_alone_in_the_server_does_not_wait_for_company() -> None:
+    async def scenario() -> None:
+        held = [1]  # requests the server holds for the model, this one included
+        batcher = Batcher(double, max_rows=8, max_delay_s=30.0, in_flight=lambda: held[0])
+        started = time.monotonic()
+        alone = await batcher.submit({"x": torch.ones(1, 4)}, rows=1, key=(4,))
+        assert time.monotonic() - started < 10.0  # not the 30 s delay
+        assert alone.batch_requests == 1
+
+        held[0] = 2  # another request is being decoded: the batch waits for it and takes it
+        first = asyncio.ensure_future(batcher.submit({"x": torch.ones(1, 4)}, rows=1, key=(4,)))
+        await asyncio.sleep(0.2)
+        assert not first.done()
+        second = await batcher.submit({"x": torch.zeros(1, 4)}, rows=1, key=(4,))
+        assert (await first).batch_requests == second.batch_requests == 2
+        assert torch.equal(second.outputs["y"], torch.zeros(1, 4))
+        await batcher.close()
+
+    asyncio.run(scenario())
+
+
+def test_without_an_in_flight_count_a_batch_waits_its_delay() -> None:
+    async def scenario() -> None:
+        batcher = Batcher(double, max_rows=8, max_delay_s=0.3)
+        started = time.monotonic()
+        await batcher.submit({"x": torch.ones(1, 4)}, rows=1, key=(4,))
+        assert time.monotonic() - started >= 0.3
         await batcher.close()
 
     asyncio.run(scenario())
