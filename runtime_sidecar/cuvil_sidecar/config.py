@@ -13,8 +13,11 @@
   restart or reload of the same artifact runs the same kernels without timing them again
   (TensorRT's timing cache); ``off`` times them on every load.
 - ``CUVIL_MAX_BATCH_SIZE`` (8): most rows one joined batch holds; 0 or 1 turns batching off.
-- ``CUVIL_MAX_QUEUE_DELAY_US`` (500): how long a request may wait for others to join it; one
-  alone in the server (no other request in flight) does not wait.
+- ``CUVIL_MAX_QUEUE_DELAY_US`` (500): how long a request may wait for others to join it.
+- ``CUVIL_LONE_REQUESTS`` (``run``): a batch that holds every request the sidecar has in flight
+  runs at once, since no other can join it (a lone client gets the unbatched latency);
+  ``wait`` makes it wait out the delay all the same, for requests not sent yet (Triton's
+  behaviour: for GPUs, where a fuller batch costs little more time than one row).
 - ``CUVIL_MODEL_INSTANCES`` (1): batches executed at once (Triton's instance count).
 - ``CUVIL_MAX_MESSAGE_BYTES`` (64 MiB): largest gRPC message received or sent.
 - ``CUVIL_POLL_INTERVAL_S`` (0): poll ``CUVIL_MODEL`` for a new digest every N seconds
@@ -68,6 +71,7 @@ class SidecarConfig:
     tactics_cache: Path | None = None
     max_batch_size: int = 8
     max_queue_delay_us: int = 500
+    lone_requests_wait: bool = False
     model_instances: int = 1
     max_message_bytes: int = 64 * 2**20
     poll_interval_s: float = 0.0
@@ -106,6 +110,7 @@ class SidecarConfig:
             max_queue_delay_us=_integer(
                 env, "CUVIL_MAX_QUEUE_DELAY_US", cls.max_queue_delay_us, low=0
             ),
+            lone_requests_wait=_choice(env, "CUVIL_LONE_REQUESTS", {"run": False, "wait": True}),
             model_instances=_integer(env, "CUVIL_MODEL_INSTANCES", cls.model_instances, low=1),
             max_message_bytes=_integer(
                 env, "CUVIL_MAX_MESSAGE_BYTES", cls.max_message_bytes, low=1024

@@ -51,7 +51,7 @@ class ServedModel:
             instances=config.model_instances,
             on_execute=self._count_execution,
             name=self.name,
-            in_flight=lambda: self.in_flight,
+            in_flight=None if config.lone_requests_wait else lambda: self.in_flight,
         )
         self._metrics = metrics
         self.in_flight = 0

@@ -226,6 +226,7 @@ def test_sidecar_config_map_parses_as_the_sidecar_reads_it(render: Render) -> No
     config = SidecarConfig.from_env(data)
     assert config.warmup_shapes == ({"seq": 128}, {"seq": 384})
     assert (config.max_batch_size, config.model_instances) == (16, 2)
+    assert config.lone_requests_wait
     assert config.shared_memory
     assert config.grpc_frontend == "native"  # the image has the native front end built in
     changed = render(sets=("sidecar.sharedMemory.mode=off", "sidecar.grpcFrontend=grpcio"))
@@ -233,6 +234,7 @@ def test_sidecar_config_map_parses_as_the_sidecar_reads_it(render: Render) -> No
     config = SidecarConfig.from_env(data | {"CUVIL_MODEL": "m"})
     assert not config.shared_memory
     assert config.grpc_frontend == "grpcio"
+    assert not config.lone_requests_wait  # the default
 
 
 def _dry_run_install(helm_run: HelmRun, *values: str) -> subprocess.CompletedProcess[str]:

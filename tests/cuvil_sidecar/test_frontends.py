@@ -148,13 +148,14 @@ def test_unknown_front_end_is_a_config_error(mlp_artifact: Path, tmp_path: Path)
 
 
 def slow_batching_sidecar(artifact: Path, tmp_path: Path, frontend: str) -> Sidecar:
-    """Batching with a 300 ms window: a lone request waits there, in flight, that long."""
+    """Batching with a 300 ms window that even a lone request waits out, in flight."""
     return Sidecar(
         artifact,
         tmp_path / "sidecar.log",
         CUVIL_GRPC_FRONTEND=frontend,
         CUVIL_MAX_BATCH_SIZE="8",
         CUVIL_MAX_QUEUE_DELAY_US="300000",
+        CUVIL_LONE_REQUESTS="wait",
     )
 
 

@@ -104,6 +104,11 @@ def test_config_from_environment() -> None:
     assert config.torch_threads == 0  # torch's default
     one_thread = SidecarConfig.from_env({"CUVIL_MODEL": "m", "CUVIL_TORCH_THREADS": "1"})
     assert one_thread.torch_threads == 1
+    assert not config.lone_requests_wait  # a lone request runs at once unless told to wait
+    waits = SidecarConfig.from_env({"CUVIL_MODEL": "m", "CUVIL_LONE_REQUESTS": "wait"})
+    assert waits.lone_requests_wait
+    with pytest.raises(ConfigError, match="CUVIL_LONE_REQUESTS='soon' is not one of"):
+        SidecarConfig.from_env({"CUVIL_MODEL": "m", "CUVIL_LONE_REQUESTS": "soon"})
     with pytest.raises(ConfigError, match="CUVIL_MODEL is not set"):
         SidecarConfig.from_env({})
     with pytest.raises(ConfigError, match="CUVIL_GRPC_PORT='x' is not an integer"):
