@@ -90,11 +90,13 @@ def _from_raw(item: InferInput, datatype: Datatype, elements: int, itemsize: int
         )
     if elements == 0:
         return torch.empty(item.shape, dtype=datatype.torch)
-    # bytearray: a writable copy the tensor owns. Sharing the request's bytes instead would
-    # save ~18 us on ResNet-50's 600 KB input, but torch warns on read-only buffers and a
-    # kernel writing into its input would then write into an immutable bytes object. Native
-    # byte order is the protocol's little-endian on every target Cuvil builds for.
-    flat = torch.frombuffer(bytearray(raw), dtype=datatype.torch)
+    # A bytearray is the request's own copy of these bytes (wire.split_infer_request), made for
+    # the tensor: taken as it is. Anything else (bytes from protobuf, a view into the request or
+    # into a client's shared memory) is copied into one: torch warns on read-only buffers, a
+    # kernel may write into its input, and a client may rewrite its shared memory meanwhile.
+    # Native byte order is the protocol's little-endian on every target Cuvil builds for.
+    owned = raw if isinstance(raw, bytearray) else bytearray(raw)
+    flat = torch.frombuffer(owned, dtype=datatype.torch)
     if datatype.torch is torch.bool and bool((flat.view(torch.uint8) > 1).any()):
         raise InvalidInput(f"input {item.name!r}: BOOL raw bytes must be 0 or 1")
     return flat.reshape(item.shape)

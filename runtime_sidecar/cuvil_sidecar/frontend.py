@@ -113,7 +113,9 @@ def _native(servicer: InferenceServicer, config: SidecarConfig) -> Frontend:
             f"/{service.full_name}/{method.name}",
             getattr(pb, method.input_type.name),
             getattr(servicer, method.name),
-            functools.partial(split_infer_request, request_type=pb.ModelInferRequest)
+            functools.partial(
+                split_infer_request, request_type=pb.ModelInferRequest, owned_tensors=True
+            )
             if method.name == "ModelInfer"
             else None,
         )

@@ -22,7 +22,8 @@ class InferInput:
     name: str
     datatype: str
     shape: tuple[int, ...]
-    raw: bytes | memoryview | None = None  # its raw_input_contents entry (or shared memory)
+    # its raw_input_contents entry (a bytearray: the request's own copy), or shared memory
+    raw: bytes | bytearray | memoryview | None = None
     typed: Mapping[str, Sequence[Any]] = field(default_factory=dict)  # non-empty typed fields
     shared: SharedMemoryRef | None = None  # where it lies in shared memory, instead of raw
 

@@ -112,6 +112,34 @@ def test_a_large_request_reaches_the_tensors_uncopied_and_equal() -> None:
     )
 
 
+def test_a_lent_request_is_copied_once_into_tensors_of_its_own() -> None:
+    """The native front end parses gRPC's buffer while it is lent: nothing of it may be kept,
+    and each tensor's bytes are copied once, into memory the tensor then takes as it is."""
+    import torch
+    from cuvil_sidecar.codec import decode_input
+
+    image = torch.randn(1, 3, 224, 224)
+    request = pb.ModelInferRequest(model_name="resnet50", id="7")
+    request.inputs.add(name="pixel_values", datatype="FP32", shape=[1, 3, 224, 224])
+    request.raw_input_contents.append(image.numpy().tobytes())
+    lent = bytearray(request.SerializeToString())
+    split = wire.split_infer_request(memoryview(lent), pb.ModelInferRequest, owned_tensors=True)
+    lent[:] = bytes(len(lent))  # gRPC reuses its buffer once the call is handed over
+    assert split.model_name == "resnet50" and split.id == "7"
+    (raw,) = split.raw_input_contents
+    assert isinstance(raw, bytearray)
+    (item,) = InferRequest.from_pb(split).inputs
+    tensor = decode_input(item, max_bytes=2**30)
+    assert torch.equal(tensor, image)
+    # the tensor is the bytearray's memory, not a copy of it
+    assert tensor.data_ptr() == torch.frombuffer(raw, dtype=torch.uint8).data_ptr()
+    small = pb.ModelInferRequest(model_name="mlp", raw_input_contents=[b"\0" * 8])
+    lent = bytearray(small.SerializeToString())
+    parsed = wire.split_infer_request(memoryview(lent), pb.ModelInferRequest, owned_tensors=True)
+    lent[:] = bytes(len(lent))
+    assert parsed.model_name == "mlp" and list(parsed.raw_input_contents) == [b"\0" * 8]
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     st.lists(st.tuples(names, st.lists(st.integers(0, 2**40), max_size=3)), max_size=3),
