@@ -9,8 +9,10 @@ concurrency 1: 46 to 63 ms within an hour), so a change to the serving path is o
 this way. ``c1``: p50 through tritonclient's synchronous client, unbatched, in alternating
 blocks; ``c16``: QPS and p95 through the aio client at concurrency 16, batching on, in
 alternating windows. Both sidecars run without a tactics cache (each times its own kernels, as
-a fresh node does) on the native gRPC front end. ``--base`` is checked out with ``git worktree``
-into a temporary folder, removed afterwards.
+a fresh node does) on the native gRPC front end; with ``--shared-tactics`` both run the kernels
+kept in the tactics cache beside the artifacts (``sidecar_load.py``'s), so that a change outside
+the kernels' choice is not hidden by two loads choosing differently (a few % of a run here).
+``--base`` is checked out with ``git worktree`` into a temporary folder, removed afterwards.
 """
 
 from __future__ import annotations
@@ -50,7 +52,9 @@ def checkout(revision: str) -> Iterator[Path]:
             subprocess.run(remove, check=False, stdout=sys.stderr)
 
 
-def start(tree: Path, artifact: Path, name: str, batch: int, log: Path) -> tuple[Any, str]:
+def start(
+    tree: Path, artifact: Path, name: str, batch: int, log: Path, tactics: str
+) -> tuple[Any, str]:
     port = load_test.free_port()
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("CUVIL_", "OTEL_"))}
     environ |= {
@@ -62,7 +66,7 @@ def start(tree: Path, artifact: Path, name: str, batch: int, log: Path) -> tuple
         "CUVIL_MAX_QUEUE_DELAY_US": "2000",
         "CUVIL_WARMUP_SHAPES": load_test.WARMUP_SHAPES.get(name, ""),
         "CUVIL_GRPC_FRONTEND": "native",
-        "CUVIL_TACTICS_CACHE": "off",
+        "CUVIL_TACTICS_CACHE": tactics,
         "PYTHONPATH": os.pathsep.join([str(tree / "runtime_sidecar"), str(tree)]),
     }
     process = subprocess.Popen(
@@ -133,13 +137,18 @@ def alternate_c16(urls: dict[str, str], name: str, rounds: int, window_s: float)
 
 def compare(trees: dict[str, Path], name: str, args: argparse.Namespace) -> dict[str, object]:
     artifact = load_test.compiled_artifact(name, args.artifacts)
+    tactics = str(load_test.tactics_folder(artifact)) if args.shared_tactics else "off"
     result: dict[str, object] = {}
     for mode, batch in (("c1", 1), ("c16", 8)):
         processes, urls, logs = {}, {}, {}
         try:
             for side, tree in trees.items():
                 logs[side] = args.artifacts / f"ab-{name}-{mode}-{side}.log"
-                processes[side], urls[side] = start(tree, artifact, name, batch, logs[side])
+                processes[side], urls[side] = start(
+                    tree, artifact, name, batch, logs[side], tactics
+                )
+                if args.shared_tactics:  # the first to load keeps its choices for the other
+                    wait_ready({side: urls[side]}, processes, logs)
             wait_ready(urls, processes, logs)
             if mode == "c1":
                 blocks, calls = BLOCKS.get(name, (20, 8))
@@ -163,10 +172,17 @@ def main() -> int:
     parser.add_argument(
         "--artifacts", type=Path, default=Path(tempfile.gettempdir()) / "cuvil-bench-artifacts"
     )
+    parser.add_argument(
+        "--shared-tactics", action="store_true", help="both sidecars run the same kernel choices"
+    )
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args.artifacts.mkdir(parents=True, exist_ok=True)
-    report: dict[str, object] = {"base": args.base, "load_average": os.getloadavg()}
+    report: dict[str, object] = {
+        "base": args.base,
+        "shared_tactics": args.shared_tactics,
+        "load_average": os.getloadavg(),
+    }
     with checkout(args.base) as base:
         trees = {"base": base, "working_tree": REPO}
         for name in args.models.split(","):

@@ -1,6 +1,6 @@
 """The side-by-side benchmark end to end on the MLP, the working tree against its own HEAD: two
 sidecars at once, alternating calls at concurrency 1 and windows at 16, one JSON document on
-stdout, and the base's worktree gone afterwards."""
+stdout, both sides on one tactics cache, and the base's worktree gone afterwards."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ def test_mlp_against_head(tmp_path: Path) -> None:
     report = run_report(
         "sidecar_ab.py",
         *("--base", "HEAD", "--models", "mlp", "--rounds", "1", "--window", "0.3"),
-        *("--scale", "20", "--artifacts", str(tmp_path)),
+        *("--scale", "20", "--artifacts", str(tmp_path), "--shared-tactics"),
     )
-    assert report["base"] == "HEAD"
+    assert report["base"] == "HEAD" and report["shared_tactics"] is True
+    assert list((tmp_path / "tactics").iterdir())  # the first sidecar kept its kernel choices
     c1, c16 = report["mlp"]["c1"], report["mlp"]["c16"]
     assert set(c1) == set(c16) == {"base", "working_tree"}
     assert all(p50 > 0 for p50 in c1.values())
