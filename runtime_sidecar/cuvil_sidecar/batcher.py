@@ -5,10 +5,12 @@ thread and splits every output back along the batch dim, row for row.
 
 A batch waits for company only while there can be some: given ``in_flight`` (the requests the
 server holds for the model in any phase: decoding, queued, running, encoding), a batch that
-already holds every one of them runs at once. A lone client (concurrency 1, or a trickle of
-requests) then gets the unbatched latency instead of paying the whole delay for nothing: the
-MLP at concurrency 1 with batching took 3.5 ms a call against 0.84 unbatched. Under load there
-are always other requests in flight, and batches fill as before.
+already holds every one of them runs at once, and a request that is the only one skips the
+queue and runs as it would without batching (handed to the worker, and answered from there).
+A lone client (concurrency 1, or a trickle of requests) then gets the unbatched latency instead
+of paying the whole delay for nothing: the MLP at concurrency 1 with batching took 3.5 ms a
+call against 0.84 unbatched. Under load there are always other requests in flight, and
+batches fill as before.
 
 Requests that could not join stay at the head of the line for the next batch. With
 ``max_rows <= 1`` (batching off, or a model without a shared batch dim) every request runs alone:
@@ -121,21 +123,43 @@ class Batcher:
                 alone = self._direct == 0
                 self._direct += 1
             inline = alone and self.runs_inline
-            try:
-                if inline:
-                    started, results, finished = self._execute([job])
-                else:
-                    # Alone, the call goes on from the worker after the run (handoff.py); with
-                    # others queued, the worker turns to the next run and the loop answers.
-                    started, results, finished = await Handoff(
-                        self._executor, self._execute, [job], resume_on_worker=alone
-                    )
-            finally:
-                with self._direct_lock:
-                    self._direct -= 1
-            return BatchResult(results[0], job.enqueued_ns, started, finished, 1, rows, inline)
+            return await self._run_unqueued(job, inline=inline, resume_on_worker=alone)
+        if self._lone():
+            with self._direct_lock:
+                self._direct += 1
+            # never inline here: batches run on the worker, and one thread keeps one OpenMP pool
+            return await self._run_unqueued(job, inline=False, resume_on_worker=True)
         self._queue.put_nowait(job)
         return await job.future
+
+    def _lone(self) -> bool:
+        """Whether the request at hand is the only one the server holds and nothing waits here: its
+        batch could hold nobody else, so it takes the unbatched path (no queue, no turn of the
+        event loop after the run)."""
+        return (
+            self._in_flight is not None
+            and self._in_flight() <= 1
+            and self._queue.empty()
+            and not self._held
+        )
+
+    async def _run_unqueued(
+        self, job: _Job, *, inline: bool, resume_on_worker: bool
+    ) -> BatchResult:
+        """Runs ``job`` by itself: on the event loop (``inline``) or handed to the worker, after
+        which the call goes on from the worker when ``resume_on_worker`` (handoff.py); otherwise
+        the worker turns to the next run and the loop answers."""
+        try:
+            if inline:
+                started, results, finished = self._execute([job])
+            else:
+                started, results, finished = await Handoff(
+                    self._executor, self._execute, [job], resume_on_worker=resume_on_worker
+                )
+        finally:
+            with self._direct_lock:
+                self._direct -= 1
+        return BatchResult(results[0], job.enqueued_ns, started, finished, 1, job.rows, inline)
 
     async def close(self) -> None:
         """Stop the instances; anything still queued is answered ShuttingDown."""

@@ -146,6 +146,14 @@ def test_a_request_alone_in_the_server_does_not_wait_for_company() -> None:
         assert time.monotonic() - started < 10.0  # not the 30 s delay
         assert alone.batch_requests == 1
 
+        held[0] = 2  # two requests at once, and no other: their batch runs without waiting
+        started = time.monotonic()
+        pair = await asyncio.gather(
+            *(batcher.submit({"x": torch.ones(1, 4)}, rows=1, key=(4,)) for _ in range(2))
+        )
+        assert time.monotonic() - started < 10.0
+        assert [result.batch_requests for result in pair] == [2, 2]
+
         held[0] = 2  # another request is being decoded: the batch waits for it and takes it
         first = asyncio.ensure_future(batcher.submit({"x": torch.ones(1, 4)}, rows=1, key=(4,)))
         await asyncio.sleep(0.2)
@@ -153,6 +161,46 @@ def test_a_request_alone_in_the_server_does_not_wait_for_company() -> None:
         second = await batcher.submit({"x": torch.zeros(1, 4)}, rows=1, key=(4,))
         assert (await first).batch_requests == second.batch_requests == 2
         assert torch.equal(second.outputs["y"], torch.zeros(1, 4))
+        await batcher.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_lone_request_skips_the_queue_and_is_answered_from_the_worker() -> None:
+    """Driven as the native front end drives calls: the only request in flight runs as without
+    batching and goes on from the worker thread; with another in flight it is queued, and its
+    call waits on the event loop for the batch."""
+    import contextvars
+
+    from cuvil_sidecar.handoff import drive
+
+    def slow_double(inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        time.sleep(0.05)  # still running when drive() hands the call over (else it goes on here)
+        return double(inputs)
+
+    async def scenario() -> None:
+        held = [1]
+        batcher = Batcher(slow_double, max_rows=8, max_delay_s=0.05, in_flight=lambda: held[0])
+        finished = threading.Event()
+        seen: dict[str, object] = {}
+
+        async def call() -> None:
+            result = await batcher.submit({"x": torch.ones(1, 4)}, rows=1, key=(4,))
+            seen["thread"], seen["requests"] = threading.current_thread(), result.batch_requests
+            finished.set()
+
+        parked: list[object] = []
+        drive(call(), contextvars.copy_context(), lambda *args: parked.append(args))
+        assert await asyncio.to_thread(finished.wait, 5)
+        assert parked == [] and seen["requests"] == 1  # nothing went back to the loop
+        assert seen["thread"] is not threading.current_thread()  # answered from the worker
+
+        held[0] = 2
+        queued = call()
+        drive(queued, contextvars.copy_context(), lambda *args: parked.append(args))
+        assert len(parked) == 1 and asyncio.isfuture(parked[0][2])  # the batch's future
+        await asyncio.wait_for(asyncio.shield(parked[0][2]), 5)
+        queued.close()
         await batcher.close()
 
     asyncio.run(scenario())

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from cuvil_sidecar.batcher import BatchResult
 from cuvil_sidecar.config import ConfigError, SidecarConfig
 from cuvil_sidecar.errors import ModelNotFound, ModelNotReady
 from cuvil_sidecar.manager import ModelManager, in_own_thread
@@ -171,19 +172,23 @@ def test_joined_batches_respect_the_models_batch_bound(mlp_artifact: Path) -> No
         )
         manager = ModelManager(config, ModelSource(str(mlp_artifact)), Metrics())
         assert await manager.load()
+        x = torch.randn(40, 784)
+
+        async def request(rows: int) -> BatchResult:  # held in flight as the data plane holds it
+            model = manager.acquire("mlp", "")
+            try:
+                return await model.batcher.submit({"x": x[:rows]}, rows=rows, key="same")
+            finally:
+                model.release()
+
         model = manager.acquire("mlp", "")
         assert model.batcher.max_rows == 64
-        x = torch.randn(40, 784)
-        results = await asyncio.gather(
-            *(model.batcher.submit({"x": x}, rows=40, key="same") for _ in range(3))
-        )
+        model.release()
+        results = await asyncio.gather(*(request(40) for _ in range(3)))
         assert [r.batch_rows for r in results] == [40, 40, 40]
         assert all(r.outputs["output"].shape == (40, 10) for r in results)
-        small = await asyncio.gather(
-            *(model.batcher.submit({"x": x[:8]}, rows=8, key="same") for _ in range(4))
-        )
+        small = await asyncio.gather(*(request(8) for _ in range(4)))
         assert max(r.batch_requests for r in small) > 1
-        model.release()
         await manager.close()
 
     asyncio.run(scenario())
