@@ -124,24 +124,15 @@ class Batcher:
                 self._direct += 1
             inline = alone and self.runs_inline
             return await self._run_unqueued(job, inline=inline, resume_on_worker=alone)
-        if self._lone():
+        if self._queue.empty() and not self._held and not self._company_possible([job]):
+            # the only request in flight: its batch could hold nobody else, so it runs as
+            # without batching, though never inline (batches run on the worker, and one thread
+            # keeps one OpenMP pool): no queue, and no turn of the event loop after the run
             with self._direct_lock:
                 self._direct += 1
-            # never inline here: batches run on the worker, and one thread keeps one OpenMP pool
             return await self._run_unqueued(job, inline=False, resume_on_worker=True)
         self._queue.put_nowait(job)
         return await job.future
-
-    def _lone(self) -> bool:
-        """Whether the request at hand is the only one the server holds and nothing waits here: its
-        batch could hold nobody else, so it takes the unbatched path (no queue, no turn of the
-        event loop after the run)."""
-        return (
-            self._in_flight is not None
-            and self._in_flight() <= 1
-            and self._queue.empty()
-            and not self._held
-        )
 
     async def _run_unqueued(
         self, job: _Job, *, inline: bool, resume_on_worker: bool
