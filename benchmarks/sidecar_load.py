@@ -66,7 +66,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -174,6 +174,7 @@ def start_sidecar(
     threads: int = 0,
     warmup_shapes: str = "",
     frontend: str = "native",
+    command: Sequence[str] = ("-m", "cuvil_sidecar.main"),
 ) -> tuple[subprocess.Popen, str]:
     port = free_port()
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("CUVIL_", "OTEL_"))}
@@ -191,7 +192,7 @@ def start_sidecar(
         "PYTHONPATH": os.pathsep.join([str(REPO / "runtime_sidecar"), str(REPO)]),
     }
     process = subprocess.Popen(
-        [sys.executable, "-m", "cuvil_sidecar.main"],
+        [sys.executable, *command],
         env=environ,
         stdout=log.open("wb"),
         stderr=subprocess.STDOUT,

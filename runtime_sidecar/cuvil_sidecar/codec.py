@@ -82,7 +82,7 @@ def decode_input(item: InferInput, *, max_bytes: int) -> torch.Tensor:
 
 
 def _from_raw(item: InferInput, datatype: Datatype, elements: int, itemsize: int) -> torch.Tensor:
-    raw = item.raw or b""
+    raw = item.raw if item.raw is not None else b""
     if len(raw) != elements * itemsize:
         raise InvalidInput(
             f"input {item.name!r}: {len(raw)} bytes of raw data, but shape {list(item.shape)} "
@@ -90,12 +90,13 @@ def _from_raw(item: InferInput, datatype: Datatype, elements: int, itemsize: int
         )
     if elements == 0:
         return torch.empty(item.shape, dtype=datatype.torch)
-    # A bytearray is the request's own copy of these bytes (wire.split_infer_request), made for
-    # the tensor: taken as it is. Anything else (bytes from protobuf, a view into the request or
-    # into a client's shared memory) is copied into one: torch warns on read-only buffers, a
-    # kernel may write into its input, and a client may rewrite its shared memory meanwhile.
-    # Native byte order is the protocol's little-endian on every target Cuvil builds for.
-    owned = raw if isinstance(raw, bytearray) else bytearray(raw)
+    # A bytearray or a numpy array is the request's own copy of these bytes, made for the tensor
+    # (wire.split_infer_request; the native front end's split): taken as it is. Anything else
+    # (bytes from protobuf, a view into the request or into a client's shared memory) is copied
+    # into one: torch warns on read-only buffers, a kernel may write into its input, and a
+    # client may rewrite its shared memory meanwhile. Native byte order is the protocol's
+    # little-endian on every target Cuvil builds for.
+    owned = raw if isinstance(raw, (bytearray, np.ndarray)) else bytearray(raw)
     flat = torch.frombuffer(owned, dtype=datatype.torch)
     if datatype.torch is torch.bool and bool((flat.view(torch.uint8) > 1).any()):
         raise InvalidInput(f"input {item.name!r}: BOOL raw bytes must be 0 or 1")

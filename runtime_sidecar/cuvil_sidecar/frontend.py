@@ -105,20 +105,27 @@ def open_frontend(servicer: InferenceServicer, config: SidecarConfig, provider: 
 
 def _native(servicer: InferenceServicer, config: SidecarConfig) -> Frontend:
     from cuvil_sidecar.native_frontend import Method, NativeFrontend
-    from cuvil_sidecar.wire import split_infer_request
+    from cuvil_sidecar.wire import RAW_INPUT_CONTENTS, infer_request_from_split, split_infer_request
 
     service = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+    infer = pb.ModelInferRequest
     methods = [
         Method(
             f"/{service.full_name}/{method.name}",
             getattr(pb, method.input_type.name),
             getattr(servicer, method.name),
-            functools.partial(
-                split_infer_request, request_type=pb.ModelInferRequest, owned_tensors=True
-            )
-            if method.name == "ModelInfer"
-            else None,
         )
         for method in service.methods
+        if method.name != "ModelInfer"
     ]
+    methods.append(
+        Method(
+            f"/{service.full_name}/ModelInfer",
+            infer,
+            servicer.ModelInfer,
+            functools.partial(split_infer_request, request_type=infer, owned_tensors=True),
+            RAW_INPUT_CONTENTS,
+            functools.partial(infer_request_from_split, request_type=infer),
+        )
+    )
     return NativeFrontend(methods, (pb.DESCRIPTOR, health_pb2.DESCRIPTOR), config.max_message_bytes)

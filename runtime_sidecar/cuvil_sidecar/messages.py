@@ -22,8 +22,9 @@ class InferInput:
     name: str
     datatype: str
     shape: tuple[int, ...]
-    # its raw_input_contents entry (a bytearray: the request's own copy), or shared memory
-    raw: bytes | bytearray | memoryview | None = None
+    # its raw_input_contents entry (bytes or a view; a bytearray or a numpy uint8 array when it
+    # is the request's own copy: codec takes those as they are), or shared memory
+    raw: Any = None
     typed: Mapping[str, Sequence[Any]] = field(default_factory=dict)  # non-empty typed fields
     shared: SharedMemoryRef | None = None  # where it lies in shared memory, instead of raw
 

@@ -66,10 +66,11 @@ def encode_varint(value: int) -> bytes:
 
 class SplitInferRequest:
     """A ModelInferRequest parsed without its ``raw_input_contents``, which it carries as
-    views into the request's bytes or as copies of their own (``bytearray``); every other field
-    reads through to the parsed message."""
+    views into the request's bytes or as memory of their own (a ``bytearray``, or a numpy
+    uint8 array from the native front end); every other field reads through to the parsed
+    message."""
 
-    def __init__(self, header: Any, raw_input_contents: Sequence[memoryview | bytearray]) -> None:
+    def __init__(self, header: Any, raw_input_contents: Sequence[Any]) -> None:
         self._header = header
         self.raw_input_contents = raw_input_contents
 
@@ -98,6 +99,14 @@ def split_infer_request(
     if owned_tensors:
         return SplitInferRequest(header, [bytearray(raw) for raw in raws])
     return SplitInferRequest(header, raws)
+
+
+def infer_request_from_split(
+    rest: bytes | memoryview, raw_input_contents: Sequence[Any], request_type: Any
+) -> SplitInferRequest:
+    """A ModelInferRequest cut apart elsewhere (the native front end): its bytes without
+    ``raw_input_contents``, and those entries, in order, as memory of their own."""
+    return SplitInferRequest(request_type.FromString(bytes(rest)), raw_input_contents)
 
 
 def cut_field(payload: bytes | memoryview, number: int) -> tuple[bytes, list[memoryview]]:

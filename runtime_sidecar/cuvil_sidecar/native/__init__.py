@@ -30,7 +30,8 @@ FLAGS = ("-O2", "-std=c++17", "-fPIC", "-shared")
 PACKAGES = ("grpc++", "protobuf")
 LIBRARIES = ("-lgrpc++_reflection",)
 
-# dispatch(call, method index, request bytes, size, metadata, metadata size)
+# dispatch(call, method index, request bytes, size, metadata, metadata size, tensors, entries,
+# entry count: -1 for a request passed whole)
 DISPATCH = ctypes.CFUNCTYPE(
     None,
     ctypes.c_void_p,
@@ -39,6 +40,9 @@ DISPATCH = ctypes.CFUNCTYPE(
     ctypes.c_size_t,
     ctypes.c_void_p,
     ctypes.c_size_t,
+    ctypes.c_void_p,
+    ctypes.POINTER(ctypes.c_uint64),
+    ctypes.c_int64,
 )
 
 
@@ -105,6 +109,8 @@ def load() -> ctypes.CDLL:
         c_char_p,
         c_char_p,
         c_size_t,
+        ctypes.POINTER(c_int),
+        c_size_t,
         c_int,
         DISPATCH,
         c_char_p,
@@ -119,6 +125,8 @@ def load() -> ctypes.CDLL:
     library.cuvil_frontend_finish.restype = None
     library.cuvil_frontend_stop.argtypes = [c_void_p, c_int]
     library.cuvil_frontend_stop.restype = None
+    library.cuvil_frontend_release.argtypes = [c_void_p]
+    library.cuvil_frontend_release.restype = None
     library.cuvil_frontend_free.argtypes = [c_void_p]
     library.cuvil_frontend_free.restype = None
     return library

@@ -4,9 +4,12 @@
 //
 // Each unary method of the served services is registered raw (bytes in, bytes out). A call is
 // handed to Python's dispatch callback with its request bytes and metadata; Python answers,
-// from any thread and at any time, with cuvil_frontend_finish. Health (grpc.health.v1, Check and
-// Watch) and reflection come from gRPC C++ itself; the service descriptors reflection serves
-// are given by Python as serialized FileDescriptorProtos.
+// from any thread and at any time, with cuvil_frontend_finish. A large request of a method with
+// a tensor field (ModelInfer's raw_input_contents) is split here first, off the GIL: the
+// tensors' bytes go straight from gRPC's slices into one buffer that Python takes over, each
+// at a 64-byte boundary, and Python parses only the rest (see wire.py). Health
+// (grpc.health.v1, Check and Watch) and reflection come from gRPC C++ itself; the service
+// descriptors reflection serves are given by Python as serialized FileDescriptorProtos.
 #include <google/protobuf/descriptor.h>
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
@@ -14,25 +17,155 @@
 #include <grpcpp/impl/codegen/server_callback_handlers.h>
 #include <grpcpp/impl/codegen/service_type.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <memory>
 #include <mutex>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace {
 
-// dispatch(call, method index, request bytes, size, metadata, size); the metadata is each key
-// and value in turn, each as a native uint32 length and its bytes (binary values hold NULs).
-using Dispatch = void (*)(void*, int, const char*, size_t, const char*, size_t);
+// dispatch(call, method index, request bytes, size, metadata, size, tensors, entries, count);
+// the metadata is each key and value in turn, each as a native uint32 length and its bytes
+// (binary values hold NULs). count is -1 for a request passed whole; for a split one, the
+// request bytes are the message without its tensor field, and entries holds count (offset,
+// size) pairs into tensors, a buffer Python owns from then on (cuvil_frontend_release).
+using Dispatch = void (*)(void*, int, const char*, size_t, const char*, size_t, char*,
+                          const uint64_t*, int64_t);
+
+constexpr size_t kTensorAlignment = 64;
 
 void append_sized(std::string& out, const char* data, size_t size) {
   uint32_t length = static_cast<uint32_t>(size);
   out.append(reinterpret_cast<const char*>(&length), sizeof length).append(data, size);
+}
+
+
+// A request's bytes as gRPC holds them: slices, read at any offset.
+class Slices {
+ public:
+  explicit Slices(const std::vector<grpc::Slice>& slices) {
+    for (const grpc::Slice& slice : slices) {
+      if (slice.size() == 0) continue;
+      starts_.push_back(size_);
+      data_.push_back(reinterpret_cast<const char*>(slice.begin()));
+      size_ += slice.size();
+    }
+    starts_.push_back(size_);
+  }
+
+  size_t size() const { return size_; }
+
+  // The bytes [begin, end) appended to out (end <= size()).
+  void Copy(size_t begin, size_t end, char* out) {
+    while (begin < end) {
+      Seek(begin);
+      size_t take = std::min(end, starts_[at_ + 1]) - begin;
+      std::memcpy(out, data_[at_] + (begin - starts_[at_]), take);
+      out += take;
+      begin += take;
+    }
+  }
+
+  // A varint at *position, which moves past it; false if it runs off the end or past 10 bytes.
+  bool Varint(size_t* position, uint64_t* value) {
+    *value = 0;
+    for (int shift = 0; shift < 64 && *position < size_; shift += 7) {
+      Seek(*position);
+      uint8_t byte = static_cast<uint8_t>(data_[at_][*position - starts_[at_]]);
+      ++*position;
+      *value |= static_cast<uint64_t>(byte & 0x7F) << shift;
+      if (byte < 0x80) return true;
+    }
+    return false;
+  }
+
+ private:
+  void Seek(size_t position) {  // reads mostly move forwards
+    if (position < starts_[at_]) at_ = 0;
+    while (position >= starts_[at_ + 1]) ++at_;
+  }
+
+  std::vector<const char*> data_;
+  std::vector<size_t> starts_;
+  size_t size_ = 0;
+  size_t at_ = 0;
+};
+
+// A message with its top-level length-delimited fields `number` cut out: header is the rest,
+// entries (offset, size) where each cut field's contents lie in tensors.
+struct Split {
+  std::string header;
+  char* tensors = nullptr;
+  std::vector<uint64_t> entries;
+};
+
+size_t Aligned(size_t size) {
+  return (size + kTensorAlignment - 1) / kTensorAlignment * kTensorAlignment;
+}
+
+// Walks the fields as protobuf would; false (nothing allocated) for bytes that are no
+// message, which Python then parses whole, so that protobuf reports them as it always does.
+bool SplitMessage(Slices& bytes, int number, Split* split) {
+  std::vector<std::pair<size_t, size_t>> kept, cut;  // [begin, end) ranges of bytes
+  size_t start = 0, at = 0, end = bytes.size();
+  while (at < end) {
+    size_t field_start = at;
+    uint64_t tag = 0, value = 0;
+    if (!bytes.Varint(&at, &tag)) return false;
+    switch (tag & 7) {
+      case 0:
+        if (!bytes.Varint(&at, &value)) return false;
+        break;
+      case 1:
+        at += 8;
+        break;
+      case 5:
+        at += 4;
+        break;
+      case 2:
+        if (!bytes.Varint(&at, &value) || value > end - at) return false;
+        if (static_cast<int>(tag >> 3) == number) {
+          kept.emplace_back(start, field_start);
+          cut.emplace_back(at, at + value);
+          start = at + value;
+        }
+        at += value;
+        break;
+      default:  // groups (3, 4) are not used by the protocol; 6 and 7 do not exist
+        return false;
+    }
+    if (at > end) return false;
+  }
+  kept.emplace_back(start, end);
+  size_t header_size = 0, tensors_size = 0;
+  for (const auto& [begin, stop] : kept) header_size += stop - begin;
+  for (const auto& [begin, stop] : cut) tensors_size += Aligned(stop - begin);
+  split->header.resize(header_size);
+  char* out = split->header.data();
+  for (const auto& [begin, stop] : kept) {
+    bytes.Copy(begin, stop, out);
+    out += stop - begin;
+  }
+  if (cut.empty()) return true;
+  split->tensors = static_cast<char*>(
+      std::aligned_alloc(kTensorAlignment, std::max(tensors_size, kTensorAlignment)));
+  if (split->tensors == nullptr) return false;
+  size_t offset = 0;
+  for (const auto& [begin, stop] : cut) {
+    bytes.Copy(begin, stop, split->tensors + offset);
+    split->entries.push_back(offset);
+    split->entries.push_back(stop - begin);
+    offset += Aligned(stop - begin);
+  }
+  return true;
 }
 
 struct Call {
@@ -42,8 +175,11 @@ struct Call {
 
 class RawService : public grpc::Service {
  public:
-  RawService(const std::vector<std::string>& methods, Dispatch dispatch) : dispatch_(dispatch) {
+  RawService(const std::vector<std::string>& methods, const int* split_fields, size_t split_from,
+             Dispatch dispatch)
+      : split_from_(split_from), dispatch_(dispatch) {
     for (const std::string& method : methods) names_.push_back(method);
+    split_fields_.assign(split_fields, split_fields + names_.size());
     for (size_t index = 0; index < names_.size(); ++index) {
       AddMethod(new grpc::internal::RpcServiceMethod(
           names_[index].c_str(), grpc::internal::RpcMethod::NORMAL_RPC, nullptr));
@@ -63,31 +199,40 @@ class RawService : public grpc::Service {
                                    grpc::ByteBuffer* response) {
     grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
     std::vector<grpc::Slice> slices;
-    std::string joined;
-    const char* data = "";
-    size_t size = 0;
-    if (request != nullptr && request->Dump(&slices).ok()) {
-      if (slices.size() == 1) {
-        data = reinterpret_cast<const char*>(slices[0].begin());
-        size = slices[0].size();
-      } else {
-        for (const grpc::Slice& slice : slices)
-          joined.append(reinterpret_cast<const char*>(slice.begin()), slice.size());
-        data = joined.data();
-        size = joined.size();
-      }
-    }
+    if (request != nullptr && !request->Dump(&slices).ok()) slices.clear();
+    Slices bytes(slices);
     std::string metadata;
     for (const auto& [key, value] : context->client_metadata()) {
       append_sized(metadata, key.data(), key.size());
       append_sized(metadata, value.data(), value.size());
     }
+    auto* call = new Call{reactor, response};
+    Split split;
+    if (split_fields_[index] != 0 && bytes.size() >= split_from_ &&
+        SplitMessage(bytes, split_fields_[index], &split)) {
+      dispatch_(call, index, split.header.data(), split.header.size(), metadata.data(),
+                metadata.size(), split.tensors, split.entries.data(),
+                static_cast<int64_t>(split.entries.size() / 2));
+      return reactor;
+    }
+    std::string joined;
+    const char* data = "";
+    if (slices.size() == 1) {
+      data = reinterpret_cast<const char*>(slices[0].begin());
+    } else if (bytes.size() > 0) {
+      joined.resize(bytes.size());
+      bytes.Copy(0, bytes.size(), joined.data());
+      data = joined.data();
+    }
     // Python copies what it needs before dispatch returns; the call lives until finish.
-    dispatch_(new Call{reactor, response}, index, data, size, metadata.data(), metadata.size());
+    dispatch_(call, index, data, bytes.size(), metadata.data(), metadata.size(), nullptr, nullptr,
+              -1);
     return reactor;
   }
 
   std::deque<std::string> names_;
+  std::vector<int> split_fields_;  // per method: the tensor field cut out of large requests, or 0
+  size_t split_from_;
   Dispatch dispatch_;
 };
 
@@ -135,12 +280,14 @@ int cuvil_frontend_add_descriptor(const char* name, const char* data, size_t siz
 }
 
 // Starts a server on address ("host:port"); methods: "/pkg.Service/Method" names, each ended
-// by '\0'. Returns a handle, or null with the reason in error.
+// by '\0'; split_fields: per method, the field number of its tensor bytes (0: none), cut out of
+// requests of split_from bytes or more. Returns a handle, or null with the reason in error.
 void* cuvil_frontend_start(const char* address, const char* methods, size_t methods_size,
-                           int max_message_bytes, Dispatch dispatch, char* error,
-                           size_t error_size) {
+                           const int* split_fields, size_t split_from, int max_message_bytes,
+                           Dispatch dispatch, char* error, size_t error_size) {
   auto frontend = std::make_unique<Frontend>();
-  frontend->service = std::make_unique<RawService>(split(methods, methods_size), dispatch);
+  frontend->service = std::make_unique<RawService>(split(methods, methods_size), split_fields,
+                                                   split_from, dispatch);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
@@ -186,6 +333,9 @@ void cuvil_frontend_stop(void* handle, int grace_ms) {
                              std::chrono::milliseconds(grace_ms));
   frontend->server->Wait();
 }
+
+// Frees a split request's tensor buffer, once nothing reads it any more.
+void cuvil_frontend_release(char* tensors) { std::free(tensors); }
 
 // Frees a stopped server; every call it handed over must have been finished.
 void cuvil_frontend_free(void* handle) { delete static_cast<Frontend*>(handle); }
