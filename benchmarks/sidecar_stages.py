@@ -49,8 +49,8 @@ GAP_S = 0.002  # between calls, as a client with some work of its own
 # stage -> (its start mark, its end mark); "send" and "receive" are the client's
 STAGES = {
     "request_in": ("send", "on_call"),
-    "parse": ("on_call", "on_call_end"),
-    "to_loop": ("on_call_end", "begin"),
+    "parse": ("on_call", "parse_end"),
+    "to_loop": ("parse_end", "begin"),
     "to_data_plane": ("begin", "decode"),
     "decode": ("decode", "decode_end"),
     "to_worker": ("decode_end", "execute"),
@@ -94,6 +94,7 @@ def serve() -> int:
         (batcher.Batcher, "_execute", "execute"),
     ):
         setattr(owner, attribute, _timed(record, name, getattr(owner, attribute)))
+    frontend._parse = staticmethod(_timed(record, "parse", frontend._parse))  # type: ignore[method-assign]
     atexit.register(lambda: Path(os.environ[MARKS_FILE]).write_text(json.dumps(marks)))
     return main.main()
 

@@ -137,8 +137,8 @@ def _from_typed(item: InferInput, datatype: Datatype, elements: int) -> torch.Te
 def encode_output(name: str, tensor: torch.Tensor) -> InferOutput:
     """An output tensor -> its raw little-endian bytes (a view of the tensor's memory, copied
     only into the answer) with its protocol datatype."""
-    datatype, flat = _output_bytes(name, tensor)
-    return InferOutput(name, datatype.name, tuple(tensor.shape), memoryview(flat.numpy().data))
+    datatype, raw = _output_bytes(name, tensor)
+    return InferOutput(name, datatype.name, tuple(tensor.shape), raw)
 
 
 def write_output(
@@ -146,21 +146,30 @@ def write_output(
 ) -> InferOutput:
     """An output tensor -> its bytes written into ``target`` (the shared memory ``ref`` points
     at), and an output that carries the reference instead of the bytes."""
-    datatype, flat = _output_bytes(name, tensor)
-    size = flat.numel()
+    datatype, raw = _output_bytes(name, tensor)
+    size = raw.nbytes
     if size > len(target):
         raise InvalidInput(
             f"output {name!r} of shape {list(tensor.shape)} needs {size} bytes, but its "
             f"shared memory in region {ref.region!r} holds only {ref.byte_size}"
         )
-    np.frombuffer(target, dtype=np.uint8, count=size)[:] = flat.numpy()
+    np.frombuffer(target, dtype=np.uint8, count=size)[:] = np.frombuffer(raw, dtype=np.uint8)
     written = SharedMemoryRef(ref.region, size, ref.offset)
     return InferOutput(name, datatype.name, tuple(tensor.shape), b"", written)
 
 
-def _output_bytes(name: str, tensor: torch.Tensor) -> tuple[Datatype, torch.Tensor]:
+def _output_bytes(name: str, tensor: torch.Tensor) -> tuple[Datatype, memoryview]:
+    """The tensor's bytes as a view of its memory, copied first only where it is not plain CPU
+    memory numpy can read. The plain case takes one torch call: right after a model's run
+    every cache is cold, and a call costs ~5 us then (ResNet-50's logits: 19 against 50 us)."""
     datatype = BY_TORCH.get(tensor.dtype)
     if datatype is None:
         raise TypeError(f"output {name!r} has dtype {tensor.dtype}, which the protocol lacks")
+    try:
+        array = tensor.numpy()  # no copy; refused for other devices, bf16, or grad
+    except (TypeError, RuntimeError):
+        array = None
+    if array is not None and array.size and array.flags.c_contiguous:
+        return datatype, array.data.cast("B")
     plain = tensor.detach().to("cpu").contiguous()
-    return datatype, plain.reshape(-1).view(torch.uint8)
+    return datatype, plain.reshape(-1).view(torch.uint8).numpy().data

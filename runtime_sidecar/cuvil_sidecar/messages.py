@@ -110,10 +110,19 @@ class InferResponse:
     outputs: tuple[InferOutput, ...]
 
     def to_pb(self) -> Any:
-        """The response message; for large outputs a ``wire.EncodedInferResponse``, which
-        serializes as the same message with fewer copies."""
+        """The response as something that serializes as its message: a
+        ``wire.EncodedInferResponse``, whose fields are written by hand unless an output lies in
+        shared memory (its parameters say where), with fewer copies of the outputs' bytes."""
+        from cuvil_sidecar.wire import EncodedInferResponse, encode_response_header
+
+        # one entry per output, as the protocol asks: empty for one in shared memory, so that
+        # clients which pair entries with outputs by position stay aligned
+        raws = [output.raw for output in self.outputs]
+        if all(output.shared is None for output in self.outputs):
+            described = [(output.name, output.datatype, output.shape) for output in self.outputs]
+            header = encode_response_header(self.model_name, self.model_version, self.id, described)
+            return EncodedInferResponse(header, raws)
         from cuvil_sidecar._generated import grpc_service_pb2 as pb
-        from cuvil_sidecar.wire import ENCODE_FROM, EncodedInferResponse
 
         response = pb.ModelInferResponse(
             model_name=self.model_name, model_version=self.model_version, id=self.id
@@ -128,13 +137,7 @@ class InferResponse:
                         tensor.parameters[key].string_param = value
                     else:
                         tensor.parameters[key].int64_param = value
-        # one entry per output, as the protocol asks: empty for one in shared memory, so that
-        # clients which pair entries with outputs by position stay aligned
-        raws = [output.raw for output in self.outputs]
-        if sum(memoryview(raw).nbytes for raw in raws) >= ENCODE_FROM:
-            return EncodedInferResponse(response, raws)
-        response.raw_output_contents.extend(bytes(raw) for raw in raws)
-        return response
+        return EncodedInferResponse(response, raws)
 
 
 @dataclass(frozen=True)

@@ -17,10 +17,13 @@ copies it saves. Bytes that are not a valid message are parsed whole too, so tha
 reports them as it always does.
 
 **Responses.** ``EncodedInferResponse`` writes a response's fields other than
-``raw_output_contents`` with protobuf and appends those entries after them in one join, so an
-output's bytes are copied once, from the tensor into the answer, instead of three times (into
-a ``bytes``, into the message, into its serialization): MiniLM's 196 KB hidden state, or an
-LLM's logits. Protobuf reads fields in any order, and repeated ones in the order they come.
+``raw_output_contents`` and appends those entries after them in one join, so an output's bytes
+are copied once, from the tensor into the answer, instead of three times (into a ``bytes``, into
+the message, into its serialization): MiniLM's 196 KB hidden state, or an LLM's logits.
+Protobuf reads fields in any order, and repeated ones in the order they come. The other fields
+are written by hand (``encode_response_header``) unless an output carries parameters: right
+after a model's run every cache is cold, and building the message with protobuf then cost
+ResNet-50's answer ~35 us against ~12.
 """
 
 from __future__ import annotations
@@ -31,28 +34,63 @@ from typing import Any
 from google.protobuf.message import DecodeError
 
 SPLIT_FROM = 64 * 1024  # request bytes from which the tensors are cut out
-ENCODE_FROM = 64 * 1024  # output bytes from which a response is an EncodedInferResponse
 # Field numbers of the protocol (KServe's and Triton's grpc_service.proto; tests check ours).
 # No generated module is imported here: tests load NVIDIA's, and the two cannot share a process.
 RAW_INPUT_CONTENTS = 7  # ModelInferRequest.raw_input_contents
 RAW_OUTPUT_CONTENTS = 6  # ModelInferResponse.raw_output_contents
+_OUTPUTS = 5  # ModelInferResponse.outputs
 _LENGTH_DELIMITED = 2
+_INT64 = 2**64 - 1
 
 
 class EncodedInferResponse:
-    """A ModelInferResponse (``header``, without raw_output_contents) and its raw output
-    entries, serialized as one message by ``SerializeToString``."""
+    """A ModelInferResponse (``header``, without raw_output_contents: a message or its bytes)
+    and its raw output entries, serialized as one message by ``SerializeToString``."""
 
-    def __init__(self, header: Any, raw_output_contents: Sequence[bytes | memoryview]) -> None:
+    def __init__(
+        self, header: Any | bytes, raw_output_contents: Sequence[bytes | memoryview]
+    ) -> None:
         self.header = header
         self.raw_output_contents = raw_output_contents
 
     def SerializeToString(self) -> bytes:  # protobuf's name: both gRPC servers call it
         tag = encode_varint(RAW_OUTPUT_CONTENTS << 3 | _LENGTH_DELIMITED)
-        parts: list[bytes | memoryview] = [self.header.SerializeToString()]
+        header = self.header
+        parts: list[bytes | memoryview] = [
+            header if isinstance(header, bytes) else header.SerializeToString()
+        ]
         for raw in self.raw_output_contents:
             parts += (tag, encode_varint(memoryview(raw).nbytes), raw)
         return b"".join(parts)
+
+
+def encode_response_header(
+    model_name: str, model_version: str, id: str, outputs: Sequence[tuple[str, str, Sequence[int]]]
+) -> bytes:
+    """A ModelInferResponse with no parameters and no raw_output_contents, serialized as protobuf
+    serializes it (fields in order, proto3's empty values left out); ``outputs``: each
+    InferOutputTensor's name, datatype and shape."""
+    parts = [
+        _string_field(number, text)
+        for number, text in ((1, model_name), (2, model_version), (3, id))
+        if text
+    ]
+    for name, datatype, shape in outputs:
+        tensor = _string_field(1, name) if name else b""
+        if datatype:
+            tensor += _string_field(2, datatype)
+        if shape:  # packed int64: a negative one takes ten bytes, as two's complement
+            tensor += _sized_field(3, b"".join(encode_varint(dim & _INT64) for dim in shape))
+        parts.append(_sized_field(_OUTPUTS, tensor))
+    return b"".join(parts)
+
+
+def _string_field(number: int, text: str) -> bytes:
+    return _sized_field(number, text.encode())
+
+
+def _sized_field(number: int, payload: bytes) -> bytes:
+    return encode_varint(number << 3 | _LENGTH_DELIMITED) + encode_varint(len(payload)) + payload
 
 
 def encode_varint(value: int) -> bytes:

@@ -177,6 +177,67 @@ def test_output_tensors_are_encoded_from_views_and_read_back_equal() -> None:
     assert parsed.raw_output_contents[1] == pooled.numpy().tobytes()
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    names,
+    names,
+    names,
+    st.lists(
+        st.tuples(
+            names,
+            st.sampled_from(["", "FP32", "BF16", "BOOL"]),
+            st.lists(st.integers(-(2**63), 2**63 - 1), max_size=4),
+        ),
+        max_size=3,
+    ),
+    st.lists(st.binary(max_size=300), min_size=3, max_size=3),
+)
+def test_a_hand_written_response_header_is_what_protobuf_writes(
+    model_name: str,
+    model_version: str,
+    request_id: str,
+    outputs: list[tuple[str, str, list[int]]],
+    raws: list[bytes],
+) -> None:
+    expected = pb.ModelInferResponse(model_name=model_name, model_version=model_version)
+    expected.id = request_id
+    for name, datatype, shape in outputs:
+        expected.outputs.add(name=name, datatype=datatype, shape=shape)
+    header = wire.encode_response_header(model_name, model_version, request_id, outputs)
+    assert header == expected.SerializeToString()  # byte for byte
+    entries = raws[: len(outputs)]
+    expected.raw_output_contents.extend(entries)
+    encoded = wire.EncodedInferResponse(header, entries).SerializeToString()
+    assert pb.ModelInferResponse.FromString(encoded) == expected
+
+
+def test_plain_outputs_are_encoded_as_views_of_their_memory() -> None:
+    """One torch call for a plain CPU tensor: its bytes are a view of its memory; anything else
+    (bf16, a transposed view, a tensor that needs grad, an empty one) is still encoded right."""
+    import numpy as np
+    import torch
+    from cuvil_sidecar.codec import encode_output
+
+    logits = torch.randn(1, 1000)
+    raw = encode_output("logits", logits).raw
+    assert isinstance(raw, memoryview)
+    assert np.frombuffer(raw, dtype=np.uint8).ctypes.data == logits.data_ptr()
+    for tensor in (
+        torch.tensor([True, False, True]),
+        torch.randn(2, 3).to(torch.bfloat16),
+        torch.randn(3, 4).t(),
+        torch.zeros(1, 0),
+        torch.randn(2, 2, requires_grad=True),
+        torch.randn(5).half(),
+        torch.tensor(3.0),
+        torch.arange(6, dtype=torch.int64).reshape(2, 3),
+    ):
+        output = encode_output("y", tensor)
+        flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        assert bytes(output.raw) == flat.numpy().tobytes()
+        assert output.shape == tuple(tensor.shape)
+
+
 def test_the_field_numbers_are_the_protocols() -> None:
     request = pb.ModelInferRequest.DESCRIPTOR.fields_by_name["raw_input_contents"]
     response = pb.ModelInferResponse.DESCRIPTOR.fields_by_name["raw_output_contents"]
