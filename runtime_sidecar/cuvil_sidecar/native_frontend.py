@@ -211,7 +211,8 @@ class NativeFrontend:
         pairs = [(entries[2 * i], entries[2 * i + 1]) for i in range(count)]
         end = max(offset + size for offset, size in pairs)
         buffer = (ctypes.c_char * end).from_address(address)
-        weakref.finalize(buffer, self._library.cuvil_frontend_release, address)
+        freeing = weakref.finalize(buffer, self._library.cuvil_frontend_release, address)
+        freeing.atexit = False  # at exit a view may still be read; the process frees it all
         whole = np.frombuffer(buffer, dtype=np.uint8)  # keeps the buffer alive
         return [whole[offset : offset + size] for offset, size in pairs]
 

@@ -158,6 +158,17 @@ def test_the_split_buffer_is_freed_with_the_last_view() -> None:
     assert len(kept) == 20_000
 
 
+def test_a_large_request_with_only_empty_tensors() -> None:
+    request = pb.ModelInferRequest(model_name="m" * SPLIT_FROM)  # large for its header alone
+    request.inputs.add(name="empty", datatype="INT8", shape=[0])
+    request.raw_input_contents.append(b"")
+    codes, (got,) = _serve([request.SerializeToString()])
+    assert codes == [grpc.StatusCode.OK]
+    assert isinstance(got, wire.SplitInferRequest) and got.model_name == request.model_name
+    (raw,) = got.raw_input_contents
+    assert isinstance(raw, np.ndarray) and raw.size == 0
+
+
 def test_small_requests_are_parsed_whole() -> None:
     request = _request([10, 20])
     assert len(request.SerializeToString()) < SPLIT_FROM
