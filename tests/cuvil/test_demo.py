@@ -60,7 +60,7 @@ def test_demo_compiles_serves_and_checks_the_mlp(tmp_path: Path) -> None:
     served = out.count("sidecar ready in")
     assert served >= 1 and out.count("serving on the native gRPC front end") == served, out
     # the same requests through shared memory, each answer checked against the gRPC one
-    assert re.search(r"tensors in shared memory .*: sidecar p50 \d+\.\d+ ms", out)
+    assert re.search(r"tensors in shared memory .*: sidecar p50 (\d+\.\d ms|\d+ µs)", out)
     assert re.search(r"answers vs eager: max error \S+ of the output scale \(ok\)", out)
     # One trace: the compile spans (this process) and the serving spans (the sidecar, over OTLP).
     tree = out[out.index("== trace") : out.index("== summary")]
