@@ -13,6 +13,8 @@ a fresh node does) on the native gRPC front end; with ``--shared-tactics`` both 
 kept in the tactics cache beside the artifacts (``sidecar_load.py``'s), so that a change outside
 the kernels' choice is not hidden by two loads choosing differently (a few % of a run here).
 ``--base`` is checked out with ``git worktree`` into a temporary folder, removed afterwards.
+``--env`` / ``--base-env KEY=VALUE`` set a variable for one side only, so one commit can be
+run against itself with a setting changed (``--base HEAD --env GOMP_SPINCOUNT=300000``).
 """
 
 from __future__ import annotations
@@ -53,8 +55,10 @@ def checkout(revision: str) -> Iterator[Path]:
 
 
 def start(
-    tree: Path, artifact: Path, name: str, batch: int, log: Path, tactics: str
+    tree: Path, artifact: Path, name: str, batch: int, log: Path, settings: dict[str, str]
 ) -> tuple[Any, str]:
+    """A sidecar from ``tree`` serving ``artifact``; ``settings`` (the tactics cache, and the
+    side's own variables) go on top of the defaults."""
     port = load_test.free_port()
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("CUVIL_", "OTEL_"))}
     environ |= {
@@ -66,9 +70,9 @@ def start(
         "CUVIL_MAX_QUEUE_DELAY_US": "2000",
         "CUVIL_WARMUP_SHAPES": load_test.WARMUP_SHAPES.get(name, ""),
         "CUVIL_GRPC_FRONTEND": "native",
-        "CUVIL_TACTICS_CACHE": tactics,
         "PYTHONPATH": os.pathsep.join([str(tree / "runtime_sidecar"), str(tree)]),
     }
+    environ |= settings
     process = subprocess.Popen(
         [sys.executable, "-m", "cuvil_sidecar.main"],
         env=environ,
@@ -138,6 +142,10 @@ def alternate_c16(urls: dict[str, str], name: str, rounds: int, window_s: float)
 def compare(trees: dict[str, Path], name: str, args: argparse.Namespace) -> dict[str, object]:
     artifact = load_test.compiled_artifact(name, args.artifacts)
     tactics = str(load_test.tactics_folder(artifact)) if args.shared_tactics else "off"
+    settings = {
+        "base": {"CUVIL_TACTICS_CACHE": tactics, **variables(args.base_env)},
+        "working_tree": {"CUVIL_TACTICS_CACHE": tactics, **variables(args.env)},
+    }
     result: dict[str, object] = {}
     for mode, batch in (("c1", 1), ("c16", 8)):
         processes, urls, logs = {}, {}, {}
@@ -145,7 +153,7 @@ def compare(trees: dict[str, Path], name: str, args: argparse.Namespace) -> dict
             for side, tree in trees.items():
                 logs[side] = args.artifacts / f"ab-{name}-{mode}-{side}.log"
                 processes[side], urls[side] = start(
-                    tree, artifact, name, batch, logs[side], tactics
+                    tree, artifact, name, batch, logs[side], settings[side]
                 )
                 if args.shared_tactics:  # the first to load keeps its choices for the other
                     wait_ready({side: urls[side]}, processes, logs)
@@ -162,6 +170,17 @@ def compare(trees: dict[str, Path], name: str, args: argparse.Namespace) -> dict
     return result
 
 
+def variables(pairs: list[str]) -> dict[str, str]:
+    """``KEY=VALUE`` arguments as a mapping."""
+    found = {}
+    for pair in pairs:
+        key, equals, value = pair.partition("=")
+        if not key or not equals:
+            raise SystemExit(f"expected KEY=VALUE, got {pair!r}")
+        found[key] = value
+    return found
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", required=True, help="the earlier commit (any git revision)")
@@ -175,12 +194,18 @@ def main() -> int:
     parser.add_argument(
         "--shared-tactics", action="store_true", help="both sidecars run the same kernel choices"
     )
+    for flag, side in (("--env", "the working tree's"), ("--base-env", "the base's")):
+        parser.add_argument(
+            flag, action="append", default=[], metavar="KEY=VALUE", help=f"{side} sidecar only"
+        )
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args.artifacts.mkdir(parents=True, exist_ok=True)
     report: dict[str, object] = {
         "base": args.base,
         "shared_tactics": args.shared_tactics,
+        "env": variables(args.env),
+        "base_env": variables(args.base_env),
         "load_average": os.getloadavg(),
     }
     with checkout(args.base) as base:

@@ -1,6 +1,7 @@
 """The side-by-side benchmark end to end on the MLP, the working tree against its own HEAD: two
 sidecars at once, alternating calls at concurrency 1 and windows at 16, one JSON document on
-stdout, both sides on one tactics cache, and the base's worktree gone afterwards."""
+stdout, both sides on one tactics cache, a variable set for one side only, and the base's
+worktree gone afterwards."""
 
 from __future__ import annotations
 
@@ -15,8 +16,16 @@ def test_mlp_against_head(tmp_path: Path) -> None:
         "sidecar_ab.py",
         *("--base", "HEAD", "--models", "mlp", "--rounds", "1", "--window", "0.3"),
         *("--scale", "20", "--artifacts", str(tmp_path), "--shared-tactics"),
+        *("--env", "GOMP_SPINCOUNT=4000"),
     )
     assert report["base"] == "HEAD" and report["shared_tactics"] is True
+    assert report["env"] == {"GOMP_SPINCOUNT": "4000"} and report["base_env"] == {}
+    for mode in ("c1", "c16"):  # each sidecar says which spin it runs with
+        assert (
+            "GOMP_SPINCOUNT=4000, as set"
+            in (tmp_path / f"ab-mlp-{mode}-working_tree.log").read_text()
+        )
+        assert "GOMP_SPINCOUNT=4000" not in (tmp_path / f"ab-mlp-{mode}-base.log").read_text()
     assert list((tmp_path / "tactics").iterdir())  # the first sidecar kept its kernel choices
     c1, c16 = report["mlp"]["c1"], report["mlp"]["c16"]
     assert set(c1) == set(c16) == {"base", "working_tree"}
