@@ -36,6 +36,8 @@ from typing import Any
 
 import sidecar_load as load_test
 
+from cuvil.cli.pairs import key_values
+
 REPO = Path(__file__).resolve().parents[1]
 BLOCKS = {"mlp": (40, 50), "minilm": (20, 8), "resnet50": (12, 4)}  # blocks, calls per block
 
@@ -143,8 +145,8 @@ def compare(trees: dict[str, Path], name: str, args: argparse.Namespace) -> dict
     artifact = load_test.compiled_artifact(name, args.artifacts)
     tactics = str(load_test.tactics_folder(artifact)) if args.shared_tactics else "off"
     settings = {
-        "base": {"CUVIL_TACTICS_CACHE": tactics, **variables(args.base_env)},
-        "working_tree": {"CUVIL_TACTICS_CACHE": tactics, **variables(args.env)},
+        "base": {"CUVIL_TACTICS_CACHE": tactics, **args.base_env},
+        "working_tree": {"CUVIL_TACTICS_CACHE": tactics, **args.env},
     }
     result: dict[str, object] = {}
     for mode, batch in (("c1", 1), ("c16", 8)):
@@ -170,17 +172,6 @@ def compare(trees: dict[str, Path], name: str, args: argparse.Namespace) -> dict
     return result
 
 
-def variables(pairs: list[str]) -> dict[str, str]:
-    """``KEY=VALUE`` arguments as a mapping."""
-    found = {}
-    for pair in pairs:
-        key, equals, value = pair.partition("=")
-        if not key or not equals:
-            raise SystemExit(f"expected KEY=VALUE, got {pair!r}")
-        found[key] = value
-    return found
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", required=True, help="the earlier commit (any git revision)")
@@ -199,13 +190,18 @@ def main() -> int:
             flag, action="append", default=[], metavar="KEY=VALUE", help=f"{side} sidecar only"
         )
     args = parser.parse_args()
+    try:
+        args.env = key_values(args.env, "--env")
+        args.base_env = key_values(args.base_env, "--base-env")
+    except ValueError as error:
+        parser.error(str(error))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args.artifacts.mkdir(parents=True, exist_ok=True)
     report: dict[str, object] = {
         "base": args.base,
         "shared_tactics": args.shared_tactics,
-        "env": variables(args.env),
-        "base_env": variables(args.base_env),
+        "env": args.env,
+        "base_env": args.base_env,
         "load_average": os.getloadavg(),
     }
     with checkout(args.base) as base:

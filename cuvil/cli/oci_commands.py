@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from cuvil.artifact.registry_config import RegistryConfig
+from cuvil.cli.pairs import key_values
 
 
 def add_registry_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,22 +59,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     pull.set_defaults(handler=run_pull)
 
 
-def _annotations(pairs: list[str]) -> dict[str, str]:
-    found = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--annotation wants KEY=VALUE, got {pair!r}")
-        found[key] = value
-    return found
-
-
 def run_push(args: argparse.Namespace) -> int:
     from cuvil.artifact import push_artifact, push_index
     from cuvil.artifact.reference import parse_target_reference
 
     config = registry_config_from(args)
-    annotations = _annotations(args.annotation)
+    annotations = key_values(args.annotation, "--annotation")
     if len(args.paths) == 1:
         results = [
             push_artifact(args.paths[0], args.ref, registry_config=config, annotations=annotations)
