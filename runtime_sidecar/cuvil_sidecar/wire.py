@@ -7,10 +7,12 @@ into the parsed message, and out of it as a Python ``bytes`` (then once more int
 own buffer). ``split_infer_request`` walks the message's top-level fields instead, parses only
 the rest (names, shapes, parameters: a few hundred bytes), and hands the entries on without
 copying them through protobuf. Where the payload is Python's own ``bytes`` (grpcio), the entries
-are views into it and decoding makes the tensor's copy. Where it is gRPC's buffer, lent only
-for the call (the native front end, ``owned_tensors``), each entry is copied once, straight into
-a ``bytearray`` that decoding hands to the tensor as it is: one copy from the wire to the tensor
-in both cases. ResNet-50's 600 KB image: two or three 600 KB copies fewer per call.
+are views into it and decoding makes the tensor's copy. The native front end splits large
+requests in C++ before Python sees them (``infer_request_from_split``); a large request it hands
+over whole (it could not allocate the tensors' buffer) lies in gRPC's buffer, lent only for the
+call, so with ``owned_tensors`` each entry is copied once into a ``bytearray`` that decoding
+hands to the tensor as it is: one copy from the wire to the tensor in every case. ResNet-50's
+600 KB image: two or three 600 KB copies fewer per call.
 
 Small requests are parsed whole: below ``SPLIT_FROM`` bytes the walk costs more than the
 copies it saves. Bytes that are not a valid message are parsed whole too, so that protobuf
