@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,16 +22,11 @@ import torch
 
 from cuvil.models import catalog
 from tests.fixtures.otlp import otlp_receiver  # noqa: F401 (a fixture)
+from tests.fixtures.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 # The shared MLP artifact records this as the trace of the compile that made it.
 COMPILE_TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def compile_spec(

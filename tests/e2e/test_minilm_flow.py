@@ -43,7 +43,8 @@ import yaml
 from tests.cuvil_operator.conftest import BIN, Process, get_mc, wait_for
 from tests.fixtures.kube import REPO, KubeApi, kube_api, kubectl_binary
 from tests.fixtures.otlp import OtlpReceiver, ReceivedSpan, otlp_receiver
-from tests.fixtures.redis import RedisServer, free_port, redis_server, redis_session
+from tests.fixtures.ports import free_port
+from tests.fixtures.redis import RedisServer, redis_server, redis_session
 from tests.fixtures.registry import RunningRegistry
 
 __all__ = ["kube_api", "kubectl_binary", "otlp_receiver", "redis_server", "redis_session"]
