@@ -28,7 +28,6 @@ import json
 import os
 import secrets
 import shutil
-import socket
 import sys
 import time
 import urllib.request
@@ -43,7 +42,7 @@ import yaml
 from tests.cuvil_operator.conftest import BIN, Process, get_mc, wait_for
 from tests.fixtures.kube import REPO, KubeApi, kube_api, kubectl_binary
 from tests.fixtures.otlp import OtlpReceiver, ReceivedSpan, otlp_receiver
-from tests.fixtures.ports import free_port
+from tests.fixtures.ports import free_port, port_is_free
 from tests.fixtures.redis import RedisServer, redis_server, redis_session
 from tests.fixtures.registry import RunningRegistry
 
@@ -108,15 +107,6 @@ def otel_env(receiver: OtlpReceiver, service: str) -> dict[str, str]:
 def executable(name: str, module: str) -> list[str]:
     found = shutil.which(name, path=str(BIN))
     return [found] if found else [sys.executable, "-m", module]
-
-
-def port_is_free(port: int) -> bool:
-    with socket.socket() as probe:
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
 
 
 @contextlib.contextmanager
