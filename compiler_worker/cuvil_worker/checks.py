@@ -163,18 +163,25 @@ GATES: dict[str, tuple[Callable[[dict[str, Any]], float], str]] = {
 
 
 def check_gates(gates: Mapping[str, Any], report: dict[str, Any]) -> dict[str, Any]:
-    """Every gate of the spec against the report; the first one missed raises GateFailed."""
+    """Every gate of the spec against the report; raises GateFailed naming every gate missed
+    (measured value and limit), with the gates and the measured report as its details."""
     unknown = sorted(set(gates) - set(GATES))
     if unknown:
         raise InvalidSpec(f"unknown gates {unknown}; known: {sorted(GATES)}")
     checked = {}
+    missed = []
     for gate, limit in gates.items():
         if limit is None:
             continue
         read, relation = GATES[gate]
         measured = float(read(report))
         met = measured <= float(limit) if relation == "<=" else measured >= float(limit)
+        checked[gate] = {"measured": measured, "limit": float(limit), "passed": met}
         if not met:
-            raise GateFailed.of(gate, measured, relation, float(limit))
-        checked[gate] = {"measured": measured, "limit": float(limit), "passed": True}
+            missed.append(GateFailed.describe(gate, measured, relation, float(limit)))
+    if missed:
+        measured_report: dict[str, Any] = {
+            k: report[k] for k in ("validation", "benchmark") if k in report
+        }
+        raise GateFailed("; ".join(missed), {"gates": checked, **measured_report})
     return checked

@@ -3,9 +3,16 @@
 Light on purpose: only celery/kombu/redis are imported here, so the operator can submit, follow
 and cancel compilations without importing torch or the compiler.
 
-    submit_compilation(app, request) -> chord id   (idempotent per uid + generation)
+    submit_compilation(app, request) -> chord id   (idempotent per uid + generation + attempt)
     read_progress(app, request)      -> Progress   (phase, stage per target, result or error)
     cancel_compilation(app, request)               (revokes every task of that generation)
+    not_current(app, request)        -> reason     (None while the request is still wanted)
+
+Which request is wanted is recorded in the result backend's Redis, one key per object
+(``cuvil:current:<uid>`` = the chord id of the attempt the operator follows): submit sets it,
+a newer generation or retry replaces it, cancel removes it. Workers read it before they start,
+at every stage, before each push and before the index is tagged. Celery's revoke alone cannot
+hold a cancel: it reaches only workers alive when it is sent, and only while they remember it.
 
 One ``cuvil.compile`` task per target, routed to the target's queue, joined by a
 ``cuvil.push_index`` chord callback that pushes the OCI index; the chord's id is what the
@@ -54,11 +61,16 @@ DEFAULT_BROKER_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_RESULT_BACKEND = "redis://127.0.0.1:6379/1"
 SUBMITTED_KEY = "cuvil:submitted:{chord_id}"
 SUBMITTED_TTL_S = 30 * 24 * 3600
+CURRENT_KEY = "cuvil:current:{uid}"
+# The submit marker's two values: set before publishing, then after. A submit that finds
+# "publishing" (the last submitter died in between) publishes again under the same task ids.
+PUBLISHING, PUBLISHED = b"publishing", b"published"
 
 PRIORITY_INDEX = 0  # Redis: 0 is served first
 PRIORITY_COMPILE = 6
 
 REQUEST_KEYS = ("uid", "generation", "namespace", "name", "spec", "traceparent")
+# Optional request keys: "attempt" (0 first; each cuvil.dev/retry of a failed generation adds one).
 
 
 class RequestError(ValueError):
@@ -79,7 +91,10 @@ def queue_for_target(target: str, override: str | None = None) -> str:
 
 
 def chord_task_id(request: Mapping[str, Any]) -> str:
-    return f"cuvil-{request['uid']}-{request['generation']}"
+    """``cuvil-<uid>-<generation>``, with ``-r<attempt>`` for a retried attempt."""
+    base = f"cuvil-{request['uid']}-{request['generation']}"
+    attempt = int(request.get("attempt") or 0)
+    return f"{base}-r{attempt}" if attempt else base
 
 
 def target_task_id(request: Mapping[str, Any], target: str) -> str:
@@ -159,42 +174,74 @@ def _submitted_key(request: Mapping[str, Any]) -> str:
     return SUBMITTED_KEY.format(chord_id=chord_task_id(request))
 
 
+def _current_key(request: Mapping[str, Any]) -> str:
+    return CURRENT_KEY.format(uid=request["uid"])
+
+
+# Delete the current-key only while it still names this request (a newer one may own it).
+_RELEASE = (
+    "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
+)
+
+
+def mark_current(app: Celery, request: Mapping[str, Any]) -> None:
+    app.backend.client.set(_current_key(request), chord_task_id(request), ex=SUBMITTED_TTL_S)
+
+
+def release_current(app: Celery, request: Mapping[str, Any]) -> None:
+    app.backend.client.eval(_RELEASE, 1, _current_key(request), chord_task_id(request))
+
+
+def not_current(app: Celery, request: Mapping[str, Any]) -> str | None:
+    """Why this request is no longer wanted (deleted, superseded), or None while it is."""
+    now = app.backend.client.get(_current_key(request))
+    if now is None:
+        return f"{request['namespace']}/{request['name']} was deleted or cancelled"
+    current = now.decode() if isinstance(now, bytes) else str(now)
+    if current != chord_task_id(request):
+        return f"{request['namespace']}/{request['name']} moved on to {current}"
+    return None
+
+
 def submit_compilation(app: Celery, request: Mapping[str, Any]) -> str:
     """Queue one compile per target and the index chord; returns the chord id.
 
-    A second call for the same uid + generation submits nothing (a marker set with SET NX in
-    the result backend's Redis guards it), so operator handlers may repeat freely.
+    Idempotent and recoverable: a marker in the result backend's Redis says "publishing"
+    before the tasks go out and "published" after. A repeat finds "published" and submits
+    nothing; one that finds "publishing" (the caller died between the two) publishes again
+    under the same task ids, which the workers run once. A cancelled request's marker stays,
+    so a repeated submit does not resurrect it.
     """
     check_request(request)
     request = dict(request)
     targets = targets_of(request)
     override = request["spec"].get("queue") or None
     client = app.backend.client
-    if not client.set(_submitted_key(request), "1", nx=True, ex=SUBMITTED_TTL_S):
+    key = _submitted_key(request)
+    first = client.set(key, PUBLISHING, nx=True, ex=SUBMITTED_TTL_S)
+    if not first and client.get(key) != PUBLISHING:
         return chord_task_id(request)
-    try:
-        header = [
-            app.signature(
-                TASK_COMPILE,
-                args=(request, target),
-                task_id=target_task_id(request, target),
-                queue=queue_for_target(target, override),
-                priority=PRIORITY_COMPILE,
-            )
-            for target in targets
-        ]
-        callback = app.signature(
-            TASK_INDEX,
-            args=(request,),
-            task_id=chord_task_id(request),
-            queue=queue_for_target(targets[0], override),
-            priority=PRIORITY_INDEX,
-            immutable=True,
+    mark_current(app, request)
+    header = [
+        app.signature(
+            TASK_COMPILE,
+            args=(request, target),
+            task_id=target_task_id(request, target),
+            queue=queue_for_target(target, override),
+            priority=PRIORITY_COMPILE,
         )
-        chord(header, app=app)(callback)
-    except BaseException:
-        client.delete(_submitted_key(request))
-        raise
+        for target in targets
+    ]
+    callback = app.signature(
+        TASK_INDEX,
+        args=(request,),
+        task_id=chord_task_id(request),
+        queue=queue_for_target(targets[0], override),
+        priority=PRIORITY_INDEX,
+        immutable=True,
+    )
+    chord(header, app=app)(callback)
+    client.set(key, PUBLISHED, ex=SUBMITTED_TTL_S)
     _stop_listening(app, [target_task_id(request, t) for t in targets] + [chord_task_id(request)])
     return chord_task_id(request)
 
@@ -209,14 +256,22 @@ def _stop_listening(app: Celery, task_ids: list[str]) -> None:
 
 
 def is_submitted(app: Celery, request: Mapping[str, Any]) -> bool:
-    return bool(app.backend.client.exists(_submitted_key(request)))
+    """Whether the request's tasks were published (the marker says so)."""
+    return bool(app.backend.client.get(_submitted_key(request)) == PUBLISHED)
 
 
 @dataclass
 class TargetProgress:
+    """One task's state. On failure: ``reason`` (CamelCase), ``condition`` (the status
+    condition of the stage that failed, when the worker says) and ``details`` (what was
+    measured: failing gates, the report so far)."""
+
     state: str
     stage: str | None = None
     error: str | None = None
+    reason: str | None = None
+    condition: str | None = None
+    details: dict[str, Any] | None = None
 
 
 @dataclass
@@ -227,6 +282,8 @@ class Progress:
     targets: dict[str, TargetProgress] = field(default_factory=dict)
     result: dict[str, Any] | None = None
     error: str | None = None
+    reason: str | None = None
+    condition: str | None = None
 
     @property
     def done(self) -> bool:
@@ -251,9 +308,28 @@ def _error_text(info: Any) -> str:
     return str(info)
 
 
+def _failure(state: str, info: Any) -> TargetProgress | None:
+    """The failure a task's state and info describe, or None if it did not fail."""
+    if state == "REVOKED":
+        return TargetProgress(state, error="cancelled", reason="Cancelled")
+    if state == "SUCCESS" and isinstance(info, Mapping) and info.get("cancelled"):
+        return TargetProgress(state, error=f"cancelled: {info['cancelled']}", reason="Cancelled")
+    if state != "FAILURE":
+        return None
+    details = getattr(info, "details", None)
+    return TargetProgress(
+        state,
+        error=_error_text(info),
+        reason=str(getattr(info, "reason", None) or type(info).__name__),
+        condition=getattr(info, "condition", None),
+        details=dict(details) if isinstance(details, Mapping) else None,
+    )
+
+
 def _target_progress(state: str, info: Any) -> TargetProgress:
-    if state in ("FAILURE", "REVOKED"):
-        return TargetProgress(state, error="cancelled" if state == "REVOKED" else _error_text(info))
+    failure = _failure(state, info)
+    if failure is not None:
+        return failure
     stage = info.get("stage") if isinstance(info, Mapping) else None
     return TargetProgress(state, stage=stage)
 
@@ -268,13 +344,16 @@ def read_progress(app: Celery, request: Mapping[str, Any]) -> Progress:
     failed = {t: p for t, p in per_target.items() if p.error is not None}
     if failed:
         reasons = "; ".join(f"{t}: {p.error}" for t, p in failed.items())
-        return Progress(PHASE_FAILED, per_target, error=reasons)
+        first = next(iter(failed.values()))
+        return Progress(PHASE_FAILED, per_target, error=reasons, reason=first.reason,
+                        condition=first.condition)  # fmt: skip
     final_state, final_info = _snapshot(app, chord_task_id(request))
+    final = _failure(final_state, final_info)
+    if final is not None:
+        return Progress(PHASE_FAILED, per_target, error=final.error, reason=final.reason,
+                        condition=final.condition or "Pushed")  # fmt: skip
     if final_state == "SUCCESS":
         return Progress(PHASE_SUCCEEDED, per_target, result=final_info)
-    if final_state in ("FAILURE", "REVOKED"):
-        error = "cancelled" if final_state == "REVOKED" else _error_text(final_info)
-        return Progress(PHASE_FAILED, per_target, error=error)
     if final_state in RUNNING_STATES:
         return Progress(PHASE_PUSHING, per_target)
     phases = [_PHASE_OF_STATE.get(p.state, PHASE_PENDING) for p in per_target.values()]
@@ -285,8 +364,10 @@ def read_progress(app: Celery, request: Mapping[str, Any]) -> Progress:
 
 
 def cancel_compilation(app: Celery, request: Mapping[str, Any]) -> None:
-    """Revoke every task of this generation (running ones are terminated). The submit marker
-    stays, so a repeated submit of a cancelled generation does not resurrect it."""
+    """Stop this request for good: it is no longer current (every worker that meets one of its
+    tasks, now or after a redelivery, ends it without pushing), and its tasks are revoked
+    (running ones are terminated at once; a push in flight finishes and is undone)."""
+    release_current(app, request)
     ids = [target_task_id(request, t) for t in targets_of(request)] + [chord_task_id(request)]
     app.control.revoke(ids, terminate=True, signal="SIGTERM")
     for task_id in ids:

@@ -3,7 +3,11 @@
 ``cuvil.compile(request, target)``: one target (``target_pipeline``), acks late, its
 packaged artifact kept in the work dir so a registry retry does not recompile.
 ``cuvil.push_index(request)``: the chord callback; reads every target's result by its task id
-(so a redelivered target can never add a second entry), pushes the index under the tag.
+(so a redelivered target can never add a second entry), pushes the index under the tag, and
+deletes manifests of earlier attempts at a target that the index does not hold.
+
+Both run only while their request is current (``cancellation``): a cancelled task returns
+``{"cancelled": reason}`` and leaves nothing in the registry.
 """
 
 from __future__ import annotations
@@ -20,6 +24,14 @@ from celery.result import AsyncResult
 
 from cuvil_worker import telemetry
 from cuvil_worker.app import app, config
+from cuvil_worker.cancellation import (
+    Cancelled,
+    Guard,
+    PushLedger,
+    shielded,
+    undo_push,
+    undo_recorded,
+)
 from cuvil_worker.contract import (
     TASK_COMPILE,
     TASK_INDEX,
@@ -31,8 +43,10 @@ from cuvil_worker.contract import (
 from cuvil_worker.errors import (
     CompileFailed,
     CompileTimeLimit,
+    DeviceUnavailable,
     IndexIncomplete,
     InvalidSpec,
+    PushRefused,
     RegistryFault,
 )
 from cuvil_worker.target_pipeline import (
@@ -48,12 +62,14 @@ log = logging.getLogger(__name__)
 
 
 class StageReporter:
-    """Publishes each pipeline stage as a custom task state; remembers the last one."""
+    """Publishes each pipeline stage as a custom task state; remembers the last one. Each
+    stage first checks that the request is still current (a cancel ends it there)."""
 
-    def __init__(self, task: Task, target: str | None) -> None:
-        self.task, self.target, self.stage = task, target, "queued"
+    def __init__(self, task: Task, target: str | None, guard: Guard) -> None:
+        self.task, self.target, self.stage, self.guard = task, target, "queued", guard
 
     def __call__(self, stage: str) -> None:
+        self.guard.check(f"at stage {stage}")
         self.stage = stage
         state = STATE_OF_STAGE.get(stage)
         if state is not None and self.task.request.id:
@@ -93,17 +109,28 @@ def _fetcher(task_id: str) -> Callable[[str], Path]:
     return fetch
 
 
+def _cancelled(task: Task, error: Cancelled, target: str | None) -> dict[str, Any]:
+    log.info("%s[%s]: %s", task.name, task.request.id, error)
+    return {"target": target, "cancelled": str(error)}
+
+
 @app.task(bind=True, name=TASK_COMPILE, acks_late=True)
 def compile_target(self: Task, request: dict[str, Any], target: str) -> dict[str, Any]:
     check_request(request)
-    done = _already_done(self)
-    if done is not None:
-        return dict(done)
+    guard, ledger = Guard(app, request), PushLedger(app, request)
     task_id = self.request.id or target_task_id(request, target)
     try:
-        result = _compile_and_push(self, request, target, task_id)
+        guard.check("before it started")
+        done = _already_done(self)
+        if done is not None:
+            return dict(done)
+        result = _compile_and_push(self, request, target, task_id, guard, ledger)
     except Retry:
         raise  # the packaged artifact stays in the work dir for the next try
+    except Cancelled as error:
+        _forget(task_id)
+        undo_recorded(ledger, target)  # what an earlier try of this target pushed
+        return _cancelled(self, error, target)
     except BaseException:
         _forget(task_id)
         raise
@@ -111,23 +138,58 @@ def compile_target(self: Task, request: dict[str, Any], target: str) -> dict[str
     return result
 
 
+def _require_device(target: str, worker: str) -> None:
+    """A CUDA target reaching a worker without a GPU is a routing problem, not a bad spec."""
+    import torch
+
+    from cuvil.runtime.model import target_device
+
+    if target_device(target).type == "cuda" and not torch.cuda.is_available():
+        raise DeviceUnavailable(
+            f"target {target} needs a CUDA device and worker {worker} has none: its queue"
+            " (spec.queue, or the chart's GPU worker pool) must be served by GPU workers"
+        )
+
+
+def _planned_ref(files: dict[str, bytes], repository: str, annotations: dict[str, str]) -> str:
+    """The ref ``push_artifact`` will give these files (manifests are deterministic), known
+    before the push so that the ledger records it first."""
+    from cuvil.artifact.manifests import build_artifact_manifest, canonical_json, sha256_digest
+
+    manifest, _ = build_artifact_manifest(files, annotations)
+    return f"{repository}@{sha256_digest(canonical_json(manifest))}"
+
+
 def _compile_and_push(
-    task: Task, request: dict[str, Any], target: str, task_id: str
+    task: Task,
+    request: dict[str, Any],
+    target: str,
+    task_id: str,
+    guard: Guard,
+    ledger: PushLedger,
 ) -> dict[str, Any]:
     from cuvil.artifact import RegistryError
 
     with telemetry.continued(
         request.get("traceparent"), "cuvil.compile_target", target=target
     ) as span:
-        on_stage = StageReporter(task, target)
+        on_stage = StageReporter(task, target, guard)
         spec = request["spec"]
+        _require_device(target, str(task.request.hostname or "this worker"))
         try:
             packaged = build_cached(spec, target, config, on_stage, task_id, _fetcher(task_id))
             annotations = _annotations(request, telemetry.trace_id_of(span))
-            result = publish(packaged, spec, target, on_stage, annotations)
+            repository = str((spec.get("output") or {}).get("repository") or "")
+            with shielded():
+                guard.check("before its push")
+                if repository:
+                    ledger.record(_planned_ref(packaged.files, repository, annotations), target)
+                result = publish(packaged, spec, target, on_stage, annotations)
+                ledger.record(result["ref"], target)
+                guard.check("after its push")
         except RegistryError as error:
             if not error.retryable:
-                raise CompileFailed(f"registry refused: {error}") from None
+                raise PushRefused(f"registry refused the push: {error}") from None
             raise _retry_registry(task, error) from None
         except SoftTimeLimitExceeded:
             raise CompileTimeLimit(
@@ -151,22 +213,36 @@ def _target_results(request: dict[str, Any]) -> list[dict[str, Any]]:
             raise CompileFailed(f"target {target} failed: {found.info}")
         if found.state != "SUCCESS":
             raise IndexIncomplete(f"target {target} is {found.state}")
+        if "cancelled" in found.result:
+            raise Cancelled(found.result["cancelled"])
         results.append(dict(found.result))
     return results
 
 
 @app.task(bind=True, name=TASK_INDEX, acks_late=True, max_retries=None)
 def push_index_task(self: Task, request: dict[str, Any]) -> dict[str, Any]:
+    check_request(request)
+    guard, ledger = Guard(app, request), PushLedger(app, request)
+    try:
+        guard.check("before its index")
+        done = _already_done(self)
+        if done is not None:
+            return dict(done)
+        return _push_index(self, request, guard, ledger)
+    except Cancelled as error:
+        undo_recorded(ledger)  # every target's manifests, and the index if it was pushed
+        return _cancelled(self, error, None)
+
+
+def _push_index(
+    task: Task, request: dict[str, Any], guard: Guard, ledger: PushLedger
+) -> dict[str, Any]:
     from cuvil.artifact import PushResult, RegistryError, push_index
 
-    check_request(request)
-    done = _already_done(self)
-    if done is not None:
-        return dict(done)
     try:
         results = _target_results(request)
     except IndexIncomplete as error:  # the chord fired early (a redelivered header task)
-        raise self.retry(exc=error, countdown=1.0, max_retries=300) from None
+        raise task.retry(exc=error, countdown=1.0, max_retries=300) from None
     output = request["spec"].get("output") or {}
     repository, tag = str(output.get("repository") or ""), str(output.get("tag") or "latest")
     if not repository:
@@ -176,14 +252,19 @@ def push_index_task(self: Task, request: dict[str, Any]) -> dict[str, Any]:
         for r in results
     ]
     with telemetry.continued(request.get("traceparent"), "cuvil.push_index") as span:
-        StageReporter(self, None)("index")
+        StageReporter(task, None, guard)("index")
         annotations = _annotations(request, telemetry.trace_id_of(span))
         try:
-            index = push_index(f"{repository}:{tag}", entries, annotations=annotations)
+            with shielded():
+                guard.check("before its index was tagged")
+                index = push_index(f"{repository}:{tag}", entries, annotations=annotations)
+                ledger.record(index.ref, "index")
+                guard.check("after its index was tagged")
         except RegistryError as error:
             if not error.retryable:
-                raise CompileFailed(f"registry refused the index: {error}") from None
-            raise _retry_registry(self, error) from None
+                raise PushRefused(f"registry refused the index: {error}") from None
+            raise _retry_registry(task, error) from None
+    _delete_orphans(ledger, {index.ref} | {r["ref"] for r in results})
     return {
         "compilation": chord_task_id(request),
         "index": {"ref": index.ref, "digest": index.digest, "tag": tag, "size": index.size},
@@ -194,3 +275,17 @@ def push_index_task(self: Task, request: dict[str, Any]) -> dict[str, Any]:
         "report": {r["target"]: r["report"] for r in results},
         "traceId": telemetry.trace_id_of(span),
     }
+
+
+def _delete_orphans(ledger: PushLedger, kept: set[str]) -> None:
+    """Manifests of killed attempts at a target (a redelivered compile pushes anew; its
+    benchmark figures make another digest): nothing references them once the index is up."""
+    from cuvil.artifact import RegistryError
+
+    orphans = [ref for ref in ledger.refs() if ref not in kept]
+    try:
+        undo_push(orphans)
+    except RegistryError as error:  # left for the registry's garbage collection
+        log.warning("could not delete orphaned manifests %s: %s", orphans, error)
+        return
+    ledger.drop(orphans)

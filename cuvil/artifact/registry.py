@@ -13,6 +13,7 @@ bearer-token ones) and the request-with-authentication loop. Three of its habits
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
 from pathlib import Path
@@ -220,6 +221,11 @@ class RegistryStore:
         if reported and reported != digest:
             raise DigestMismatchError(f"registry stored manifest as {reported}, expected {digest}")
         return digest
+
+    def delete_manifest(self, digest: str) -> None:
+        """Delete a manifest by digest (tags on it go too); one already gone is no error."""
+        with contextlib.suppress(NotFoundError):
+            self._request("DELETE", f"{self.base}/manifests/{digest}")
 
     # -- blobs ---------------------------------------------------------------------------------
     def has_blob(self, digest: str) -> bool:

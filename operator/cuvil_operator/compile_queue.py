@@ -17,10 +17,12 @@ from cuvil_worker import contract
 from cuvil_operator.config import OperatorConfig
 
 
-def build_traceparent(uid: str, generation: int) -> str:
-    """A W3C traceparent derived from uid + generation: every task of one generation (and any
-    resubmit of it) lands in one trace, whose id the status records as ``traceId``."""
-    digest = hashlib.sha256(f"{uid}/{generation}".encode()).hexdigest()
+def build_traceparent(uid: str, generation: int, attempt: int = 0) -> str:
+    """A W3C traceparent derived from uid + generation (+ retry attempt): every task of one
+    attempt (and any resubmit of it) lands in one trace, whose id the status records as
+    ``traceId``."""
+    key = f"{uid}/{generation}" + (f"/{attempt}" if attempt else "")
+    digest = hashlib.sha256(key.encode()).hexdigest()
     return f"00-{digest[:32]}-{digest[32:48]}-01"
 
 
@@ -29,19 +31,26 @@ def trace_id_of(traceparent: str) -> str:
 
 
 def build_request(
-    meta: Mapping[str, Any], spec: Mapping[str, Any], generation: int | None = None
+    meta: Mapping[str, Any],
+    spec: Mapping[str, Any],
+    generation: int | None = None,
+    attempt: int = 0,
 ) -> dict[str, Any]:
-    """The contract's request for one generation of the object (default: the current one)."""
+    """The contract's request for one generation of the object (default: the current one);
+    ``attempt`` counts ``cuvil.dev/retry`` resubmits of a failed generation."""
     uid = str(meta["uid"])
     number = int(generation if generation is not None else meta.get("generation", 1))
-    return {
+    request = {
         "uid": uid,
         "generation": number,
         "namespace": str(meta.get("namespace") or ""),
         "name": str(meta["name"]),
         "spec": dict(spec),
-        "traceparent": build_traceparent(uid, number),
+        "traceparent": build_traceparent(uid, number, attempt),
     }
+    if attempt:
+        request["attempt"] = attempt
+    return request
 
 
 def task_id_for(request: Mapping[str, Any]) -> str:

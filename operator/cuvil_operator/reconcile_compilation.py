@@ -40,6 +40,10 @@ def _generation(meta: Mapping[str, Any]) -> int:
     return int(meta.get("generation") or 1)
 
 
+def _attempt(status: Mapping[str, Any]) -> int:
+    return int(status.get("attempt") or 0)
+
+
 def reconcile_submit(
     meta: Mapping[str, Any],
     spec: Mapping[str, Any],
@@ -55,7 +59,7 @@ def reconcile_submit(
         return None  # this generation was submitted (or refused) already; the timer follows it
     observed = status.get("observedGeneration")
     if observed and is_following(status):
-        previous = build_request(meta, old_spec or spec, generation=int(observed))
+        previous = build_request(meta, old_spec or spec, int(observed), _attempt(status))
         queue.cancel(previous)
         notify(
             NORMAL,
@@ -89,7 +93,7 @@ def reconcile_progress(
     generation = int(status.get("observedGeneration") or 0)
     if generation != _generation(meta):
         return None  # a newer spec is being submitted; the update handler takes over
-    progress = queue.progress(build_request(meta, spec, generation))
+    progress = queue.progress(build_request(meta, spec, generation, _attempt(status)))
     patch = build_progress_status(status, generation, progress, now)
     if not status_changed(status, patch):
         return None
@@ -106,12 +110,14 @@ def reconcile_delete(
     queue: Queue,
     notify: Notify,
 ) -> None:
-    """Delete: revoke the generation in flight (harmless when nothing runs); kopf then releases
-    the finalizer."""
-    if is_terminal(status) or check_spec(spec):
-        return  # finished, or refused before anything was queued
+    """Delete: cancel the generation in flight (harmless when nothing runs or it finished);
+    kopf then releases the finalizer. The cancel is durable: a worker that meets one of its
+    tasks later, or a redelivered one, ends it without pushing."""
+    if check_spec(spec):
+        return  # refused before anything was queued
     generation = int(status.get("observedGeneration") or _generation(meta))
-    request = build_request(meta, spec, generation)
+    request = build_request(meta, spec, generation, _attempt(status))
     queue.cancel(request)
-    task = status.get("taskId") or f"generation {generation}"
-    notify(NORMAL, "Cancelled", f"{task} revoked: the compilation is being deleted")
+    if not is_terminal(status):
+        task = status.get("taskId") or f"generation {generation}"
+        notify(NORMAL, "Cancelled", f"{task} cancelled: the compilation is being deleted")

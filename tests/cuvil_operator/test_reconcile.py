@@ -128,15 +128,17 @@ def test_progress_waits_for_the_update_handler_on_a_new_generation() -> None:
     assert queue.calls == [("submit", "u1-1")]
 
 
-def test_delete_cancels_a_running_compile_but_not_a_finished_one() -> None:
+def test_delete_cancels_every_generation_but_announces_only_a_running_one() -> None:
     obj, queue, events = _object(), RecordingQueue(), Events()
     status = reconcile_submit(obj["metadata"], obj["spec"], {}, queue, events, NOW)
     assert status is not None
     reconcile_delete(obj["metadata"], obj["spec"], status, queue, events)
     assert queue.calls[-1] == ("cancel", "u1-1:cpu-x86_64") and events.reasons[-1] == "Cancelled"
-    calls = len(queue.calls)
-    reconcile_delete(obj["metadata"], obj["spec"], {**status, "phase": "Succeeded"}, queue, events)
-    assert len(queue.calls) == calls
+    announced = len(events.reasons)
+    finished = {**status, "phase": "Succeeded"}
+    reconcile_delete(obj["metadata"], obj["spec"], finished, queue, events)
+    assert queue.calls[-1] == ("cancel", "u1-1:cpu-x86_64"), "the current-key must go too"
+    assert len(events.reasons) == announced
 
 
 def test_config_from_environment() -> None:

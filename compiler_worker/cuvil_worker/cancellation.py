@@ -1,0 +1,123 @@
+"""A compile runs and pushes only while its request is current (``contract.not_current``).
+
+``Guard.check`` raises ``Cancelled`` once the operator has moved on (the object was deleted,
+its spec edited, or a retry queued). Tasks call it when they start, at every pipeline stage,
+before each push and before the index is tagged. A push is shielded from Celery's terminate
+(``shielded``) and checked again after it lands: a cancel that arrived meanwhile has what was
+pushed deleted (``undo_push``), so a cancelled or superseded request leaves no tag or manifest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import threading
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from celery import Celery
+
+from cuvil_worker.contract import chord_task_id, not_current
+
+log = logging.getLogger(__name__)
+
+
+class Cancelled(BaseException):
+    """The request is no longer wanted. A BaseException, so that the pipeline's broad
+    ``except Exception`` (which turns errors into permanent compile failures) lets it through."""
+
+
+class Guard:
+    """Checks one request against the current-key in the result backend."""
+
+    def __init__(self, app: Celery, request: Mapping[str, Any]) -> None:
+        self.app, self.request = app, request
+
+    def check(self, where: str) -> None:
+        reason = not_current(self.app, self.request)
+        if reason is not None:
+            raise Cancelled(f"{chord_task_id(self.request)} cancelled {where}: {reason}")
+
+
+@contextlib.contextmanager
+def shielded() -> Iterator[None]:
+    """Hold a SIGTERM (Celery's revoke with terminate) until the block ends, so that a push
+    and its re-check finish together; the signal is then re-raised with the previous handler.
+    Only the main thread can install handlers; elsewhere the block runs unshielded."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, _frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if held:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def undo_push(refs: list[str]) -> None:
+    """Delete manifests pushed by digest (``host/repo@sha256:…``), each with its referrers
+    and their referrers-tag index. Tags pointing at a deleted manifest go with it."""
+    from cuvil.artifact import NotFoundError, RegistryConfig
+    from cuvil.artifact.manifests import referrers_tag
+    from cuvil.artifact.reference import parse_target_reference
+    from cuvil.artifact.registry import RegistryStore
+    from cuvil.artifact.store import open_store
+
+    for ref in refs:
+        reference = parse_target_reference(ref)
+        store = open_store(reference, RegistryConfig.from_env())
+        if not isinstance(store, RegistryStore):
+            raise TypeError(f"{ref}: the worker pushes to registries only")
+        digest = str(reference.digest)
+        doomed = []
+        with contextlib.suppress(NotFoundError):
+            referrers_index = store.resolve(referrers_tag(digest))
+            data, _ = store.get_manifest(referrers_index)
+            doomed += [m["digest"] for m in json.loads(data).get("manifests", [])]
+            doomed.append(referrers_index)
+        doomed.append(digest)
+        for manifest in doomed:
+            store.delete_manifest(manifest)
+        log.info("deleted %s and %d referrer manifest(s)", ref, len(doomed) - 1)
+
+
+class PushLedger:
+    """Every manifest a request pushes, recorded before it is pushed (a Redis hash
+    ``cuvil:pushed:<chord id>``: ref -> target). What a killed or cancelled attempt left in
+    the registry is found here: the index task deletes what its index does not hold, and a
+    cancelled task deletes what its target pushed."""
+
+    TTL_S = 30 * 24 * 3600
+
+    def __init__(self, app: Celery, request: Mapping[str, Any]) -> None:
+        self.client = app.backend.client
+        self.key = f"cuvil:pushed:{chord_task_id(request)}"
+
+    def record(self, ref: str, target: str) -> None:
+        self.client.hset(self.key, ref, target)
+        self.client.expire(self.key, self.TTL_S)
+
+    def refs(self, target: str | None = None) -> list[str]:
+        found = {_text(k): _text(v) for k, v in self.client.hgetall(self.key).items()}
+        return sorted(ref for ref, t in found.items() if target is None or t == target)
+
+    def drop(self, refs: list[str]) -> None:
+        if refs:
+            self.client.hdel(self.key, *refs)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def undo_recorded(ledger: PushLedger, target: str | None = None) -> None:
+    """Delete what the ledger holds (for one target, or all) and forget it."""
+    refs = ledger.refs(target)
+    undo_push(refs)
+    ledger.drop(refs)
