@@ -28,6 +28,9 @@ from typing import Any
 
 from celery import Celery, chord
 
+# Celery rebuilds a stored failure as its own class only when that class's module is imported.
+from cuvil_worker import errors  # noqa: F401
+
 TASK_COMPILE = "cuvil.compile"
 TASK_INDEX = "cuvil.push_index"
 
@@ -304,7 +307,8 @@ def _snapshot(app: Celery, task_id: str) -> tuple[str, Any]:
 
 def _error_text(info: Any) -> str:
     if isinstance(info, BaseException):
-        return f"{type(info).__name__}: {info}"
+        message = info.args[0] if len(info.args) == 2 else info  # (message, details)
+        return f"{type(info).__name__}: {message}"
     return str(info)
 
 

@@ -268,6 +268,12 @@ def build_status_schema() -> dict[str, Any]:
             "phase": _string("Where the compilation is.", enum=PHASES),
             "observedGeneration": {"type": "integer", "minimum": 0},
             "taskId": _string("The Celery chord id the operator follows."),
+            "attempt": {
+                "type": "integer",
+                "minimum": 0,
+                "description": "Retries of this generation (the cuvil.dev/retry annotation).",
+            },
+            "retry": _string("The cuvil.dev/retry value last acted on."),
             "traceId": _string("The OpenTelemetry trace of this generation's compile."),
             "conditions": {
                 "type": "array",

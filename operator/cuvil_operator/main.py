@@ -21,15 +21,20 @@ from cuvil_operator.conditions import now_rfc3339
 from cuvil_operator.config import OperatorConfig
 from cuvil_operator.crd import GROUP, PLURAL, VERSION
 from cuvil_operator.reconcile_compilation import (
+    RETRY_ANNOTATION,
     Notify,
     reconcile_delete,
     reconcile_progress,
+    reconcile_retry,
     reconcile_submit,
 )
 from cuvil_operator.status import is_following
 
 CONFIG = OperatorConfig.from_env()
 RESOURCE = (GROUP, VERSION, PLURAL)
+# kopf's own annotations live under this prefix; kopf leaves every annotation under it out of
+# its diffs, so it must differ from the users' (cuvil.dev/retry is a user's).
+KOPF_PREFIX = f"kopf.{GROUP}"
 
 
 def _notify(body: kopf.Body) -> Notify:
@@ -63,9 +68,9 @@ def _is_following(status: kopf.Status, **_: Any) -> bool:
 @kopf.on.startup()
 def on_startup_operator(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     settings.persistence.finalizer = f"{GROUP}/finalizer"
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=KOPF_PREFIX)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=GROUP, key="last-handled-configuration"
+        prefix=KOPF_PREFIX, key="last-handled-configuration"
     )
     settings.posting.level = logging.WARNING  # our own Events say what happened
     # A deletion waits for the progress timer to stop. Its sync handler may be mid-call in a
@@ -113,6 +118,21 @@ def on_update_modelcompilation(
         flow = reconcile_submit(
             meta, spec, status, memo.queue, _notify(body), now_rfc3339(), old_spec=old_spec
         )
+    _write_status(patch, flow)
+
+
+@kopf.on.update(*RESOURCE, field=("metadata", "annotations", RETRY_ANNOTATION))
+def on_retry_modelcompilation(
+    body: kopf.Body,
+    meta: kopf.Meta,
+    spec: kopf.Spec,
+    status: kopf.Status,
+    patch: kopf.Patch,
+    memo: kopf.Memo,
+    **_: Any,
+) -> None:
+    with _broker_errors():
+        flow = reconcile_retry(meta, spec, status, memo.queue, _notify(body), now_rfc3339())
     _write_status(patch, flow)
 
 

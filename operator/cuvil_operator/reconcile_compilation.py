@@ -26,6 +26,7 @@ from cuvil_operator.status import (
 
 Notify = Callable[[str, str, str], None]
 NORMAL, WARNING = "Normal", "Warning"
+RETRY_ANNOTATION = "cuvil.dev/retry"
 
 
 class Queue(Protocol):
@@ -77,6 +78,39 @@ def reconcile_submit(
     notify(NORMAL, "Submitted", f"generation {generation} queued as task {task_id}")
     trace_id = trace_id_of(request["traceparent"])
     return build_submitted_status(status, generation, task_id, now, trace_id)
+
+
+def reconcile_retry(
+    meta: Mapping[str, Any],
+    spec: Mapping[str, Any],
+    status: Mapping[str, Any],
+    queue: Queue,
+    notify: Notify,
+    now: str,
+) -> dict[str, Any] | None:
+    """``kubectl annotate mc NAME cuvil.dev/retry=<new value>``: queue a failed generation
+    again as a new attempt (new task ids), without a spec change. Each value acts once
+    (``status.retry`` remembers it); a running or succeeded compile, or a spec the operator
+    refuses, is left as it is."""
+    value = str((meta.get("annotations") or {}).get(RETRY_ANNOTATION) or "")
+    if not value or status.get("retry") == value:
+        return None
+    generation = _generation(meta)
+    if status.get("phase") != FAILED or status.get("observedGeneration") != generation:
+        notify(
+            NORMAL, "RetryIgnored", f"{RETRY_ANNOTATION}={value}: only a Failed compile is retried"
+        )
+        return {"retry": value}
+    if check_spec(spec):
+        notify(WARNING, "RetryIgnored", f"{RETRY_ANNOTATION}={value}: fix the spec instead")
+        return {"retry": value}
+    attempt = _attempt(status) + 1
+    request = build_request(meta, spec, generation, attempt)
+    task_id = queue.submit(request)
+    notify(NORMAL, "Retried", f"generation {generation} attempt {attempt} queued as task {task_id}")
+    trace_id = trace_id_of(request["traceparent"])
+    submitted = build_submitted_status(status, generation, task_id, now, trace_id)
+    return {**submitted, "attempt": attempt, "retry": value}
 
 
 def reconcile_progress(

@@ -17,6 +17,10 @@ SUCCEEDED, FAILED = "Succeeded", "Failed"
 TERMINAL_PHASES = (SUCCEEDED, FAILED)
 
 ConditionUpdates = dict[str, tuple[str, str, str]]
+# The condition a failure lands on when the worker does not say: the phase it hit.
+CONDITION_OF_PHASE = {PENDING: "Compiling", COMPILING: "Compiling", VALIDATING: "Validated"}
+COMPILED = (FALSE, "Compiled", "compiled for every target")
+VALIDATED = (TRUE, "Validated", "outputs match eager within tolerance")
 
 
 def is_terminal(status: Mapping[str, Any]) -> bool:
@@ -44,31 +48,42 @@ def _phase_conditions(phase: str, failed_in: str, message: str) -> ConditionUpda
         }
     if phase == VALIDATING:
         return {
-            "Compiling": (FALSE, "Compiled", "compiled for every target"),
+            "Compiling": COMPILED,
             "Validated": (UNKNOWN, "Validating", message),
             "Ready": (FALSE, "Validating", message),
         }
     if phase == PUSHING:
         return {
-            "Compiling": (FALSE, "Compiled", "compiled for every target"),
-            "Validated": (TRUE, "Validated", "outputs match eager within tolerance"),
+            "Compiling": COMPILED,
+            "Validated": VALIDATED,
             "Pushed": (UNKNOWN, "Pushing", message),
             "Ready": (FALSE, "Pushing", message),
         }
     if phase == SUCCEEDED:
         return {
-            "Compiling": (FALSE, "Compiled", "compiled for every target"),
-            "Validated": (TRUE, "Validated", "outputs match eager within tolerance"),
+            "Compiling": COMPILED,
+            "Validated": VALIDATED,
             "Pushed": (TRUE, "Pushed", message),
             "Ready": (TRUE, "Succeeded", message),
         }
-    failed: ConditionUpdates = {"Ready": (FALSE, "Failed", message)}
-    if failed_in in (PENDING, COMPILING):
-        failed["Compiling"] = (FALSE, "CompileFailed", message)
-    elif failed_in == VALIDATING:
-        failed["Validated"] = (FALSE, "ValidationFailed", message)
+    return _failed_conditions(failed_in, "Failed", message)
+
+
+def _failed_conditions(condition: str, reason: str, message: str) -> ConditionUpdates:
+    """The failed stage's condition False with the reason; the stages before it as passed."""
+    failed: ConditionUpdates = {"Ready": (FALSE, reason, message)}
+    if condition in CONDITION_OF_PHASE:  # a phase name (fallback) rather than a condition
+        condition = CONDITION_OF_PHASE[condition]
+    if condition == "Compiling":
+        failed["Compiling"] = (FALSE, reason, message)
+    elif condition == "Validated":
+        failed |= {"Compiling": COMPILED, "Validated": (FALSE, reason, message)}
     else:
-        failed["Pushed"] = (FALSE, "PushFailed", message)
+        failed |= {
+            "Compiling": COMPILED,
+            "Validated": VALIDATED,
+            "Pushed": (FALSE, reason, message),
+        }
     return failed
 
 
@@ -82,6 +97,7 @@ def build_submitted_status(
         "phase": PENDING,
         "observedGeneration": generation,
         "taskId": task_id,
+        "attempt": None,
         "traceId": trace_id,
         "conditions": set_conditions(status.get("conditions") or [], updates, generation, now),
         "stages": None,
@@ -148,15 +164,30 @@ REPORT_SUMMARY = {
 }
 
 
+def camel(key: str) -> str:
+    """``max_abs_error`` -> ``maxAbsError`` (Kubernetes API fields are camelCase)."""
+    head, *rest = key.split("_")
+    return head + "".join(part[:1].upper() + part[1:] for part in rest)
+
+
+def _camel_keys(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {camel(str(k)): _camel_keys(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_camel_keys(v) for v in value]
+    return value
+
+
 def _small(report: Mapping[str, Any]) -> dict[str, Any]:
-    """A target's report without bulky parts (the full one is the artifact's OCI referrer)."""
+    """A target's report without bulky parts (the full one is the artifact's OCI referrer),
+    its keys in camelCase like the rest of the status."""
     kept = {k: v for k, v in report.items() if k != "compile"}
     compile_report = report.get("compile")
     if isinstance(compile_report, Mapping):
         kept["compile"] = {
             k: v for k, v in compile_report.items() if isinstance(v, int | float | str | bool)
         }
-    return kept
+    return dict(_camel_keys(kept))
 
 
 def build_report(per_target: Mapping[str, Any]) -> dict[str, Any]:
@@ -207,13 +238,21 @@ def build_progress_status(
         message = f"pushed {patch['digest']}" if patch["digest"] else "pushed"
     elif phase == FAILED:
         message = str(progress.get("error") or "the compile failed")
-        patch["report"] = {"error": message}
+        measured = {t: p["details"] for t, p in targets.items() if p.get("details")}
+        patch["report"] = (
+            {**build_report(measured), "error": message} if measured else {"error": message}
+        )
     elif phase == PENDING and previous_phase == PENDING and status.get("message"):
         message = str(status["message"])  # still queued: keep "queued as <task>"
     else:
         message = _stage_message(phase, targets)
     patch["message"] = message
-    updates = _phase_conditions(phase, previous_phase, message)
+    if phase == FAILED:
+        condition = str(progress.get("condition") or previous_phase)
+        reason = str(progress.get("reason") or "Failed")
+        updates = _failed_conditions(condition, reason, message)
+    else:
+        updates = _phase_conditions(phase, previous_phase, message)
     patch["conditions"] = set_conditions(status.get("conditions") or [], updates, generation, now)
     return patch
 

@@ -83,15 +83,58 @@ def test_submitted_then_progress_to_succeeded() -> None:
     assert not is_following({**status, **done})
 
 
-def test_failure_marks_the_stage_it_hit() -> None:
+def test_failure_without_a_worker_reason_marks_the_phase_it_hit() -> None:
     status = {**build_submitted_status({}, 3, "t", T0), "phase": "Validating"}
     patch = build_progress_status(status, 3, {"phase": "Failed", "error": "max abs 0.3"}, T1)
     assert patch["phase"] == "Failed" and patch["message"] == "max abs 0.3"
-    assert _conditions(patch)["Validated"] == ("False", "ValidationFailed")
+    assert _conditions(patch)["Validated"] == ("False", "Failed")
+    assert _conditions(patch)["Compiling"] == ("False", "Compiled")
     assert _conditions(patch)["Ready"] == ("False", "Failed")
     pushing = {**status, "phase": "Pushing"}
     patch = build_progress_status(pushing, 3, {"phase": "Failed", "error": "401"}, T1)
-    assert _conditions(patch)["Pushed"] == ("False", "PushFailed")
+    assert _conditions(patch)["Pushed"] == ("False", "Failed")
+    assert _conditions(patch)["Validated"] == ("True", "Validated")
+
+
+def test_gate_failure_lands_on_validated_with_every_gate_and_the_report() -> None:
+    """The worker names the condition; the phase last seen (Compiling) does not decide it."""
+    status = {**build_submitted_status({}, 1, "t", T0), "phase": "Compiling"}
+    error = (
+        "cpu-x86_64: GateFailed: gate minSpeedup failed: measured 1.2, required >= 100; "
+        "gate maxLatencyP99Ms failed: measured 0.5, required <= 0.001"
+    )
+    details = {
+        "gates": {
+            "minSpeedup": {"measured": 1.2, "limit": 100.0, "passed": False},
+            "maxLatencyP99Ms": {"measured": 0.5, "limit": 0.001, "passed": False},
+        },
+        "benchmark": {"speedup": 1.2, "compiled_p99_ms": 0.5},
+        "validation": {"max_abs_error": 2e-6},
+    }
+    progress = {
+        "phase": "Failed",
+        "error": error,
+        "reason": "GateFailed",
+        "condition": "Validated",
+        "targets": {"cpu-x86_64": {"state": "FAILURE", "reason": "GateFailed",
+                                   "condition": "Validated", "details": details}},
+    }  # fmt: skip
+    patch = build_progress_status(status, 1, progress, T1)
+    conditions = {c["type"]: c for c in patch["conditions"]}
+    validated = conditions["Validated"]
+    assert (validated["status"], validated["reason"]) == ("False", "GateFailed")
+    assert "minSpeedup" in validated["message"] and "maxLatencyP99Ms" in validated["message"]
+    assert "measured 1.2, required >= 100" in validated["message"]
+    assert (conditions["Compiling"]["status"], conditions["Compiling"]["reason"]) == (
+        "False",
+        "Compiled",
+    )
+    assert conditions["Ready"]["reason"] == "GateFailed"
+    report = patch["report"]
+    assert report["speedup"] == 1.2 and report["error"] == error
+    target = report["targets"]["cpu-x86_64"]
+    assert target["gates"]["minSpeedup"] == {"measured": 1.2, "limit": 100.0, "passed": False}
+    assert target["validation"] == {"maxAbsError": 2e-6}  # camelCase, like the status
 
 
 def test_invalid_status_names_the_field_and_clears_the_task() -> None:
