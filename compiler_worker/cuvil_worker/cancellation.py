@@ -15,12 +15,13 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 from celery import Celery
 
-from cuvil_worker.contract import chord_task_id, not_current
+from cuvil_worker.contract import chord_task_id, is_current_known, not_current
 
 log = logging.getLogger(__name__)
 
@@ -31,15 +32,31 @@ class Cancelled(BaseException):
 
 
 class Guard:
-    """Checks one request against the current-key in the result backend."""
+    """Checks one request against the current-key in the result backend.
 
-    def __init__(self, app: Celery, request: Mapping[str, Any]) -> None:
-        self.app, self.request = app, request
+    With no key at all (Redis lost its data) a compile goes on, but a push waits for the
+    operator to queue the compile again (it rewrites the key within its poll interval); after
+    ``wait_s`` without word the task ends as cancelled rather than push unasked."""
 
-    def check(self, where: str) -> None:
+    def __init__(self, app: Celery, request: Mapping[str, Any], wait_s: float = 120.0) -> None:
+        self.app, self.request, self.wait_s = app, request, wait_s
+
+    def check(self, where: str, push: bool = False) -> None:
         reason = not_current(self.app, self.request)
+        if reason is None and push and not is_current_known(self.app, self.request):
+            reason = self._wait_for_word()
         if reason is not None:
             raise Cancelled(f"{chord_task_id(self.request)} cancelled {where}: {reason}")
+
+    def _wait_for_word(self) -> str | None:
+        deadline = time.monotonic() + self.wait_s
+        log.warning("%s: Redis holds no record of it; waiting for the operator to re-drive it",
+                    chord_task_id(self.request))  # fmt: skip
+        while time.monotonic() < deadline:
+            time.sleep(1.0)
+            if is_current_known(self.app, self.request):
+                return not_current(self.app, self.request)
+        return f"no word from the operator for {self.wait_s:g}s after Redis lost its data"
 
 
 @contextlib.contextmanager

@@ -10,9 +10,11 @@ and cancel compilations without importing torch or the compiler.
 
 Which request is wanted is recorded in the result backend's Redis, one key per object
 (``cuvil:current:<uid>`` = the chord id of the attempt the operator follows): submit sets it,
-a newer generation or retry replaces it, cancel removes it. Workers read it before they start,
-at every stage, before each push and before the index is tagged. Celery's revoke alone cannot
-hold a cancel: it reaches only workers alive when it is sent, and only while they remember it.
+a newer generation or retry replaces it, cancel turns it into a tombstone. A missing key means
+Redis lost its data; the operator then queues the compile again, which sets it. Workers read
+it before they start, at every stage, before each push and before the index is tagged.
+Celery's revoke alone cannot hold a cancel: it reaches only workers alive when it is sent, and
+only while they remember it.
 
 One ``cuvil.compile`` task per target, routed to the target's queue, joined by a
 ``cuvil.push_index`` chord callback that pushes the OCI index; the chord's id is what the
@@ -181,10 +183,16 @@ def _current_key(request: Mapping[str, Any]) -> str:
     return CURRENT_KEY.format(uid=request["uid"])
 
 
-# Delete the current-key only while it still names this request (a newer one may own it).
-_RELEASE = (
-    "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
-)
+# Cancel: the current-key becomes a tombstone, but only while it names this request (a newer
+# one may own it) or names none (Redis lost it; the tombstone then speaks for the operator).
+_RELEASE = """
+local now = redis.call('get', KEYS[1])
+if now == false or now == ARGV[1] then
+  return redis.call('set', KEYS[1], ARGV[2], 'EX', ARGV[3])
+end
+return 0
+"""
+TOMBSTONE = "cancelled"
 
 
 def mark_current(app: Celery, request: Mapping[str, Any]) -> None:
@@ -192,18 +200,29 @@ def mark_current(app: Celery, request: Mapping[str, Any]) -> None:
 
 
 def release_current(app: Celery, request: Mapping[str, Any]) -> None:
-    app.backend.client.eval(_RELEASE, 1, _current_key(request), chord_task_id(request))
+    app.backend.client.eval(
+        _RELEASE, 1, _current_key(request), chord_task_id(request), TOMBSTONE, SUBMITTED_TTL_S
+    )
 
 
 def not_current(app: Celery, request: Mapping[str, Any]) -> str | None:
-    """Why this request is no longer wanted (deleted, superseded), or None while it is."""
+    """Why this request is no longer wanted (deleted, superseded), or None while it is (or
+    while nobody knows: see ``is_current_known``)."""
     now = app.backend.client.get(_current_key(request))
     if now is None:
-        return f"{request['namespace']}/{request['name']} was deleted or cancelled"
+        return None
     current = now.decode() if isinstance(now, bytes) else str(now)
+    if current == TOMBSTONE:
+        return f"{request['namespace']}/{request['name']} was deleted or cancelled"
     if current != chord_task_id(request):
         return f"{request['namespace']}/{request['name']} moved on to {current}"
     return None
+
+
+def is_current_known(app: Celery, request: Mapping[str, Any]) -> bool:
+    """False when Redis holds no word on the object at all: it lost its data (restarted
+    without persistence), and the operator has not queued the compile again yet."""
+    return bool(app.backend.client.exists(_current_key(request)))
 
 
 def submit_compilation(app: Celery, request: Mapping[str, Any]) -> str:

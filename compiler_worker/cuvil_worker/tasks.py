@@ -78,9 +78,13 @@ class StageReporter:
 
 
 def _already_done(task: Task) -> Any:
-    """A redelivered task whose first run stored its result (then died before acking)."""
+    """A redelivered task whose first run stored its result (then died before acking). A
+    stored cancel does not count: the request is current again (the operator queued it anew
+    after the broker lost it), so the work is done now."""
     previous = AsyncResult(task.request.id, app=app)
-    return previous.result if previous.state == "SUCCESS" else None
+    if previous.state != "SUCCESS" or "cancelled" in (previous.result or {}):
+        return None
+    return previous.result
 
 
 def _retry_registry(task: Task, error: Exception) -> Exception:
@@ -181,12 +185,12 @@ def _compile_and_push(
             annotations = _annotations(request, telemetry.trace_id_of(span))
             repository = str((spec.get("output") or {}).get("repository") or "")
             with shielded():
-                guard.check("before its push")
+                guard.check("before its push", push=True)
                 if repository:
                     ledger.record(_planned_ref(packaged.files, repository, annotations), target)
                 result = publish(packaged, spec, target, on_stage, annotations)
                 ledger.record(result["ref"], target)
-                guard.check("after its push")
+                guard.check("after its push", push=True)
         except RegistryError as error:
             if not error.retryable:
                 raise PushRefused(f"registry refused the push: {error}") from None
@@ -256,10 +260,10 @@ def _push_index(
         annotations = _annotations(request, telemetry.trace_id_of(span))
         try:
             with shielded():
-                guard.check("before its index was tagged")
+                guard.check("before its index was tagged", push=True)
                 index = push_index(f"{repository}:{tag}", entries, annotations=annotations)
                 ledger.record(index.ref, "index")
-                guard.check("after its index was tagged")
+                guard.check("after its index was tagged", push=True)
         except RegistryError as error:
             if not error.retryable:
                 raise PushRefused(f"registry refused the index: {error}") from None

@@ -73,6 +73,9 @@ class CompileQueue:
     def progress(self, request: Mapping[str, Any]) -> dict[str, Any]:
         return contract.read_progress(self.app, request).to_json()
 
+    def is_submitted(self, request: Mapping[str, Any]) -> bool:
+        return contract.is_submitted(self.app, request)
+
     def cancel(self, request: Mapping[str, Any]) -> None:
         contract.cancel_compilation(self.app, request)
 

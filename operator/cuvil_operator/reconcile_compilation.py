@@ -36,6 +36,8 @@ class Queue(Protocol):
 
     def cancel(self, request: Mapping[str, Any]) -> None: ...
 
+    def is_submitted(self, request: Mapping[str, Any]) -> bool: ...
+
 
 def _generation(meta: Mapping[str, Any]) -> int:
     return int(meta.get("generation") or 1)
@@ -121,13 +123,21 @@ def reconcile_progress(
     notify: Notify,
     now: str,
 ) -> dict[str, Any] | None:
-    """Timer: read the followed task's progress into status; an Event per phase change."""
+    """Timer: read the followed task's progress into status; an Event per phase change.
+
+    A followed compile whose submit marker is gone was lost by the broker (Redis restarted
+    without its data: tasks, chord join and results with it): it is queued again under the
+    same task ids, and whatever part of it still runs somewhere is not done twice."""
     if not is_following(status):
         return None
     generation = int(status.get("observedGeneration") or 0)
     if generation != _generation(meta):
         return None  # a newer spec is being submitted; the update handler takes over
-    progress = queue.progress(build_request(meta, spec, generation, _attempt(status)))
+    request = build_request(meta, spec, generation, _attempt(status))
+    if not queue.is_submitted(request):
+        task_id = queue.submit(request)
+        notify(WARNING, "Resubmitted", f"the broker had no record of {task_id}: queued again")
+    progress = queue.progress(request)
     patch = build_progress_status(status, generation, progress, now)
     if not status_changed(status, patch):
         return None

@@ -26,10 +26,15 @@ class RecordingQueue:
     def __init__(self, progress: dict[str, Any] | None = None) -> None:
         self.calls: list[tuple[str, str]] = []
         self.next_progress = progress or {"phase": "Pending", "targets": {}}
+        self.submitted: set[str] = set()
 
     def submit(self, request: Mapping[str, Any]) -> str:
         self.calls.append(("submit", f"{request['uid']}-{request['generation']}"))
+        self.submitted.add(f"{request['uid']}-{request['generation']}")
         return f"cuvil-{request['uid']}-{request['generation']}"
+
+    def is_submitted(self, request: Mapping[str, Any]) -> bool:
+        return f"{request['uid']}-{request['generation']}" in self.submitted
 
     def progress(self, request: Mapping[str, Any]) -> dict[str, Any]:
         self.calls.append(("progress", f"{request['uid']}-{request['generation']}"))
@@ -139,6 +144,18 @@ def test_delete_cancels_every_generation_but_announces_only_a_running_one() -> N
     reconcile_delete(obj["metadata"], obj["spec"], finished, queue, events)
     assert queue.calls[-1] == ("cancel", "u1-1:cpu-x86_64"), "the current-key must go too"
     assert len(events.reasons) == announced
+
+
+def test_progress_resubmits_a_compile_the_broker_lost() -> None:
+    obj, queue, events = _object(), RecordingQueue(), Events()
+    status = reconcile_submit(obj["metadata"], obj["spec"], {}, queue, events, NOW)
+    assert status is not None
+    reconcile_progress(obj["metadata"], obj["spec"], status, queue, events, NOW)
+    assert [c[0] for c in queue.calls] == ["submit", "progress"]
+    queue.submitted.clear()  # Redis restarted without its data
+    reconcile_progress(obj["metadata"], obj["spec"], status, queue, events, NOW)
+    assert [c[0] for c in queue.calls] == ["submit", "progress", "submit", "progress"]
+    assert events.posted[-1][:2] == ("Warning", "Resubmitted"), events.posted
 
 
 def test_config_from_environment() -> None:

@@ -64,3 +64,39 @@ def test_submit_is_idempotent_and_cancel_revokes(redis_server: RedisServer) -> N
     progress = contract.read_progress(app, request)
     assert progress.phase == contract.PHASE_FAILED
     assert progress.error is not None and "cancelled" in progress.error
+
+
+def test_the_current_request_moves_on_and_a_cancel_is_a_tombstone(
+    redis_server: RedisServer,
+) -> None:
+    app = contract.create_app(redis_server.url(0), redis_server.url(1))
+    first, second = _request(uid="u2"), _request(uid="u2", generation=2)
+    assert not contract.is_current_known(app, first)
+    contract.submit_compilation(app, first)
+    assert contract.not_current(app, first) is None
+    contract.submit_compilation(app, second)
+    assert "moved on to cuvil-u2-2" in (contract.not_current(app, first) or "")
+    contract.cancel_compilation(app, first)  # the stale cancel leaves the newer one alone
+    assert contract.not_current(app, second) is None
+    contract.cancel_compilation(app, second)
+    assert "was deleted or cancelled" in (contract.not_current(app, second) or "")
+    assert contract.submit_compilation(app, second) == "cuvil-u2-2"
+    assert contract.not_current(app, second) is not None, "a repeated submit resurrected it"
+    app.backend.client.delete("cuvil:current:u2")  # Redis lost its data
+    assert contract.not_current(app, second) is None
+    assert not contract.is_current_known(app, second)
+
+
+def test_a_submit_left_publishing_is_published_again(redis_server: RedisServer) -> None:
+    app = contract.create_app(redis_server.url(0), redis_server.url(1))
+    broker = redis.Redis.from_url(redis_server.url(0))
+    request = _request(uid="u3")
+    before = queued(broker)
+    key = contract.SUBMITTED_KEY.format(chord_id=contract.chord_task_id(request))
+    app.backend.client.set(key, contract.PUBLISHING)  # the submitter died before publishing
+    assert not contract.is_submitted(app, request)
+    contract.submit_compilation(app, request)
+    assert queued(broker) == before + 2
+    assert contract.is_submitted(app, request)
+    contract.submit_compilation(app, request)
+    assert queued(broker) == before + 2
