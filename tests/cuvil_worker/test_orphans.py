@@ -1,0 +1,87 @@
+"""Manifests of killed attempts do not outlive the compilation: real Redis, the real registry,
+a real ``cuvil-worker``.
+
+A worker killed after its artifact manifest landed leaves that manifest in the registry and
+its record in the push ledger (written before every push); the redelivered compile pushes
+another (its benchmark figures give another digest). The leftover is made here the way the
+killed attempt made it: the same push, recorded in the ledger first."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from celery import Celery
+from cuvil_worker import contract
+
+import cuvil
+from cuvil.artifact import push_artifact
+from cuvil.models import mlp
+from tests.cuvil_worker.test_worker import mlp_spec
+from tests.cuvil_worker.workers import (
+    WorkerProcess,
+    compilation_request,
+    start_worker,
+    wait_done,
+    worker_env,
+)
+from tests.fixtures.redis import RedisServer
+from tests.fixtures.registry import RunningRegistry
+
+
+@pytest.fixture
+def app(redis_session: RedisServer) -> Celery:
+    return contract.create_app(redis_session.url(0), redis_session.url(1))
+
+
+@pytest.fixture
+def worker(redis_session: RedisServer, tmp_path: Path) -> Iterator[WorkerProcess]:
+    env = worker_env(redis_session.url(0), redis_session.url(1), tmp_path / "work",
+                     CUVIL_WARM_UP="0", CUVIL_BENCH_ITERATIONS="3")  # fmt: skip
+    process = start_worker(env, tmp_path, queues="cuvil.test.orphans", name="orphans")
+    process.wait_ready()
+    yield process
+    process.stop()
+
+
+def _referrers(registry: RunningRegistry, repository: str, digest: str) -> set[str]:
+    path = repository.split("/", 1)[1]
+    request = urllib.request.Request(
+        f"{registry.url}/v2/{path}/manifests/{digest.replace(':', '-')}",
+        headers={"Accept": "application/vnd.oci.image.index.v1+json"},
+    )
+    with urllib.request.urlopen(request, timeout=10) as response:
+        index = json.loads(response.read())
+        return {response.headers["Docker-Content-Digest"]} | {
+            m["digest"] for m in index["manifests"]
+        }
+
+
+def test_a_killed_attempts_manifest_is_deleted_once_the_index_is_up(
+    app: Celery, worker: WorkerProcess, registry: RunningRegistry
+) -> None:
+    spec = mlp_spec(registry, queue="cuvil.test.orphans")
+    repository = spec["output"]["repository"]
+    request = compilation_request(spec)
+    model = mlp()
+    compiled = cuvil.jit(model.model, model.example_inputs, dynamic_shapes=model.dynamic_shapes)
+    annotations = {"dev.cuvil.compilation": "default/test"}
+    ledger_key = f"cuvil:pushed:{contract.chord_task_id(request)}"
+    leftover = push_artifact(compiled.contents, repository, annotations=annotations)
+    app.backend.client.hset(ledger_key, leftover.ref, "cpu-x86_64")
+    assert registry.manifests(repository) == {leftover.digest}
+
+    contract.submit_compilation(app, request)
+    progress = wait_done(app, request, timeout=120, workers=[worker])
+    assert progress.phase == contract.PHASE_SUCCEEDED, progress.error
+    assert progress.result is not None
+    (artifact,) = progress.result["artifacts"]
+    assert artifact["digest"] != leftover.digest
+    kept = {progress.result["index"]["digest"], artifact["digest"]}
+    kept |= _referrers(registry, repository, artifact["digest"])
+    assert registry.manifests(repository) == kept, "the killed attempt's manifest is still there"
+    assert app.backend.client.hkeys(ledger_key) != [], "the ledger keeps what it kept"
+    assert leftover.ref.encode() not in app.backend.client.hkeys(ledger_key)
