@@ -294,6 +294,7 @@ class TargetProgress:
     reason: str | None = None
     condition: str | None = None
     details: dict[str, Any] | None = None
+    fault: str | None = None  # a registry fault it is retrying (state RETRY)
 
 
 @dataclass
@@ -353,6 +354,8 @@ def _target_progress(state: str, info: Any) -> TargetProgress:
     failure = _failure(state, info)
     if failure is not None:
         return failure
+    if state == "RETRY":
+        return TargetProgress(state, stage="push", fault=_error_text(info))
     stage = info.get("stage") if isinstance(info, Mapping) else None
     return TargetProgress(state, stage=stage)
 
@@ -384,6 +387,13 @@ def read_progress(app: Celery, request: Mapping[str, Any]) -> Progress:
     if not running:
         return Progress(PHASE_PENDING, per_target)
     return Progress(min(running, key=_PHASE_ORDER.index), per_target)
+
+
+def consumed_queues(app: Celery, timeout: float = 1.0) -> set[str]:
+    """Queues some live worker consumes now (Celery's remote control: every worker answers
+    from its main process, busy or not)."""
+    replies = app.control.inspect(timeout=timeout).active_queues() or {}
+    return {str(q["name"]) for queues in replies.values() for q in queues or []}
 
 
 def cancel_compilation(app: Celery, request: Mapping[str, Any]) -> None:

@@ -8,7 +8,8 @@ process holds the Celery app. Its calls block on Redis, so handlers calling them
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+import time
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from celery import Celery
@@ -53,19 +54,35 @@ def build_request(
     return request
 
 
+def queue_for_target(target: str, override: str | None = None) -> str:
+    return contract.queue_for_target(target, override)
+
+
 def task_id_for(request: Mapping[str, Any]) -> str:
     return contract.chord_task_id(request)
 
 
 class CompileQueue:
-    """Submit, follow and cancel compilations through the contract."""
+    """Submit, follow and cancel compilations through the contract. Which queues have a
+    consumer is asked of the workers at most once per ``consumers_ttl`` seconds, for every
+    compilation the operator follows."""
 
-    def __init__(self, app: Celery) -> None:
+    def __init__(self, app: Celery, consumers_ttl: float = 10.0) -> None:
         self.app = app
+        self.consumers_ttl = consumers_ttl
+        self._consumed: tuple[float, set[str]] | None = None
 
     @classmethod
     def from_config(cls, config: OperatorConfig) -> CompileQueue:
-        return cls(contract.create_app(config.broker_url, config.result_backend))
+        app = contract.create_app(config.broker_url, config.result_backend)
+        return cls(app, consumers_ttl=min(10.0, config.stall_after / 2))
+
+    def idle_queues(self, queues: Iterable[str]) -> set[str]:
+        """Those of ``queues`` no live worker consumes."""
+        now = time.monotonic()
+        if self._consumed is None or now - self._consumed[0] > self.consumers_ttl:
+            self._consumed = (now, contract.consumed_queues(self.app))
+        return set(queues) - self._consumed[1]
 
     def submit(self, request: Mapping[str, Any]) -> str:
         return contract.submit_compilation(self.app, request)

@@ -9,6 +9,7 @@
 | ``CUVIL_OPERATOR_HEALTH`` | (off) | liveness endpoint, e.g. ``http://0.0.0.0:8080/healthz`` |
 | ``CUVIL_OPERATOR_PEERING`` | (standalone) | a KopfPeering name, for several replicas |
 | ``CUVIL_OPERATOR_VERBOSE`` | ``0`` | ``1``: log every handler call |
+| ``CUVIL_OPERATOR_STALL_SECONDS`` | ``120`` | a queue with no worker, a registry fault: Warning |
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class OperatorConfig:
     health_endpoint: str | None = None
     peering: str | None = None
     verbose: bool = False
+    stall_after: float = 120.0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorConfig:
@@ -45,4 +47,5 @@ class OperatorConfig:
             health_endpoint=env.get("CUVIL_OPERATOR_HEALTH") or None,
             peering=env.get("CUVIL_OPERATOR_PEERING") or None,
             verbose=env.get("CUVIL_OPERATOR_VERBOSE", "0").lower() in ("1", "true", "yes"),
+            stall_after=float(env.get("CUVIL_OPERATOR_STALL_SECONDS", "120")),
         )

@@ -232,6 +232,12 @@ def build_spec_schema() -> dict[str, Any]:
                 pattern=r"^[A-Za-z0-9._-]*$",
                 maxLength=128,
             ),
+            "timeout": {
+                "x-kubernetes-int-or-string": True,
+                "pattern": r"^[0-9]+(s|m|h)?$",
+                "description": "Fail the compile if no worker has started it by then"
+                " (seconds, or 90s / 30m / 2h; default 24h).",
+            },
         },
         required=["source", "inputs", "targets", "output"],
     )
@@ -274,6 +280,11 @@ def build_status_schema() -> dict[str, Any]:
                 "description": "Retries of this generation (the cuvil.dev/retry annotation).",
             },
             "retry": _string("The cuvil.dev/retry value last acted on."),
+            "queuedAt": _string("When this attempt was queued.", format="date-time"),
+            "faultSince": _string(
+                "Since when a target has been retrying a registry fault.", format="date-time"
+            ),
+            "stalled": _string("The stall the compile is in: NoWorker, RegistryFault, Timeout."),
             "traceId": _string("The OpenTelemetry trace of this generation's compile."),
             "conditions": {
                 "type": "array",

@@ -147,7 +147,9 @@ def on_timer_modelcompilation(
     **_: Any,
 ) -> None:
     with _broker_errors():
-        flow = reconcile_progress(meta, spec, status, memo.queue, _notify(body), now_rfc3339())
+        flow = reconcile_progress(
+            meta, spec, status, memo.queue, _notify(body), now_rfc3339(), CONFIG.stall_after
+        )
     _write_status(patch, flow)
 
 

@@ -9,11 +9,12 @@ retry after an API error) submits nothing new.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
-from cuvil_operator.compile_queue import build_request, trace_id_of
+from cuvil_operator.compile_queue import build_request, queue_for_target, trace_id_of
 from cuvil_operator.spec_checks import check_spec
+from cuvil_operator.stalls import apply_stall, find_stall
 from cuvil_operator.status import (
     FAILED,
     build_invalid_status,
@@ -37,6 +38,8 @@ class Queue(Protocol):
     def cancel(self, request: Mapping[str, Any]) -> None: ...
 
     def is_submitted(self, request: Mapping[str, Any]) -> bool: ...
+
+    def idle_queues(self, queues: Iterable[str]) -> set[str]: ...
 
 
 def _generation(meta: Mapping[str, Any]) -> int:
@@ -122,8 +125,10 @@ def reconcile_progress(
     queue: Queue,
     notify: Notify,
     now: str,
+    stall_after: float = 120.0,
 ) -> dict[str, Any] | None:
-    """Timer: read the followed task's progress into status; an Event per phase change.
+    """Timer: read the followed task's progress into status; an Event per phase change, a
+    Warning per stall (``stalls``); a compile that timed out is cancelled.
 
     A followed compile whose submit marker is gone was lost by the broker (Redis restarted
     without its data: tasks, chord join and results with it): it is queued again under the
@@ -139,11 +144,47 @@ def reconcile_progress(
         notify(WARNING, "Resubmitted", f"the broker had no record of {task_id}: queued again")
     progress = queue.progress(request)
     patch = build_progress_status(status, generation, progress, now)
+    patch = _with_stall(spec, status, patch, progress, queue, generation, now, stall_after)
+    if patch.get("stalled") and patch["stalled"] != status.get("stalled"):
+        notify(WARNING, str(patch["stalled"]), str(patch["message"]))
+        if patch["phase"] == FAILED:
+            queue.cancel(request)
+            return patch  # the Warning said it
     if not status_changed(status, patch):
         return None
     if patch["phase"] != status.get("phase"):
         kind = WARNING if patch["phase"] == FAILED else NORMAL
         notify(kind, str(patch["phase"]), str(patch["message"]))
+    return patch
+
+
+def _with_stall(
+    spec: Mapping[str, Any],
+    status: Mapping[str, Any],
+    patch: dict[str, Any],
+    progress: Mapping[str, Any],
+    queue: Queue,
+    generation: int,
+    now: str,
+    stall_after: float,
+) -> dict[str, Any]:
+    """``patch`` with the stall the compile is in, and the first time a fault was seen."""
+    faulty = any(p.get("fault") for p in (progress.get("targets") or {}).values())
+    if faulty:
+        patch["faultSince"] = status.get("faultSince") or now
+    elif status.get("faultSince") and patch.get("phase") != "Pushing":
+        patch["faultSince"] = None
+    idle: dict[str, list[str]] = {}
+    if patch.get("phase") == "Pending":
+        waiting = {t: queue_for_target(t, spec.get("queue") or None) for t in spec["targets"]}
+        for target, name in sorted(waiting.items()):
+            if name in queue.idle_queues(waiting.values()):
+                idle.setdefault(name, []).append(target)
+    stall = find_stall(spec, {**status, **patch}, patch, progress, idle, now, stall_after)
+    if stall is not None:
+        return apply_stall(status, patch, stall, generation, now)
+    if status.get("stalled"):
+        patch["stalled"] = None
     return patch
 
 

@@ -160,7 +160,12 @@ class Operator:
 def running_operator(
     kube_api: KubeApi, redis_server: RedisServer, tmp_path: Path
 ) -> Iterator[Operator]:
-    env = {**celery_env(redis_server), **kube_api.env(), "CUVIL_OPERATOR_POLL_INTERVAL": "0.05"}
+    env = {
+        **celery_env(redis_server),
+        **kube_api.env(),
+        "CUVIL_OPERATOR_POLL_INTERVAL": "0.05",
+        "CUVIL_OPERATOR_STALL_SECONDS": "3",
+    }
     env["CUVIL_BROKER_URL"], env["CUVIL_RESULT_BACKEND"] = redis_server.url(0), redis_server.url(1)
     running = Operator(env, tmp_path / "operator.log").start()
     try:

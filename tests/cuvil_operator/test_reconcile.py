@@ -33,6 +33,9 @@ class RecordingQueue:
         self.submitted.add(f"{request['uid']}-{request['generation']}")
         return f"cuvil-{request['uid']}-{request['generation']}"
 
+    def idle_queues(self, queues: Any) -> set[str]:
+        return set()
+
     def is_submitted(self, request: Mapping[str, Any]) -> bool:
         return f"{request['uid']}-{request['generation']}" in self.submitted
 
