@@ -272,13 +272,19 @@ def _push_index(
     return {
         "compilation": chord_task_id(request),
         "index": {"ref": index.ref, "digest": index.digest, "tag": tag, "size": index.size},
-        "artifacts": [
-            {k: r[k] for k in ("target", "ref", "digest", "size", "reportReferrer")}
-            for r in results
-        ],
+        "artifacts": [_artifact_entry(r) for r in results],
         "report": {r["target"]: r["report"] for r in results},
         "traceId": telemetry.trace_id_of(span),
     }
+
+
+def _artifact_entry(result: dict[str, Any]) -> dict[str, Any]:
+    """One target in the index task's result: ``size`` is the artifact's (config and layers,
+    what a pull downloads), ``manifestSize`` the manifest's own bytes."""
+    entry = {k: result[k] for k in ("target", "ref", "digest", "reportReferrer")}
+    entry["size"] = int(result["report"].get("size") or result["size"])
+    entry["manifestSize"] = result["size"]
+    return entry
 
 
 def _delete_orphans(ledger: PushLedger, kept: set[str]) -> None:

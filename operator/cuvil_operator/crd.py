@@ -300,6 +300,8 @@ def build_status_schema() -> dict[str, Any]:
             "artifacts": {"type": "array", "items": artifact},
             "index": _object("The OCI image index over the targets.", ref),
             "digest": _string("The digest to pull: the index's, else the only artifact's."),
+            "targetCount": {"type": "integer", "minimum": 0, "description": "Targets compiled."},
+            "speedup": _string("The slowest target's speedup over eager, e.g. 1.84x cpu-x86_64."),
             "report": {
                 "type": "object",
                 "description": "Speedup, latency, memory, errors.",
@@ -310,14 +312,17 @@ def build_status_schema() -> dict[str, Any]:
     )
 
 
+READY = '.status.conditions[?(@.type=="Ready")].status'
 PRINTER_COLUMNS = [
+    {"name": "Ready", "type": "string", "jsonPath": READY},
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
-    {"name": "Targets", "type": "string", "jsonPath": ".spec.targets"},
-    {"name": "Digest", "type": "string", "jsonPath": ".status.digest"},
-    {"name": "Speedup", "type": "number", "jsonPath": ".status.report.speedup"},
+    {"name": "Targets", "type": "integer", "jsonPath": ".status.targetCount"},
+    {"name": "Speedup", "type": "string", "jsonPath": ".status.speedup",
+     "description": "The slowest target's speedup over eager, and that target."},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    {"name": "Digest", "type": "string", "jsonPath": ".status.digest", "priority": 1},
     {"name": "Message", "type": "string", "jsonPath": ".status.message", "priority": 1},
-]
+]  # fmt: skip
 
 
 def build_crd() -> dict[str, Any]:

@@ -82,7 +82,8 @@ def reconcile_submit(
     task_id = queue.submit(request)
     notify(NORMAL, "Submitted", f"generation {generation} queued as task {task_id}")
     trace_id = trace_id_of(request["traceparent"])
-    return build_submitted_status(status, generation, task_id, now, trace_id)
+    submitted = build_submitted_status(status, generation, task_id, now, trace_id)
+    return {**submitted, "targetCount": len(spec.get("targets") or [])}
 
 
 def reconcile_retry(

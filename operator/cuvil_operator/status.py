@@ -202,8 +202,21 @@ def build_report(per_target: Mapping[str, Any]) -> dict[str, Any]:
         if values:
             worst = pick(values)
             summary[key] = round(worst, 3) if key == "speedup" else worst
+    speedups = {
+        t: v for t, r in per_target.items() if isinstance(r, Mapping)
+        for v in [_find_number(r, "speedup")] if v is not None
+    }  # fmt: skip
+    if speedups:
+        summary["speedupTarget"] = min(speedups, key=lambda t: speedups[t])
     summary["targets"] = {t: _small(r) for t, r in per_target.items() if isinstance(r, Mapping)}
     return summary
+
+
+def speedup_text(report: Mapping[str, Any]) -> str | None:
+    """``1.84x cpu-x86_64``: the printer column (worst target, named)."""
+    if "speedup" not in report:
+        return None
+    return f"{report['speedup']:.2f}x {report.get('speedupTarget', '')}".strip()
 
 
 def _digest_of(result: Mapping[str, Any]) -> str | None:
@@ -249,6 +262,8 @@ def build_progress_status(
         message = str(status["message"])  # still queued: keep "queued as <task>"
     else:
         message = _stage_message(phase, targets)
+    if "report" in patch:
+        patch["speedup"] = speedup_text(patch["report"])
     patch["message"] = message
     if phase == FAILED:
         condition = str(progress.get("condition") or previous_phase)

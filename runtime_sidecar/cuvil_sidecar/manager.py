@@ -75,7 +75,8 @@ class ModelManager:
         current = self.current
         if current is None:
             return False, f"not ready: {self.reason}"
-        return True, f"ready: {current.name} {current.digest}"
+        index = f" index {current.index_digest}" if current.index_digest else ""
+        return True, f"ready: {current.name} {current.digest}{index}"
 
     def acquire(self, name: str, version: str) -> ServedModel:
         """The model to serve this request, with its in-flight count raised (``release`` it)."""
@@ -137,6 +138,7 @@ class ModelManager:
             new = ServedModel(loaded, self.config, self.metrics)
             old, self.current = self.current, new
             self.metrics.gauge("cuvil_model_ready", new.name, new.version, lambda: 1.0)
+            self.metrics.served(new.name, new.version, new.digest, new.index_digest or "")
             self.metrics.gauge(
                 "nv_inference_pending_request_count",
                 new.name,
@@ -145,9 +147,10 @@ class ModelManager:
             )
             self.metrics.reload("ok")
             log.info(
-                "serving %s %s (from %s; %s)",
+                "serving %s %s%s (from %s; %s)",
                 new.name,
                 new.digest,
+                f" index {new.index_digest}" if new.index_digest else "",
                 self.source,
                 new.batcher.mode,
             )

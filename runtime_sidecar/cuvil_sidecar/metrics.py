@@ -11,7 +11,10 @@ Counters, per model and version (durations are cumulative microseconds, as in Tr
 (rows inferred), ``nv_inference_exec_count`` (model executions; fewer than requests when
 batching joins them), ``nv_inference_request_duration_us``, ``nv_inference_queue_duration_us``,
 ``nv_inference_compute_infer_duration_us``. Gauges: ``nv_inference_pending_request_count``,
-``cuvil_model_ready``; counters ``cuvil_model_reloads`` with ``result`` ok/refused.
+``cuvil_model_ready``; counters ``cuvil_model_reloads`` with ``result`` ok/refused;
+``cuvil_model_info{model, version, digest, index}`` 1 for the artifact served (``digest``: the
+OCI manifest, as in the ModelCompilation's status.artifacts[]; ``index``: the index it came
+from, empty when none).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ GAUGES = {
     "cuvil_model_ready": "1 when the model is loaded, warmed up and golden-checked",
 }
 RELOADS = "cuvil_model_reloads"
+INFO = "cuvil_model_info"
 
 Labels = tuple[tuple[str, str], ...]
 
@@ -64,6 +68,12 @@ class Metrics:
             self._values["nv_inference_queue_duration_us"][labels] += queue_us
             self._values["nv_inference_compute_infer_duration_us"][labels] += compute_us
 
+    def served(self, model: str, version: str, digest: str, index: str) -> None:
+        """The artifact now served (one at a time: a reload replaces the entry)."""
+        labels = (("model", model), ("version", version), ("digest", digest), ("index", index))
+        with self._lock:
+            self._values[INFO] = defaultdict(float, {labels: 1.0})
+
     def reload(self, result: str) -> None:
         with self._lock:
             self._values[RELOADS][(("result", result),)] += 1
@@ -87,6 +97,7 @@ class Metrics:
             self._family(
                 lines, RELOADS, "Model reloads by result", "counter", self._values[RELOADS]
             )
+            self._family(lines, INFO, "The artifact served", "gauge", self._values[INFO])
         return "".join(lines).encode() + prometheus_client.generate_latest()
 
     @staticmethod

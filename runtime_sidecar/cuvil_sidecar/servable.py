@@ -31,7 +31,8 @@ class ServedModel:
         self.model = model
         self.name = config.model_name or model.name
         self.version = VERSION
-        self.digest = loaded.digest
+        self.digest = loaded.served_digest
+        self.index_digest = loaded.index_digest
         self.signature = model.signature
         self.binder = InputBinder(model.signature)
         self.input_datatypes = {s.name: datatype_of(s.dtype) for s in model.signature.inputs}

@@ -37,9 +37,15 @@ class ModelSource:
         return str(resolve_digest(self.reference))
 
     def fetch(self) -> Path:
-        from cuvil.artifact import resolve_model
+        return self.fetch_resolved()[0]
 
-        return Path(resolve_model(self.reference, cache_dir=self.cache_dir))
+    def fetch_resolved(self) -> tuple[Path, str | None]:
+        """The local artifact and the digest of the OCI manifest it came from (None for a
+        local artifact path): the per-target manifest, also when the reference names an index."""
+        from cuvil.artifact.api import resolve
+
+        resolution = resolve(self.reference, cache_dir=self.cache_dir)
+        return Path(resolution.path), resolution.digest
 
     def __str__(self) -> str:
         return self.reference

@@ -60,6 +60,14 @@ class LoadedModel:
     buckets: tuple[dict[str, int], ...]
     seconds: float
     fastest_run_ms: float  # quickest warm-up run (smallest bucket): how heavy one call is
+    manifest_digest: str | None = None  # the OCI manifest served (None: a local artifact)
+    index_digest: str | None = None  # the index it was picked from, when the reference named one
+
+    @property
+    def served_digest(self) -> str:
+        """What the sidecar reports it serves: the manifest digest status.artifacts[] shows,
+        else (a local artifact) its config.json's."""
+        return self.manifest_digest or self.digest
 
 
 Progress = Callable[[str], None]
@@ -79,7 +87,7 @@ def load_checked(
     started = time.perf_counter()
     progress(f"fetching {source}")
     try:
-        path = source.fetch()
+        path, manifest_digest = source.fetch_resolved()
     except Exception as error:
         raise StartupError(f"fetching {source} failed: {error}") from error
     progress(f"verifying and loading {path}")
@@ -121,15 +129,20 @@ def load_checked(
     if trim_heap():  # what loading and warm-up freed goes back to the OS
         log.info("resident %.0f MiB after warm-up, %.0f MiB trimmed", before, resident_mib())
     seconds = time.perf_counter() - started
+    index_digest = source_digest if manifest_digest and source_digest != manifest_digest else None
     log.info(
-        "loaded %s (%s) in %.2f s, buckets %s, fastest warm-up run %.2f ms",
+        "loaded %s (manifest %s%s) in %.2f s, buckets %s, fastest warm-up run %.2f ms",
         model.name,
-        digest,
+        manifest_digest or f"none, config {digest}",
+        f", index {index_digest}" if index_digest else "",
         seconds,
         buckets,
         fastest,
     )
-    return LoadedModel(model, digest, source_digest, path, symbol, tuple(buckets), seconds, fastest)
+    return LoadedModel(
+        model, digest, source_digest, path, symbol, tuple(buckets), seconds, fastest,
+        manifest_digest, index_digest,
+    )  # fmt: skip
 
 
 def manifest_annotations(path: Path) -> dict[str, str]:

@@ -94,5 +94,8 @@ def test_minilm_example_compiles_to_succeeded_with_digest(
         assert response.headers["Docker-Content-Digest"] == digest
 
     header, row = kube_api.kubectl("get", "mc").stdout.splitlines()[:2]
-    assert header.split() == ["NAME", "PHASE", "TARGETS", "DIGEST", "SPEEDUP", "AGE"]
-    assert row.split()[:4] == ["minilm-cpu", "Succeeded", '["cpu-x86_64"]', digest]
+    assert header.split() == ["NAME", "READY", "PHASE", "TARGETS", "SPEEDUP", "AGE"]
+    assert row.split()[:4] == ["minilm-cpu", "True", "Succeeded", "1"]
+    assert row.split()[5] == "cpu-x86_64"
+    wide = kube_api.kubectl("get", "mc", "-o", "wide").stdout
+    assert digest in wide
