@@ -13,6 +13,7 @@ Both run only while their request is current (``cancellation``): a cancelled tas
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -142,6 +143,18 @@ def compile_target(self: Task, request: dict[str, Any], target: str) -> dict[str
     return result
 
 
+CLAIM_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")  # DNS-1123, as the CRD says
+
+
+def confine_source(spec: dict[str, Any]) -> None:
+    """A PVC source names a volume folder under $CUVIL_VOLUMES_DIR: its claim must be a
+    Kubernetes name (no ``/``, no ``..``), so it cannot point elsewhere on the worker; the
+    path inside it is confined by the loader."""
+    pvc = (spec.get("source") or {}).get("pvc")
+    if isinstance(pvc, dict) and not CLAIM_NAME.match(str(pvc.get("claimName") or "")):
+        raise InvalidSpec(f"spec.source.pvc.claimName {pvc.get('claimName')!r} is not a PVC name")
+
+
 def _require_device(target: str, worker: str) -> None:
     """A CUDA target reaching a worker without a GPU is a routing problem, not a bad spec."""
     import torch
@@ -180,6 +193,7 @@ def _compile_and_push(
         on_stage = StageReporter(task, target, guard)
         spec = request["spec"]
         _require_device(target, str(task.request.hostname or "this worker"))
+        confine_source(spec)
         try:
             packaged = build_cached(spec, target, config, on_stage, task_id, _fetcher(task_id))
             annotations = _annotations(request, telemetry.trace_id_of(span))

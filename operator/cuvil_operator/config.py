@@ -9,6 +9,7 @@
 | ``CUVIL_OPERATOR_HEALTH`` | (off) | liveness endpoint, e.g. ``http://0.0.0.0:8080/healthz`` |
 | ``CUVIL_OPERATOR_PEERING`` | (standalone) | a KopfPeering name, for several replicas |
 | ``CUVIL_OPERATOR_VERBOSE`` | ``0`` | ``1``: log every handler call |
+| ``CUVIL_OPERATOR_PUSH_POLICY`` | (none) | JSON: repositories per namespace, shared credential |
 | ``CUVIL_OPERATOR_STALL_SECONDS`` | ``120`` | a queue with no worker, a registry fault: Warning |
 """
 
@@ -16,7 +17,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from cuvil_operator.tenancy import PushPolicy
 
 DEFAULT_BROKER_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_RESULT_BACKEND = "redis://127.0.0.1:6379/1"
@@ -32,6 +35,7 @@ class OperatorConfig:
     peering: str | None = None
     verbose: bool = False
     stall_after: float = 120.0
+    push_policy: PushPolicy = field(default_factory=PushPolicy)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorConfig:
@@ -48,4 +52,5 @@ class OperatorConfig:
             peering=env.get("CUVIL_OPERATOR_PEERING") or None,
             verbose=env.get("CUVIL_OPERATOR_VERBOSE", "0").lower() in ("1", "true", "yes"),
             stall_after=float(env.get("CUVIL_OPERATOR_STALL_SECONDS", "120")),
+            push_policy=PushPolicy.from_json(env.get("CUVIL_OPERATOR_PUSH_POLICY")),
         )

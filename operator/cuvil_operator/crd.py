@@ -79,7 +79,12 @@ def build_source_schema() -> dict[str, Any]:
     pvc = _object(
         "A HuggingFace directory on a PersistentVolumeClaim mounted by the workers.",
         {
-            "claimName": _string("PVC name.", minLength=1, maxLength=253),
+            "claimName": _string(
+                "PVC name (a DNS-1123 subdomain: it names a folder on the worker).",
+                minLength=1,
+                maxLength=253,
+                pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+            ),
             "path": _string("Directory inside the volume.", minLength=1, maxLength=1024),
             "task": _string(
                 "Pipeline task the model is exported for.",

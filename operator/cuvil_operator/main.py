@@ -98,7 +98,10 @@ def on_create_modelcompilation(
     **_: Any,
 ) -> None:
     with _broker_errors():
-        flow = reconcile_submit(meta, spec, status, memo.queue, _notify(body), now_rfc3339())
+        flow = reconcile_submit(
+            meta, spec, status, memo.queue, _notify(body), now_rfc3339(),
+            policy=CONFIG.push_policy,
+        )  # fmt: skip
     _write_status(patch, flow)
 
 
@@ -116,8 +119,9 @@ def on_update_modelcompilation(
     old_spec = old if isinstance(old, Mapping) else None  # field="spec": old is the old spec
     with _broker_errors():
         flow = reconcile_submit(
-            meta, spec, status, memo.queue, _notify(body), now_rfc3339(), old_spec=old_spec
-        )
+            meta, spec, status, memo.queue, _notify(body), now_rfc3339(), old_spec=old_spec,
+            policy=CONFIG.push_policy,
+        )  # fmt: skip
     _write_status(patch, flow)
 
 

@@ -24,6 +24,7 @@ from cuvil_operator.status import (
     is_terminal,
     status_changed,
 )
+from cuvil_operator.tenancy import PushPolicy, check_push
 
 Notify = Callable[[str, str, str], None]
 NORMAL, WARNING = "Normal", "Warning"
@@ -58,8 +59,10 @@ def reconcile_submit(
     notify: Notify,
     now: str,
     old_spec: Mapping[str, Any] | None = None,
+    policy: PushPolicy | None = None,
 ) -> dict[str, Any] | None:
-    """Create, resume or spec update: check the spec and queue this generation's compile."""
+    """Create, resume or spec update: check the spec and the push policy, then queue this
+    generation's compile."""
     generation = _generation(meta)
     if status.get("observedGeneration") == generation and status.get("phase"):
         return None  # this generation was submitted (or refused) already; the timer follows it
@@ -77,6 +80,12 @@ def reconcile_submit(
     if problems:
         patch = build_invalid_status(status, generation, problems, now)
         notify(WARNING, "InvalidSpec", patch["message"])
+        return patch
+    refusals = check_push(policy or PushPolicy(), str(meta.get("namespace") or ""), spec)
+    if refusals:
+        reason = refusals[0].reason
+        patch = build_invalid_status(status, generation, refusals, now, reason=reason)
+        notify(WARNING, reason, patch["message"])
         return patch
     request = build_request(meta, spec, generation)
     task_id = queue.submit(request)

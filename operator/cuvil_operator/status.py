@@ -10,7 +10,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from cuvil_operator.conditions import FALSE, TRUE, UNKNOWN, set_conditions
-from cuvil_operator.spec_checks import SpecProblem
 
 PENDING, COMPILING, VALIDATING, PUSHING = "Pending", "Compiling", "Validating", "Pushing"
 SUCCEEDED, FAILED = "Succeeded", "Failed"
@@ -113,13 +112,18 @@ def build_submitted_status(
 
 
 def build_invalid_status(
-    status: Mapping[str, Any], generation: int, problems: Sequence[SpecProblem], now: str
+    status: Mapping[str, Any],
+    generation: int,
+    problems: Sequence[Any],
+    now: str,
+    reason: str = "InvalidSpec",
 ) -> dict[str, Any]:
-    """A spec the schema let through but the operator refuses: nothing is submitted."""
+    """A spec the schema let through but the operator refuses (``reason``: InvalidSpec, or
+    what the push policy refuses): nothing is submitted."""
     message = "; ".join(str(problem) for problem in problems)
     updates: ConditionUpdates = {
-        "Accepted": (FALSE, "InvalidSpec", message),
-        "Ready": (FALSE, "InvalidSpec", message),
+        "Accepted": (FALSE, reason, message),
+        "Ready": (FALSE, reason, message),
     }
     return {
         "phase": FAILED,
