@@ -77,7 +77,7 @@ def shielded() -> Iterator[None]:
             os.kill(os.getpid(), signal.SIGTERM)
 
 
-def undo_push(refs: list[str]) -> None:
+def undo_push(refs: list[str], registry_config: Any = None) -> None:
     """Delete manifests pushed by digest (``host/repo@sha256:…``), each with its referrers
     and their referrers-tag index. Tags pointing at a deleted manifest go with it."""
     from cuvil.artifact import NotFoundError, RegistryConfig
@@ -88,7 +88,7 @@ def undo_push(refs: list[str]) -> None:
 
     for ref in refs:
         reference = parse_target_reference(ref)
-        store = open_store(reference, RegistryConfig.from_env())
+        store = open_store(reference, RegistryConfig.coerce(registry_config))
         if not isinstance(store, RegistryStore):
             raise TypeError(f"{ref}: the worker pushes to registries only")
         digest = str(reference.digest)
@@ -129,12 +129,41 @@ class PushLedger:
             self.client.hdel(self.key, *refs)
 
 
+def registry_config_for(app: Celery, request: Mapping[str, Any], work_dir: Any) -> Any:
+    """The registry settings a request pushes with: the worker's own (None), or with the
+    docker config of the request's ``pushSecret`` (written 0600 under the work dir, never
+    logged). A request naming a secret whose config is gone is refused, never pushed with
+    the worker's credential."""
+    import dataclasses
+    from pathlib import Path
+
+    from cuvil.artifact import RegistryConfig
+    from cuvil_worker.contract import push_config
+    from cuvil_worker.errors import PushRefused
+
+    secret = request.get("pushSecret")
+    if not secret:
+        return None
+    text = push_config(app, request)
+    if text is None:
+        raise PushRefused(f"the docker config of Secret {secret} was not handed over")
+    folder = Path(work_dir) / "credentials"
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    path = folder / f"{chord_task_id(request)}.json"
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(descriptor, "w") as out:
+        out.write(text)
+    return dataclasses.replace(RegistryConfig.from_env(), docker_config=path)
+
+
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def undo_recorded(ledger: PushLedger, target: str | None = None) -> None:
+def undo_recorded(
+    ledger: PushLedger, target: str | None = None, registry_config: Any = None
+) -> None:
     """Delete what the ledger holds (for one target, or all) and forget it."""
     refs = ledger.refs(target)
-    undo_push(refs)
+    undo_push(refs, registry_config)
     ledger.drop(refs)

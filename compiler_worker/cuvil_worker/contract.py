@@ -75,7 +75,9 @@ PRIORITY_INDEX = 0  # Redis: 0 is served first
 PRIORITY_COMPILE = 6
 
 REQUEST_KEYS = ("uid", "generation", "namespace", "name", "spec", "traceparent")
-# Optional request keys: "attempt" (0 first; each cuvil.dev/retry of a failed generation adds one).
+# Optional request keys: "attempt" (0 first; each cuvil.dev/retry of a failed generation adds
+# one), "pushSecret" ("namespace/name" of the Secret whose docker config the push uses; the
+# config itself is stored apart, see store_push_config).
 
 
 class RequestError(ValueError):
@@ -387,6 +389,21 @@ def read_progress(app: Celery, request: Mapping[str, Any]) -> Progress:
     if not running:
         return Progress(PHASE_PENDING, per_target)
     return Progress(min(running, key=_PHASE_ORDER.index), per_target)
+
+
+PUSH_CONFIG_KEY = "cuvil:push-config:{chord_id}"
+
+
+def store_push_config(app: Celery, request: Mapping[str, Any], docker_config: str) -> None:
+    """The docker config of the request's ``pushSecret``, for the workers that push it (kept
+    out of the task's arguments, which the result backend stores and logs may show)."""
+    key = PUSH_CONFIG_KEY.format(chord_id=chord_task_id(request))
+    app.backend.client.set(key, docker_config, ex=SUBMITTED_TTL_S)
+
+
+def push_config(app: Celery, request: Mapping[str, Any]) -> str | None:
+    data = app.backend.client.get(PUSH_CONFIG_KEY.format(chord_id=chord_task_id(request)))
+    return data.decode() if isinstance(data, bytes) else data
 
 
 def consumed_queues(app: Celery, timeout: float = 1.0) -> set[str]:

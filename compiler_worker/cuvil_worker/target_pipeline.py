@@ -185,8 +185,10 @@ def publish(
     target: str,
     on_stage: StageFn,
     annotations: Mapping[str, str],
+    registry_config: Any = None,
 ) -> dict[str, Any]:
-    """Push the artifact by digest (untagged) and attach its report as a referrer."""
+    """Push the artifact by digest (untagged) and attach its report as a referrer
+    (``registry_config``: the compilation's own push credentials; None: the worker's)."""
     from cuvil.artifact import attach_referrer, push_artifact
 
     output = spec.get("output") or {}
@@ -195,7 +197,12 @@ def publish(
         raise InvalidSpec("spec.output.repository is empty")
     seconds: dict[str, float] = {}
     with stage_span("push", on_stage, seconds):
-        pushed = push_artifact(packaged.files, repository, annotations=dict(annotations))
+        pushed = push_artifact(
+            packaged.files,
+            repository,
+            annotations=dict(annotations),
+            registry_config=registry_config,
+        )
         report_bytes = json.dumps(packaged.report, sort_keys=True).encode()
         referrer = attach_referrer(
             pushed.ref,
@@ -203,6 +210,7 @@ def publish(
             media_type=REPORT_ARTIFACT_TYPE,
             artifact_type=REPORT_ARTIFACT_TYPE,
             annotations=dict(annotations),
+            registry_config=registry_config,
         )
     return {
         "target": target,

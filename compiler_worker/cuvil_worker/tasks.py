@@ -29,6 +29,7 @@ from cuvil_worker.cancellation import (
     Cancelled,
     Guard,
     PushLedger,
+    registry_config_for,
     shielded,
     undo_push,
     undo_recorded,
@@ -134,7 +135,8 @@ def compile_target(self: Task, request: dict[str, Any], target: str) -> dict[str
         raise  # the packaged artifact stays in the work dir for the next try
     except Cancelled as error:
         _forget(task_id)
-        undo_recorded(ledger, target)  # what an earlier try of this target pushed
+        # what an earlier try of this target pushed
+        undo_recorded(ledger, target, registry_config_for(app, request, config.work_dir))
         return _cancelled(self, error, target)
     except BaseException:
         _forget(task_id)
@@ -202,7 +204,8 @@ def _compile_and_push(
                 guard.check("before its push", push=True)
                 if repository:
                     ledger.record(_planned_ref(packaged.files, repository, annotations), target)
-                result = publish(packaged, spec, target, on_stage, annotations)
+                credentials = registry_config_for(app, request, config.work_dir)
+                result = publish(packaged, spec, target, on_stage, annotations, credentials)
                 ledger.record(result["ref"], target)
                 guard.check("after its push", push=True)
         except RegistryError as error:
@@ -248,7 +251,8 @@ def push_index_task(self: Task, request: dict[str, Any]) -> dict[str, Any]:
             return dict(done)
         return _push_index(self, request, guard, ledger)
     except Cancelled as error:
-        undo_recorded(ledger)  # every target's manifests, and the index if it was pushed
+        # every target's manifests, and the index if it was pushed
+        undo_recorded(ledger, None, registry_config_for(app, request, config.work_dir))
         return _cancelled(self, error, None)
 
 
@@ -275,14 +279,20 @@ def _push_index(
         try:
             with shielded():
                 guard.check("before its index was tagged", push=True)
-                index = push_index(f"{repository}:{tag}", entries, annotations=annotations)
+                credentials = registry_config_for(app, request, config.work_dir)
+                index = push_index(
+                    f"{repository}:{tag}",
+                    entries,
+                    annotations=annotations,
+                    registry_config=credentials,
+                )
                 ledger.record(index.ref, "index")
                 guard.check("after its index was tagged", push=True)
         except RegistryError as error:
             if not error.retryable:
                 raise PushRefused(f"registry refused the index: {error}") from None
             raise _retry_registry(task, error) from None
-    _delete_orphans(ledger, {index.ref} | {r["ref"] for r in results})
+    _delete_orphans(ledger, {index.ref} | {r["ref"] for r in results}, credentials)
     return {
         "compilation": chord_task_id(request),
         "index": {"ref": index.ref, "digest": index.digest, "tag": tag, "size": index.size},
@@ -301,14 +311,14 @@ def _artifact_entry(result: dict[str, Any]) -> dict[str, Any]:
     return entry
 
 
-def _delete_orphans(ledger: PushLedger, kept: set[str]) -> None:
+def _delete_orphans(ledger: PushLedger, kept: set[str], registry_config: Any = None) -> None:
     """Manifests of killed attempts at a target (a redelivered compile pushes anew; its
     benchmark figures make another digest): nothing references them once the index is up."""
     from cuvil.artifact import RegistryError
 
     orphans = [ref for ref in ledger.refs() if ref not in kept]
     try:
-        undo_push(orphans)
+        undo_push(orphans, registry_config)
     except RegistryError as error:  # left for the registry's garbage collection
         log.warning("could not delete orphaned manifests %s: %s", orphans, error)
         return

@@ -51,6 +51,9 @@ def build_request(
     }
     if attempt:
         request["attempt"] = attempt
+    secret = ((spec.get("output") or {}).get("pushSecretRef") or {}).get("name")
+    if secret:
+        request["pushSecret"] = f"{request['namespace']}/{secret}"
     return request
 
 
@@ -89,6 +92,9 @@ class CompileQueue:
 
     def progress(self, request: Mapping[str, Any]) -> dict[str, Any]:
         return contract.read_progress(self.app, request).to_json()
+
+    def store_push_config(self, request: Mapping[str, Any], docker_config: str) -> None:
+        contract.store_push_config(self.app, request, docker_config)
 
     def is_submitted(self, request: Mapping[str, Any]) -> bool:
         return contract.is_submitted(self.app, request)

@@ -16,6 +16,7 @@ from cuvil_worker.contract import RequestError
 from kombu.exceptions import OperationalError
 from redis.exceptions import RedisError
 
+from cuvil_operator import push_secrets
 from cuvil_operator.compile_queue import CompileQueue
 from cuvil_operator.conditions import now_rfc3339
 from cuvil_operator.config import OperatorConfig
@@ -23,6 +24,7 @@ from cuvil_operator.crd import GROUP, PLURAL, VERSION
 from cuvil_operator.reconcile_compilation import (
     RETRY_ANNOTATION,
     Notify,
+    ReadSecret,
     reconcile_delete,
     reconcile_progress,
     reconcile_retry,
@@ -79,6 +81,11 @@ def on_startup_operator(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: A
     settings.background.instant_exit_timeout = 0.5
     settings.background.cancellation_polling = 1.0
     memo.queue = CompileQueue.from_config(CONFIG)
+    memo.kube = push_secrets.connect(settings)
+
+
+def _reader(memo: kopf.Memo) -> ReadSecret:
+    return lambda namespace, name: push_secrets.read_docker_config(memo.kube, namespace, name)
 
 
 @kopf.on.cleanup()
@@ -100,7 +107,7 @@ def on_create_modelcompilation(
     with _broker_errors():
         flow = reconcile_submit(
             meta, spec, status, memo.queue, _notify(body), now_rfc3339(),
-            policy=CONFIG.push_policy,
+            policy=CONFIG.push_policy, read_secret=_reader(memo),
         )  # fmt: skip
     _write_status(patch, flow)
 
@@ -120,7 +127,7 @@ def on_update_modelcompilation(
     with _broker_errors():
         flow = reconcile_submit(
             meta, spec, status, memo.queue, _notify(body), now_rfc3339(), old_spec=old_spec,
-            policy=CONFIG.push_policy,
+            policy=CONFIG.push_policy, read_secret=_reader(memo),
         )  # fmt: skip
     _write_status(patch, flow)
 
@@ -136,7 +143,9 @@ def on_retry_modelcompilation(
     **_: Any,
 ) -> None:
     with _broker_errors():
-        flow = reconcile_retry(meta, spec, status, memo.queue, _notify(body), now_rfc3339())
+        flow = reconcile_retry(
+            meta, spec, status, memo.queue, _notify(body), now_rfc3339(), _reader(memo)
+        )
     _write_status(patch, flow)
 
 
@@ -152,8 +161,9 @@ def on_timer_modelcompilation(
 ) -> None:
     with _broker_errors():
         flow = reconcile_progress(
-            meta, spec, status, memo.queue, _notify(body), now_rfc3339(), CONFIG.stall_after
-        )
+            meta, spec, status, memo.queue, _notify(body), now_rfc3339(), CONFIG.stall_after,
+            _reader(memo),
+        )  # fmt: skip
     _write_status(patch, flow)
 
 

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
 from cuvil_operator.compile_queue import build_request, queue_for_target, trace_id_of
+from cuvil_operator.push_secrets import PushSecretError
 from cuvil_operator.spec_checks import check_spec
 from cuvil_operator.stalls import apply_stall, find_stall
 from cuvil_operator.status import (
@@ -42,6 +43,12 @@ class Queue(Protocol):
 
     def idle_queues(self, queues: Iterable[str]) -> set[str]: ...
 
+    def store_push_config(self, request: Mapping[str, Any], docker_config: str) -> None: ...
+
+
+# (namespace, Secret name) -> the docker config JSON it holds; raises PushSecretError
+ReadSecret = Callable[[str, str], str]
+
 
 def _generation(meta: Mapping[str, Any]) -> int:
     return int(meta.get("generation") or 1)
@@ -60,6 +67,7 @@ def reconcile_submit(
     now: str,
     old_spec: Mapping[str, Any] | None = None,
     policy: PushPolicy | None = None,
+    read_secret: ReadSecret | None = None,
 ) -> dict[str, Any] | None:
     """Create, resume or spec update: check the spec and the push policy, then queue this
     generation's compile."""
@@ -88,11 +96,31 @@ def reconcile_submit(
         notify(WARNING, reason, patch["message"])
         return patch
     request = build_request(meta, spec, generation)
+    try:
+        hand_over_push_secret(request, queue, read_secret)
+    except PushSecretError as error:
+        patch = build_invalid_status(status, generation, [error], now, reason="PushSecretNotFound")
+        notify(WARNING, "PushSecretNotFound", patch["message"])
+        return patch
     task_id = queue.submit(request)
     notify(NORMAL, "Submitted", f"generation {generation} queued as task {task_id}")
     trace_id = trace_id_of(request["traceparent"])
     submitted = build_submitted_status(status, generation, task_id, now, trace_id)
     return {**submitted, "targetCount": len(spec.get("targets") or [])}
+
+
+def hand_over_push_secret(
+    request: Mapping[str, Any], queue: Queue, read_secret: ReadSecret | None
+) -> None:
+    """The Secret ``spec.output.pushSecretRef`` names, read from the compilation's namespace
+    and stored for the workers under this request (only its name travels in the request)."""
+    secret = request.get("pushSecret")
+    if not secret:
+        return
+    if read_secret is None:
+        raise PushSecretError(f"Secret {secret}: this operator cannot read Secrets")
+    namespace, name = str(secret).split("/", 1)
+    queue.store_push_config(request, read_secret(namespace, name))
 
 
 def reconcile_retry(
@@ -102,6 +130,7 @@ def reconcile_retry(
     queue: Queue,
     notify: Notify,
     now: str,
+    read_secret: ReadSecret | None = None,
 ) -> dict[str, Any] | None:
     """``kubectl annotate mc NAME cuvil.dev/retry=<new value>``: queue a failed generation
     again as a new attempt (new task ids), without a spec change. Each value acts once
@@ -121,6 +150,11 @@ def reconcile_retry(
         return {"retry": value}
     attempt = _attempt(status) + 1
     request = build_request(meta, spec, generation, attempt)
+    try:
+        hand_over_push_secret(request, queue, read_secret)
+    except PushSecretError as error:
+        notify(WARNING, "PushSecretNotFound", str(error))
+        return {"retry": value, "message": str(error)}
     task_id = queue.submit(request)
     notify(NORMAL, "Retried", f"generation {generation} attempt {attempt} queued as task {task_id}")
     trace_id = trace_id_of(request["traceparent"])
@@ -136,6 +170,7 @@ def reconcile_progress(
     notify: Notify,
     now: str,
     stall_after: float = 120.0,
+    read_secret: ReadSecret | None = None,
 ) -> dict[str, Any] | None:
     """Timer: read the followed task's progress into status; an Event per phase change, a
     Warning per stall (``stalls``); a compile that timed out is cancelled.
@@ -150,6 +185,10 @@ def reconcile_progress(
         return None  # a newer spec is being submitted; the update handler takes over
     request = build_request(meta, spec, generation, _attempt(status))
     if not queue.is_submitted(request):
+        try:
+            hand_over_push_secret(request, queue, read_secret)
+        except PushSecretError as error:
+            notify(WARNING, "PushSecretNotFound", str(error))
         task_id = queue.submit(request)
         notify(WARNING, "Resubmitted", f"the broker had no record of {task_id}: queued again")
     progress = queue.progress(request)

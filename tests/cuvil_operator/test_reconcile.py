@@ -33,6 +33,9 @@ class RecordingQueue:
         self.submitted.add(f"{request['uid']}-{request['generation']}")
         return f"cuvil-{request['uid']}-{request['generation']}"
 
+    def store_push_config(self, request: Mapping[str, Any], docker_config: str) -> None:
+        self.calls.append(("push-config", f"{request['uid']}-{request['generation']}"))
+
     def idle_queues(self, queues: Any) -> set[str]:
         return set()
 
