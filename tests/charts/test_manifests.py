@@ -56,6 +56,7 @@ ALLOWED_VERBS = {
     (GROUP, PLURAL): {"get", "list", "watch", "patch"},
     (GROUP, f"{PLURAL}/status"): {"patch"},
     ("", "events"): {"create"},
+    ("", "secrets"): {"get"},  # push Secrets by name (operator.pushSecrets); never list/watch
     ("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"},
     ("", "namespaces"): {"list", "watch"},
     ("kopf.dev", "kopfpeerings"): {"get", "list", "watch", "patch"},

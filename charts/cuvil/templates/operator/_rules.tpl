@@ -1,7 +1,8 @@
 {{/*
 The operator's RBAC rules, least privilege: kopf reads and patches ModelCompilations (finalizers,
-progress annotations, status) and posts Events; it never creates or deletes them and never reads
-Secrets. Cluster-scoped discovery (CRDs, namespaces) is separate because a namespaced operator
+progress annotations, status) and posts Events; it never creates or deletes them. It gets
+(never lists or watches) the push Secrets compilations name in spec.output.pushSecretRef, only
+when operator.pushSecrets is on. Cluster-scoped discovery (CRDs, namespaces) is separate because a namespaced operator
 still needs the CRD watch.
 */}}
 {{- define "cuvil.operator.namespacedRules" -}}
@@ -14,6 +15,11 @@ still needs the CRD watch.
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
+{{- if .Values.operator.pushSecrets }}
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["get"]
+{{- end }}
 {{- if and .Values.operator.peering .Values.operator.watchNamespace }}
 - apiGroups: ["kopf.dev"]
   resources: ["kopfpeerings"]
