@@ -13,9 +13,17 @@ import sys
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from importlib.metadata import version
+
+    from cuvil_worker import config
+
     parser = argparse.ArgumentParser(
-        prog="cuvil-worker", description="A Celery worker for Cuvil compile tasks."
+        prog="cuvil-worker",
+        description="A Celery worker for Cuvil compile tasks.",
+        epilog="settings (environment):\n" + (config.__doc__ or "").split("\n", 2)[2],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version('cuvil')}")
     parser.add_argument(
         "--queues",
         "-Q",

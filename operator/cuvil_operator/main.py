@@ -6,8 +6,10 @@ Settings come from the environment once (``OperatorConfig``).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import logging
+import sys
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -180,8 +182,26 @@ def on_delete_modelcompilation(
         reconcile_delete(meta, spec, status, memo.queue, _notify(body))
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """``--help`` (the settings, from the environment) and ``--version``; nothing else runs."""
+    from importlib.metadata import version
+
+    from cuvil_operator import config
+
+    parser = argparse.ArgumentParser(
+        prog="cuvil-operator",
+        description="The Cuvil operator: turns ModelCompilations into Celery compile tasks"
+        " and follows them (kopf; the cluster from KUBECONFIG or the in-cluster config).",
+        epilog="settings (environment):\n" + (config.__doc__ or "").split("\n", 2)[2],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version('cuvil')}")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
     """Run the operator (``cuvil-operator``); stops on SIGINT/SIGTERM."""
+    parse_args(sys.argv[1:] if argv is None else argv)
     kopf.configure(verbose=CONFIG.verbose, log_format=kopf.LogFormat.PLAIN)
     kopf.run(
         clusterwide=CONFIG.namespace is None,

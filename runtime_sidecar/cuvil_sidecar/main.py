@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import os
@@ -54,7 +55,25 @@ def run(config: SidecarConfig) -> int:
     return 0
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """``--help`` (every setting, from the environment) and ``--version``; nothing else runs."""
+    from importlib.metadata import version
+
+    from cuvil_sidecar import config
+
+    parser = argparse.ArgumentParser(
+        prog="cuvil-sidecar",
+        description="Serves one Cuvil artifact over the Open Inference Protocol v2 (gRPC and"
+        " REST), with Prometheus metrics and health endpoints.",
+        epilog="settings (environment):\n" + (config.__doc__ or "").split("\n", 2)[2],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version('cuvil')}")
+    return parser.parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
+    parse_args(sys.argv[1:] if argv is None else argv)
     try:
         config = SidecarConfig.from_env()
     except ConfigError as error:
