@@ -18,8 +18,8 @@ from cuvil_worker.contract import RequestError
 from kombu.exceptions import OperationalError
 from redis.exceptions import RedisError
 
-from cuvil_operator import push_secrets
-from cuvil_operator.compile_queue import CompileQueue
+from cuvil_operator import push_secrets, tracing
+from cuvil_operator.compile_queue import CompileQueue, build_traceparent
 from cuvil_operator.conditions import now_rfc3339
 from cuvil_operator.config import OperatorConfig
 from cuvil_operator.crd import GROUP, PLURAL, VERSION
@@ -32,7 +32,7 @@ from cuvil_operator.reconcile_compilation import (
     reconcile_retry,
     reconcile_submit,
 )
-from cuvil_operator.status import is_following
+from cuvil_operator.status import TERMINAL_PHASES, is_following
 
 CONFIG = OperatorConfig.from_env()
 RESOURCE = (GROUP, VERSION, PLURAL)
@@ -84,6 +84,26 @@ def on_startup_operator(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: A
     settings.background.cancellation_polling = 1.0
     memo.queue = CompileQueue.from_config(CONFIG)
     memo.kube = push_secrets.connect(settings)
+    tracing.setup()
+
+
+def _trace_end(meta: kopf.Meta, status: Any, error: str | None) -> None:
+    """The followed attempt ended: its trace's root span (``tracing``)."""
+    if not status.get("taskId"):
+        return
+    generation, attempt = (
+        int(status.get("observedGeneration") or 1),
+        int(status.get("attempt") or 0),
+    )
+    now = now_rfc3339()
+    attributes: dict[str, str | int] = {
+        "k8s.namespace.name": str(meta.get("namespace") or ""),
+        "cuvil.compilation": str(meta["name"]),
+        "cuvil.generation": generation,
+        "cuvil.task_id": str(status["taskId"]),
+    }
+    traceparent = build_traceparent(str(meta["uid"]), generation, attempt)
+    tracing.export_root(traceparent, str(status.get("queuedAt") or now), now, attributes, error)
 
 
 def _reader(memo: kopf.Memo) -> ReadSecret:
@@ -93,6 +113,7 @@ def _reader(memo: kopf.Memo) -> ReadSecret:
 @kopf.on.cleanup()
 def on_cleanup_operator(memo: kopf.Memo, **_: Any) -> None:
     memo.queue.close()
+    tracing.shutdown()
 
 
 @kopf.on.resume(*RESOURCE)
@@ -131,6 +152,8 @@ def on_update_modelcompilation(
             meta, spec, status, memo.queue, _notify(body), now_rfc3339(), old_spec=old_spec,
             policy=CONFIG.push_policy, read_secret=_reader(memo),
         )  # fmt: skip
+    if flow is not None and is_following(status):
+        _trace_end(meta, status, "superseded by a newer generation")
     _write_status(patch, flow)
 
 
@@ -166,6 +189,8 @@ def on_timer_modelcompilation(
             meta, spec, status, memo.queue, _notify(body), now_rfc3339(), CONFIG.stall_after,
             _reader(memo),
         )  # fmt: skip
+    if flow is not None and flow.get("phase") in TERMINAL_PHASES:
+        _trace_end(meta, {**status, **flow}, flow["message"] if flow["phase"] == "Failed" else None)
     _write_status(patch, flow)
 
 
@@ -180,6 +205,8 @@ def on_delete_modelcompilation(
 ) -> None:
     with _broker_errors():
         reconcile_delete(meta, spec, status, memo.queue, _notify(body))
+    if is_following(status):
+        _trace_end(meta, status, "cancelled: the compilation was deleted")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
