@@ -140,14 +140,29 @@ def build_spec_schema() -> dict[str, Any]:
     bounds = _object(
         "Bounds of one symbolic dim (inclusive).",
         {
-            "min": {"type": "integer", "minimum": 1, "maximum": 1048576},
-            "max": {"type": "integer", "minimum": 1, "maximum": 1048576},
+            "min": {
+                "type": "integer",
+                "minimum": 1,
+                "maximum": 1048576,
+                "description": "Smallest size the artifact accepts.",
+            },
+            "max": {
+                "type": "integer",
+                "minimum": 1,
+                "maximum": 1048576,
+                "description": "Largest size the artifact accepts.",
+            },
         },
         required=["min", "max"],
     )
     names = {
         "type": "array",
-        "items": {"type": "string", "minLength": 1, "maxLength": 128},
+        "items": {
+            "type": "string",
+            "minLength": 1,
+            "maxLength": 128,
+            "description": "A pass name.",
+        },
         "maxItems": 64,
         "x-kubernetes-list-type": "set",
     }
@@ -182,19 +197,30 @@ def build_spec_schema() -> dict[str, Any]:
             "passes": _object(
                 "Optimisation passes to force on or off, and custom rewrite patterns.",
                 {
-                    "enable": names,
-                    "disable": names,
+                    "enable": {**names, "description": "Passes to run even where off by default."},
+                    "disable": {**names, "description": "Passes to leave out."},
                     "custom": {
                         "type": "array",
                         "maxItems": 64,
-                        "items": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
+                        "description": "User rewrite patterns (pattern, replacement, condition).",
+                        "items": {
+                            "type": "object",
+                            "description": "One rewrite pattern, as cuvil.patterns reads it.",
+                            "x-kubernetes-preserve-unknown-fields": True,
+                        },
                     },
                 },
             ),
             "validation": _object(
                 "Numerical check of the compiled model against eager fp32.",
                 {
-                    "samples": {"type": "integer", "minimum": 1, "maximum": 1024, "default": 4},
+                    "samples": {
+                        "type": "integer",
+                        "minimum": 1,
+                        "maximum": 1024,
+                        "default": 4,
+                        "description": "Golden inputs compared with eager fp32.",
+                    },
                     "rtol": _number("Relative tolerance.", minimum=0, default=1.0e-3),
                     "atol": _number("Absolute tolerance.", minimum=0, default=1.0e-4),
                 },
@@ -256,7 +282,11 @@ def build_condition_schema() -> dict[str, Any]:
             "status": _string("True, False or Unknown.", enum=["True", "False", "Unknown"]),
             "reason": _string("CamelCase reason.", maxLength=1024),
             "message": _string("Human-readable detail.", maxLength=32768),
-            "observedGeneration": {"type": "integer", "minimum": 0},
+            "observedGeneration": {
+                "type": "integer",
+                "minimum": 0,
+                "description": "The generation this condition describes.",
+            },
             "lastTransitionTime": _string("When status last changed.", format="date-time"),
         },
         required=["type", "status", "lastTransitionTime"],
@@ -277,7 +307,11 @@ def build_status_schema() -> dict[str, Any]:
         "What the operator observed.",
         {
             "phase": _string("Where the compilation is.", enum=PHASES),
-            "observedGeneration": {"type": "integer", "minimum": 0},
+            "observedGeneration": {
+                "type": "integer",
+                "minimum": 0,
+                "description": "The generation the status describes.",
+            },
             "taskId": _string("The Celery chord id the operator follows."),
             "attempt": {
                 "type": "integer",
@@ -293,6 +327,7 @@ def build_status_schema() -> dict[str, Any]:
             "traceId": _string("The OpenTelemetry trace of this generation's compile."),
             "conditions": {
                 "type": "array",
+                "description": "Accepted, Compiling, Validated, Pushed, Ready (API conventions).",
                 "items": build_condition_schema(),
                 "x-kubernetes-list-type": "map",
                 "x-kubernetes-list-map-keys": ["type"],
@@ -300,9 +335,13 @@ def build_status_schema() -> dict[str, Any]:
             "stages": {
                 "type": "object",
                 "description": "Pipeline stage per target.",
-                "additionalProperties": {"type": "string"},
+                "additionalProperties": {"type": "string", "description": "The stage now."},
             },
-            "artifacts": {"type": "array", "items": artifact},
+            "artifacts": {
+                "type": "array",
+                "description": "One per target: manifest digest and the artifact's size.",
+                "items": artifact,
+            },
             "index": _object("The OCI image index over the targets.", ref),
             "digest": _string("The digest to pull: the index's, else the only artifact's."),
             "targetCount": {"type": "integer", "minimum": 0, "description": "Targets compiled."},
@@ -334,9 +373,9 @@ def build_crd() -> dict[str, Any]:
     schema = _object(
         "ModelCompilation: compile a model into verified per-target artifacts in OCI.",
         {
-            "apiVersion": {"type": "string"},
-            "kind": {"type": "string"},
-            "metadata": {"type": "object"},
+            "apiVersion": _string("cuvil.dev/v1alpha1."),
+            "kind": _string("ModelCompilation."),
+            "metadata": {"type": "object", "description": "Standard object metadata."},
             "spec": build_spec_schema(),
             "status": build_status_schema(),
         },

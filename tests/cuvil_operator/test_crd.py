@@ -98,3 +98,22 @@ def test_operator_never_imports_the_compiler() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_every_field_is_described() -> None:
+    """kubectl explain has something to say at every level."""
+    from cuvil_operator.crd import build_crd
+
+    missing: list[str] = []
+
+    def walk(node: Any, path: str) -> None:
+        if path and "description" not in node:
+            missing.append(path)
+        for key, child in (node.get("properties") or {}).items():
+            walk(child, f"{path}.{key}" if path else key)
+        for key in ("items", "additionalProperties"):
+            if isinstance(node.get(key), dict):
+                walk(node[key], f"{path}[]" if key == "items" else f"{path}.*")
+
+    walk(build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"], "")
+    assert missing == []
