@@ -39,6 +39,21 @@ def build_app(settings: WorkerConfig) -> Celery:
 app = build_app(config)
 
 
+class _CancelIsNews(logging.Filter):
+    """A chord whose header was cancelled (revoked) is a normal end, not an error: Celery's
+    backend logs it with a traceback at ERROR; it is said once, at INFO, without one."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR and "TaskRevokedError" in record.getMessage():
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+for _name in ("celery.backends.redis", "celery.backends.base", "celery.app.trace"):
+    logging.getLogger(_name).addFilter(_CancelIsNews())
+
+
 @signals.worker_init.connect
 def _on_worker_init(**_: Any) -> None:
     """Warm the compiler in the parent, before the pool forks, so that every task starts warm:

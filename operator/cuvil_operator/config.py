@@ -9,6 +9,7 @@
 | ``CUVIL_OPERATOR_HEALTH`` | (off) | liveness endpoint, e.g. ``http://0.0.0.0:8080/healthz`` |
 | ``CUVIL_OPERATOR_PEERING`` | (standalone) | a KopfPeering name, for several replicas |
 | ``CUVIL_OPERATOR_VERBOSE`` | ``0`` | ``1``: log every handler call |
+| ``CUVIL_OPERATOR_LOG_FORMAT`` | ``text`` | ``text`` (timestamp, level, object) or ``json`` |
 | ``CUVIL_OPERATOR_PUSH_POLICY`` | (none) | JSON: repositories per namespace, shared credential |
 | ``CUVIL_OPERATOR_STALL_SECONDS`` | ``120`` | a queue with no worker, a registry fault: Warning |
 """
@@ -35,6 +36,7 @@ class OperatorConfig:
     peering: str | None = None
     verbose: bool = False
     stall_after: float = 120.0
+    log_format: str = "text"
     push_policy: PushPolicy = field(default_factory=PushPolicy)
 
     @classmethod
@@ -52,5 +54,6 @@ class OperatorConfig:
             peering=env.get("CUVIL_OPERATOR_PEERING") or None,
             verbose=env.get("CUVIL_OPERATOR_VERBOSE", "0").lower() in ("1", "true", "yes"),
             stall_after=float(env.get("CUVIL_OPERATOR_STALL_SECONDS", "120")),
+            log_format=env.get("CUVIL_OPERATOR_LOG_FORMAT", "text").lower(),
             push_policy=PushPolicy.from_json(env.get("CUVIL_OPERATOR_PUSH_POLICY")),
         )

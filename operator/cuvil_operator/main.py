@@ -41,11 +41,29 @@ RESOURCE = (GROUP, VERSION, PLURAL)
 KOPF_PREFIX = f"kopf.{GROUP}"
 
 
+log = logging.getLogger("cuvil_operator")
+
+
 def _notify(body: kopf.Body) -> Notify:
+    """Post an Event and log the same line, naming the object and its generation: the
+    operator's log says what changed and nothing else (``_QuietTimers``)."""
+    meta = body.get("metadata", {})
+    where = f"{meta.get('namespace')}/{meta.get('name')} generation {meta.get('generation')}"
+
     def notify(type_: str, reason: str, message: str) -> None:
         kopf.event(body, type=type_, reason=reason, message=message[:1024])
+        level = logging.WARNING if type_ == "Warning" else logging.INFO
+        log.log(level, "[%s] %s: %s", where, reason, message)
 
     return notify
+
+
+class _QuietTimers(logging.Filter):
+    """Drops kopf's line per successful progress poll (one per poll interval per object);
+    what a poll changed is logged by ``_notify``."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Timer 'on_timer_modelcompilation' succeeded")
 
 
 def _write_status(patch: kopf.Patch, status: dict[str, Any] | None) -> None:
@@ -229,7 +247,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     """Run the operator (``cuvil-operator``); stops on SIGINT/SIGTERM."""
     parse_args(sys.argv[1:] if argv is None else argv)
-    kopf.configure(verbose=CONFIG.verbose, log_format=kopf.LogFormat.PLAIN)
+    log_format = kopf.LogFormat.JSON if CONFIG.log_format == "json" else kopf.LogFormat.FULL
+    kopf.configure(verbose=CONFIG.verbose, log_format=log_format, log_prefix=True)
+    if not CONFIG.verbose:
+        logging.getLogger("kopf.objects").addFilter(_QuietTimers())
     kopf.run(
         clusterwide=CONFIG.namespace is None,
         namespaces=[CONFIG.namespace] if CONFIG.namespace else [],

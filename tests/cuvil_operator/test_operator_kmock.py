@@ -3,6 +3,7 @@ real Celery worker (the stub compile: stages that sleep, so tests can land mid-c
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,15 @@ def test_apply_example_reaches_succeeded_and_kubectl_shows_columns(
         assert condition["observedGeneration"] == 1 and condition["lastTransitionTime"]
     reasons = [e["reason"] for e in events_for(kube_api, "minilm-two-targets")]
     assert "Submitted" in reasons and "Succeeded" in reasons, reasons
+    # The log: timestamped lines naming the object and generation, none per quiet poll.
+    log = running_operator.text()
+    assert re.search(
+        r"^\[\d{4}-\d\d-\d\d [\d:,.]+\] cuvil_operator +\[INFO +\] "
+        r"\[default/minilm-two-targets generation 1\] Submitted: generation 1 queued",
+        log,
+        re.MULTILINE,
+    ), log[-3000:]
+    assert "Timer 'on_timer_modelcompilation' succeeded" not in log
 
     table = kube_api.kubectl("get", "mc").stdout
     header, row = table.splitlines()[:2]

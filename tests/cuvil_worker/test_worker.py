@@ -250,6 +250,7 @@ def test_cancel_stops_a_running_compile(
     assert not tag_exists(registry, spec["output"]["repository"], "v1")
     assert contract.submit_compilation(app, request) == contract.chord_task_id(request)
     assert worker.log.count(f"cuvil.compile[{target_id}] received") == 1, "resurrected"
+    assert not re.search(r"ERROR.*TaskRevokedError", worker.log), "a cancel logged as an error"
 
 
 def test_a_worker_killed_mid_compile_loses_nothing(
