@@ -208,3 +208,26 @@ def test_broker_outage_is_retried_not_failed(
     pending = wait_for(lambda: _phase(kube_api, "minilm-cpu", "Pending"), 30, "Pending")
     assert pending["status"]["taskId"].endswith("-1")
     assert _app(redis_server).backend.client.keys("cuvil:submitted:*") != []
+
+
+def test_kubectl_get_mc_fits_120_columns_for_three_targets(
+    kube_api: KubeApi,
+    redis_server: RedisServer,
+    stub_worker: StubWorker,
+    running_operator: Operator,
+    tmp_path: Path,
+) -> None:
+    _set_stage_seconds(redis_server, 0.1)
+    manifest = yaml.safe_load((REPO / "examples" / "resnet50-cpu.yaml").read_text())
+    manifest["metadata"]["name"] = "resnet50-three-targets"
+    manifest["spec"]["targets"] = ["cpu-x86_64", "cpu-x86_64-amx", "cuda-sm_90"]
+    manifest["spec"]["queue"] = "cuvil.cpu"  # the stub worker takes all three
+    path = tmp_path / "three.yaml"
+    path.write_text(yaml.safe_dump(manifest))
+    kube_api.kubectl("apply", "--validate=false", "-f", str(path))
+    wait_for(lambda: _phase(kube_api, "resnet50-three-targets", "Succeeded"), 60, "Succeeded")
+    table = kube_api.kubectl("get", "mc").stdout.splitlines()
+    width = max(len(line) for line in table)
+    print(f"\nkubectl get mc, three targets: {width} columns\n" + "\n".join(table))
+    assert width < 120
+    assert table[1].split()[1:4] == ["True", "Succeeded", "3"]
