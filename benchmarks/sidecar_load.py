@@ -120,7 +120,7 @@ def in_process_call(path: Path, inputs: dict[str, np.ndarray]) -> Callable[[], o
 
     from cuvil.artifact import media_types
     from cuvil.artifact.files import read_files
-    from cuvil.runtime import tactics_cache
+    from cuvil.backends.cpu import tactics_cache
     from cuvil.runtime.model import load
 
     model = load(path)

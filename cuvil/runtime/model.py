@@ -15,14 +15,14 @@ import torch
 from torch.utils import _pytree as pytree
 
 from cuvil.artifact.files import ArtifactContents, read_artifact, write_artifact
+from cuvil.backends.cpu.dnnl import describe as describe_dnnl
+from cuvil.backends.cpu.linear_kernels import compute_precision
+from cuvil.backends.cpu.native import describe as describe_native
+from cuvil.backends.cpu.tactics import trial_length
 from cuvil.ir import Graph
-from cuvil.runtime.dnnl import describe as describe_dnnl
 from cuvil.runtime.kernels import Kernel
-from cuvil.runtime.linear_kernels import compute_precision
-from cuvil.runtime.native import describe as describe_native
 from cuvil.runtime.plan import ExecutionPlan
 from cuvil.runtime.signature import InputBinder, InputError, Signature
-from cuvil.runtime.tactics import trial_length
 
 TARGET_DEVICES = {"cpu": "cpu", "cuda": "cuda"}
 SETTLE_RUNS = trial_length(3) + 1  # up to three candidates
@@ -93,7 +93,7 @@ class CompiledModel:
         return plan_memory(self.graph, self._binder.bind(inputs)).summary()
 
     def settle(self, inputs: Mapping[str, torch.Tensor], max_runs: int = SETTLE_RUNS) -> int:
-        """Run these inputs until every kernel choice they meet is made (runtime/tactics.py):
+        """Run these inputs until every kernel choice they meet is made (backends/cpu/tactics.py):
         from then on, calls at this shape give bit-identical results. Returns the runs made."""
         before = self._plan.tactic_trials()
         for runs in range(1, max_runs + 1):
@@ -105,8 +105,8 @@ class CompiledModel:
         return max_runs
 
     def preset_tactics(self, choices: Mapping[str, Mapping[int, str]]) -> int:
-        """Run the kernels chosen before (``execution()["tactics"]``, e.g. from the tactics cache,
-        runtime/tactics_cache.py) instead of timing them; returns how many choices were taken."""
+        """Run the kernels chosen before (``execution()["tactics"]``, e.g. from the CPU
+        backend's tactics cache) instead of timing them; returns how many choices were taken."""
         return self._plan.preset_tactics(choices)
 
     def run(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -15,8 +15,8 @@ from typing import Any
 import sympy
 import torch
 
+from cuvil.backends.cpu.kernels import CPU_KERNELS
 from cuvil.ir import Arg, Enum, Graph, Node, Value
-from cuvil.runtime.cpu_kernels import CPU_KERNELS
 from cuvil.runtime.donation import donated_residuals
 from cuvil.runtime.kernels import Kernel, call_layout, decode_enum, resolve_kernel
 from cuvil.runtime.shape_cache import ShapeCache, shape_only_nodes
@@ -317,7 +317,7 @@ class ExecutionPlan:
 
     def tactic_choices(self) -> dict[str, dict[int, str]]:
         """node -> {row bucket: GEMM path, or "timing"} for the kernels that have run with a
-        choice to make (see runtime/tactics)."""
+        choice to make (see backends/cpu/tactics)."""
         choices = {}
         for step in self.steps:
             tactics = getattr(step.kernel, "tactics", None)

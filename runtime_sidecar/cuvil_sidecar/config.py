@@ -9,7 +9,7 @@
   ``/v2/health/ready`` (503 with the reason while not ready); 0 turns it off.
 - ``CUVIL_CACHE_DIR`` (``~/.cache/cuvil``): node cache for pulled artifacts.
 - ``CUVIL_TACTICS_CACHE`` (``$CUVIL_CACHE_DIR/tactics``): where the kernel choices timed at
-  warm-up are kept per artifact and machine (``cuvil/runtime/tactics_cache.py``), so that a
+  warm-up are kept per artifact and machine (``cuvil/backends/cpu/tactics_cache.py``), so that a
   restart or reload of the same artifact runs the same kernels without timing them again
   (TensorRT's timing cache); ``off`` times them on every load.
 - ``CUVIL_MAX_BATCH_SIZE`` (8): most rows one joined batch holds; 0 or 1 turns batching off.

@@ -39,7 +39,7 @@ def run(config: SidecarConfig) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     set_omp_spin(logging.getLogger("cuvil_sidecar"))
-    from cuvil.runtime.native import NativeError
+    from cuvil.runtime.native_build import NativeError
     from cuvil_sidecar.server import serve
 
     if config.torch_threads:

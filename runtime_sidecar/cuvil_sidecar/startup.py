@@ -33,8 +33,8 @@ import torch
 
 from cuvil.artifact import media_types as mt
 from cuvil.artifact.files import ArtifactError, decode_files, read_files
+from cuvil.backends.cpu import tactics_cache
 from cuvil.dtypes import torch_dtype
-from cuvil.runtime import tactics_cache
 from cuvil.runtime.model import CompiledModel
 from cuvil.runtime.signature import InputBinder, InputError, Signature
 from cuvil.shape_expr import compile_expr

@@ -124,11 +124,11 @@ def test_torch_images_pin_cpu_torch_and_install_real_extras(path: str, extras: s
 @pytest.mark.parametrize("path", ["compiler_worker/Dockerfile", "runtime_sidecar/Dockerfile"])
 def test_torch_images_carry_portable_native_kernels(path: str) -> None:
     """Built at image build time for a portable level, in a cache the image keeps; the compiler
-    leaves again (cuvil/runtime/native: a library is looked up by source, flags and level)."""
+    leaves again (cuvil/backends/cpu/native: a library is looked up by source, flags and level)."""
     text = (ROOT / path).read_text()
     assert "ENV CUVIL_NATIVE_MARCH=x86-64-v3 CUVIL_NATIVE_CACHE=/opt/cuvil/native" in text
     runs = [arg for op, arg in _instructions(path) if op == "RUN"]
-    build = next(run for run in runs if "python -m cuvil.runtime.native" in run)
-    assert build.index("apt-get install") < build.index("python -m cuvil.runtime.native")
-    assert build.index("python -m cuvil.runtime.native") < build.index("apt-get purge -y gcc")
+    build = next(run for run in runs if "python -m cuvil.backends.cpu.native" in run)
+    assert build.index("apt-get install") < build.index("python -m cuvil.backends.cpu.native")
+    assert build.index("python -m cuvil.backends.cpu.native") < build.index("apt-get purge -y gcc")
     assert text.index("CUVIL_NATIVE_MARCH") > text.index("cuvil[${EXTRAS}]")

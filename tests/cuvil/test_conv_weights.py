@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from cuvil.runtime.conv_weights import ConvWeight
+from cuvil.backends.cpu.conv_weights import ConvWeight
 
 mkldnn = torch.ops.mkldnn
 

@@ -1,4 +1,4 @@
-"""Convolutions on kept oneDNN primitives (cuvil/runtime/direct_conv.py, runtime/dnnl.py) compute
+"""Convolutions on kept oneDNN primitives (backends/cpu/direct_conv.py, dnnl.py) compute
 what ``F.conv2d`` does, for every geometry and epilogue, across shapes, thread counts and
 threads; and the ATen path still serves where they cannot."""
 
@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cuvil.runtime import dnnl as dnnl_module
-from cuvil.runtime import kept_primitives
-from cuvil.runtime.cpu_kernels import conv2d_kernel
-from cuvil.runtime.direct_conv import DirectConv
+from cuvil.backends.cpu import dnnl as dnnl_module
+from cuvil.backends.cpu import kept_primitives
+from cuvil.backends.cpu.direct_conv import DirectConv
+from cuvil.backends.cpu.kernels import conv2d_kernel
 
 ACTIVATIONS = {
     "none": lambda y: y,

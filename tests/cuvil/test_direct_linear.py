@@ -1,4 +1,4 @@
-"""Linears on kept oneDNN inner-product primitives (cuvil/runtime/direct_linear.py): the "onednn"
+"""Linears on kept oneDNN inner-product primitives (backends/cpu/direct_linear.py): the "onednn"
 path of cuvil.linear where libdnnl is loaded; same answers as F.linear, each weight layout packed
 once, and ATen's call past the cache or with the library switched off."""
 
@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cuvil.runtime import dnnl as dnnl_module
-from cuvil.runtime import kept_primitives
-from cuvil.runtime.linear_kernels import INPLACE_ACTIVATIONS, linear_kernel
+from cuvil.backends.cpu import dnnl as dnnl_module
+from cuvil.backends.cpu import kept_primitives
+from cuvil.backends.cpu.linear_kernels import INPLACE_ACTIVATIONS, linear_kernel
 from tests.cuvil.test_linear_kernels import REFERENCE
 
 

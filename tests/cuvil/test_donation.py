@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import cuvil
+from cuvil.backends.cpu.kernels import conv2d_kernel
 from cuvil.ir import Graph, Node, Value
-from cuvil.runtime.cpu_kernels import conv2d_kernel
 from cuvil.runtime.donation import donated_residuals
 from tests.cuvil.graphs import f32
 

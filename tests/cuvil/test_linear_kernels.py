@@ -10,14 +10,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cuvil.runtime.linear_kernels import (
+from cuvil.backends.cpu.linear_kernels import (
     INPLACE_ACTIVATIONS,
     compute_precision,
     has_onednn_bf16,
     linear_kernel,
     swiglu_kernel,
 )
-from cuvil.runtime.tactics import BLOCKS, ROUNDS, Tactics, bucket, trial_length
+from cuvil.backends.cpu.tactics import BLOCKS, ROUNDS, Tactics, bucket, trial_length
 
 REFERENCE = {
     "none": lambda y: y,
@@ -222,7 +222,7 @@ ACTIVATE = {"none": lambda y: y, "relu": torch.relu, "gelu": F.gelu}
 def test_split_gemm_matches_the_linear(
     parts: int, rows: int, activation: str, residual: bool, features: int, with_bias: bool
 ) -> None:
-    from cuvil.runtime.split_gemm import split_linear
+    from cuvil.backends.cpu.split_gemm import split_linear
 
     torch.manual_seed(5)
     weight, x = torch.randn(features, 12), torch.randn(rows, 12)

@@ -1,5 +1,5 @@
 """1x1 convolutions: the GEMM path computes what oneDNN's convolution does, with every epilogue,
-and both run under one tactic choice (cuvil/runtime/pointwise_conv.py)."""
+and both run under one tactic choice (cuvil/backends/cpu/pointwise_conv.py)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cuvil.runtime.cpu_kernels import conv2d_kernel
-from cuvil.runtime.pointwise_conv import gemm_conv, is_pointwise
-from cuvil.runtime.tactics import trial_length
+from cuvil.backends.cpu.kernels import conv2d_kernel
+from cuvil.backends.cpu.pointwise_conv import gemm_conv, is_pointwise
+from cuvil.backends.cpu.tactics import trial_length
 
 ACTIVATIONS = {"none": lambda y: y, "relu": torch.relu, "silu": F.silu, "relu6": F.relu6}
 SHAPES = [(1, 16, 24, 7), (3, 8, 5, 5), (2, 8, 8, 1)]  # batch, in, out, size (1: ambiguous layout)

@@ -1,4 +1,4 @@
-"""RMSNorm and RoPE on the native row-wise kernels (cuvil/runtime/rowwise.py,
+"""RMSNorm and RoPE on the native row-wise kernels (cuvil/backends/cpu/rowwise.py,
 runtime/native/rowwise.c) compute what the torch ops do, on random inputs of every layout the
 kernels take, at one thread and at two; calls they do not take go to torch and still agree."""
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cuvil.runtime import native, rowwise
-from cuvil.runtime.cpu_kernels import rms_norm_kernel, rope_kernel
+from cuvil.backends.cpu import native, rowwise
+from cuvil.backends.cpu.kernels import rms_norm_kernel, rope_kernel
 
 TOLERANCE = 1e-5  # relative to the output's scale; measured 1e-7 to 4e-7
 

@@ -1,4 +1,4 @@
-"""The tactics cache (cuvil/runtime/tactics_cache.py): a load takes the kernel choices an
+"""The tactics cache (cuvil/backends/cpu/tactics_cache.py): a load takes the kernel choices an
 earlier load of the same artifact made on this machine, and anything else is a miss."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import cuvil
-from cuvil.runtime import tactics_cache
+from cuvil.backends.cpu import tactics_cache
+from cuvil.backends.cpu.tactics import Tactics, trial_length
 from cuvil.runtime.model import CompiledModel
-from cuvil.runtime.tactics import Tactics, trial_length
 
 DIGEST = "sha256:" + "ab" * 32
 
@@ -74,7 +74,7 @@ def test_a_damaged_cache_file_is_a_miss_and_is_replaced(
     path = tactics_cache.cache_file(tmp_path, DIGEST)
     path.write_text(content)
     model = _compiled()
-    with caplog.at_level(logging.WARNING, "cuvil.runtime.tactics_cache"):
+    with caplog.at_level(logging.WARNING, "cuvil.backends.cpu.tactics_cache"):
         assert tactics_cache.take_cached(model, DIGEST, tmp_path) == {}
     assert "ignoring the tactics cache" in caplog.text
     for _ in range(trial_length(3)):
@@ -90,6 +90,6 @@ def test_an_unwritable_cache_does_not_fail_the_load(
     blocker.write_text("")
     model = _compiled()
     model.settle({"input": torch.randn(2, 16)})
-    with caplog.at_level(logging.WARNING, "cuvil.runtime.tactics_cache"):
+    with caplog.at_level(logging.WARNING, "cuvil.backends.cpu.tactics_cache"):
         tactics_cache.keep(model, DIGEST, blocker / "tactics", {})  # a file in the way
     assert "cannot keep the kernel choices" in caplog.text

@@ -1,4 +1,4 @@
-"""Winograd F(4x4, 3x3) convolutions (cuvil/runtime/winograd.py, runtime/native/winograd.c)
+"""Winograd F(4x4, 3x3) convolutions (backends/cpu/winograd.py, native/winograd.c)
 compute what ``F.conv2d`` does for every epilogue, shape and thread; the tactic frees the
 transformed weight when the direct path wins; the native build is cached and fails clearly."""
 
@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cuvil.runtime import native
-from cuvil.runtime.cpu_kernels import conv2d_kernel
-from cuvil.runtime.tactics import trial_length
-from cuvil.runtime.winograd import WinogradConv, winograd_conv, with_winograd_tactic
+from cuvil.backends.cpu import native
+from cuvil.backends.cpu.kernels import conv2d_kernel
+from cuvil.backends.cpu.tactics import trial_length
+from cuvil.backends.cpu.winograd import WinogradConv, winograd_conv, with_winograd_tactic
 
 TOLERANCE = 2e-5  # relative to the output's scale; measured 1e-6 to 8e-6
 ACTIVATIONS = {"none": lambda y: y, "relu": F.relu, "relu6": F.relu6, "silu": F.silu}
@@ -78,7 +78,7 @@ def test_broadcast_residual_is_added_unfused() -> None:
 def test_tiles_in_chunks_give_the_same_result(monkeypatch: pytest.MonkeyPatch) -> None:
     """Past CHUNK_FLOATS the tiles go through in chunks (bounded workspaces), here 7 tiles at a
     time over two images of 4x5 tiles, chunks straddling the images, a residual written over."""
-    from cuvil.runtime import winograd
+    from cuvil.backends.cpu import winograd
 
     weight, bias = torch.randn(12, 10, 3, 3) / 9, torch.randn(12)
     x = _channels_last(2, 10, 15, 19)

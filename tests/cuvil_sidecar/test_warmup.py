@@ -91,7 +91,7 @@ def test_a_reload_runs_the_kernels_the_first_load_chose(
 
     first = loaded().execution()["tactics"]
     assert first and [path.suffix for path in tmp_path.iterdir()] == [".json"]
-    with caplog.at_level(logging.INFO, "cuvil.runtime.tactics_cache"):
+    with caplog.at_level(logging.INFO, "cuvil.backends.cpu.tactics_cache"):
         second = loaded()
     assert f"took {sum(map(len, first.values()))} kernel choices" in caplog.text
     assert second.execution()["tactics"] == first

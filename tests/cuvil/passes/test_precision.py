@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import cuvil
+from cuvil.backends.cpu.linear_kernels import has_onednn_bf16
 from cuvil.models import mlp, tiny_llama
 from cuvil.pipeline import DEFAULT_TOLERANCE
-from cuvil.runtime.linear_kernels import has_onednn_bf16
 from tests.cuvil.passes.rule_cases import ConvBlock
 
 

@@ -12,7 +12,7 @@ runs them; the first call of each run is untimed (oneDNN builds its primitive th
 caches still hold the previous candidate's copy of the weight). Runs rather than alternation
 (A B A B), because each path keeps its own copy of the weight: alternating, every call found
 its weight evicted by the other path's copy, a state that never occurs once one is chosen. A
-one-row GEMM split across cores (runtime/split_gemm.py) only wins with its weight slices still
+one-row GEMM split across cores (backends/cpu/split_gemm.py) only wins with its weight slices still
 in each core's L2, which alternation never showed.
 
 The runs go round the candidates ``BLOCKS`` times (A A A A A B B B B B, three times over), and
@@ -142,7 +142,7 @@ class Tactics:
         return result
 
     def preset(self, choices: Mapping[int, str]) -> int:
-        """Take choices made before (bucket -> candidate name; ``runtime/tactics_cache.py``)
+        """Take choices made before (bucket -> candidate name; ``backends/cpu/tactics_cache.py``)
         instead of timing those buckets again. A name this op does not offer for that bucket is
         skipped, and the bucket is timed as usual. Returns how many choices were taken."""
         taken = 0

@@ -1,11 +1,11 @@
-"""``python -m cuvil.runtime.native``: compile every native kernel into the cache now (an image
+"""``python -m cuvil.backends.cpu.native``: compile every native kernel into the cache now (an image
 build does this, with ``CUVIL_NATIVE_MARCH=x86-64-v3`` and ``CUVIL_NATIVE_CACHE`` set)."""
 
 from __future__ import annotations
 
 import sys
 
-from cuvil.runtime.native import NativeError, build, sources
+from cuvil.backends.cpu.native import NativeError, build, sources
 
 
 def main() -> int:

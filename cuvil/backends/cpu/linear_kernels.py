@@ -3,11 +3,11 @@
     mkl     addmm (MKL sgemm) on the pre-transposed weight, then the activation in place;
             a residual is added first (residual + bias) and the GEMM accumulates into it
     onednn  oneDNN's prepacked inner product with the activation or the residual add as a
-            post-op: kept primitives (runtime/direct_linear.py), or ATen's call without libdnnl
+            post-op: kept primitives (backends/cpu/direct_linear.py), or ATen's call without libdnnl
     split   for up to 4 rows: the weight split across threads as a batched GEMM
-            (MKL runs a one-row GEMM on one thread; see runtime/split_gemm.py)
+            (MKL runs a one-row GEMM on one thread; see backends/cpu/split_gemm.py)
 
-None wins everywhere (see cuvil/runtime/tactics.py for the measured cases), so each linear
+None wins everywhere (see cuvil/backends/cpu/tactics.py for the measured cases), so each linear
 times them, in place, over its first calls in a new row-count bucket and keeps the fastest.
 Both paths keep their own copy of the weight (oneDNN's blocked layout is opaque to MKL): fp32
 linear weights take twice their size in memory while loaded.
@@ -26,12 +26,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from cuvil.runtime.activations import INPLACE_ACTIVATIONS, ONEDNN_ACTIVATIONS
-from cuvil.runtime.direct_linear import DirectLinear
-from cuvil.runtime.dnnl import load as load_dnnl
-from cuvil.runtime.kept_primitives import with_fallback
-from cuvil.runtime.split_gemm import SPLIT_MAX_ROWS, split_linear, split_parts
-from cuvil.runtime.tactics import Tactics, bucket
+from cuvil.backends.cpu.activations import INPLACE_ACTIVATIONS, ONEDNN_ACTIVATIONS
+from cuvil.backends.cpu.direct_linear import DirectLinear
+from cuvil.backends.cpu.dnnl import load as load_dnnl
+from cuvil.backends.cpu.kept_primitives import with_fallback
+from cuvil.backends.cpu.split_gemm import SPLIT_MAX_ROWS, split_linear, split_parts
+from cuvil.backends.cpu.tactics import Tactics, bucket
 
 mkldnn = torch.ops.mkldnn
 
@@ -82,7 +82,7 @@ def linear_kernel(args: Mapping[str, Any], dynamic: Sequence[str]) -> Callable[.
 def _split_candidates(
     weight: torch.Tensor, bias: torch.Tensor | None, activation: str, residual: bool
 ) -> list[tuple[str, Callable[..., torch.Tensor]]]:
-    """The weight split across threads, for calls with a few rows (runtime/split_gemm.py)."""
+    """The weight split across threads, for calls with a few rows (backends/cpu/split_gemm.py)."""
     parts = split_parts()
     if parts < 2:
         return []

@@ -2,12 +2,12 @@
 
 A 3x3 convolution does 144 multiplies per 4x4 output tile per channel pair; Winograd does 36,
 as 36 GEMMs over the tiles (torch.bmm, MKL) between an input and an output transform
-(runtime/native/winograd.c: one pass over memory each, bias, residual and ReLU/ReLU6 folded into
+(native/winograd.c: one pass over memory each, bias, residual and ReLU/ReLU6 folded into
 the output one). On this 2-core AVX2 EPYC the GEMMs of ResNet-50's 64-channel 3x3 layer at 56x56
 take 0.37 ms where the whole direct convolution takes 1.3 ms. Neither ONNX Runtime's MLAS nor
 oneDNN (Winograd only with AVX-512) do this on such a CPU.
 
-It is offered as a tactic beside the direct convolution (runtime/tactics.py), which times both
+It is offered as a tactic beside the direct convolution (backends/cpu/tactics.py), which times both
 in the running model and keeps the faster per batch bucket: with few tiles (7x7 feature maps) the
 GEMMs are too thin to win. Rounding differs from the direct path by a few 1e-6 of the output's
 scale (the transforms scale values by up to 8x and back). The transformed weight, 36/9 = 4x the
@@ -22,9 +22,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from cuvil.runtime.activations import INPLACE_ACTIVATIONS
-from cuvil.runtime.native import load as load_native
-from cuvil.runtime.tactics import batch_tactics
+from cuvil.backends.cpu.activations import INPLACE_ACTIVATIONS
+from cuvil.backends.cpu.native import load as load_native
+from cuvil.backends.cpu.tactics import batch_tactics
 
 TILE = 4  # output pixels per tile side; input tiles are TILE + 2 wide
 # Tiles go through in chunks of at most 256 (transform, GEMMs, transform back, chunk by chunk):

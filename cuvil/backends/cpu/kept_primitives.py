@@ -1,6 +1,6 @@
 """oneDNN primitives kept across calls, one per input shape, for one constant weight.
 
-The shared half of runtime/direct_conv.py and runtime/direct_linear.py. A primitive is built on
+The shared half of direct_conv.py and direct_linear.py. A primitive is built on
 the first call with a new input shape (about 0.2-1 ms, weight packing included) with the
 activation and any residual add as post-ops; the weight is packed into the blocked layout that
 primitive asks for, once per distinct layout, from the first packed copy (no plain copy is kept
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from cuvil.runtime.dnnl import (
+from cuvil.backends.cpu.dnnl import (
     ARG_BIAS,
     ARG_DST,
     ARG_SCRATCHPAD,

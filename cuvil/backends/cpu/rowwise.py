@@ -1,4 +1,4 @@
-"""RMSNorm and RoPE on Cuvil's native row-wise kernels (``runtime/native/rowwise.c``): one pass
+"""RMSNorm and RoPE on Cuvil's native row-wise kernels (``backends/cpu/native/rowwise.c``): one pass
 over memory where the torch ops make four or five. The torch ops remain the path wherever the
 library is not offered (no C compiler, ``CUVIL_NATIVE=off``) and for calls the kernels do not
 take: not fp32 on the CPU, last dim not contiguous, RoPE on other than four dims or an odd
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from cuvil.runtime.native import load as load_native
+from cuvil.backends.cpu.native import load as load_native
 
 _Int = ctypes.c_int64
 _Ptr = ctypes.c_void_p

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from cuvil.runtime.activations import INPLACE_ACTIVATIONS
+from cuvil.backends.cpu.activations import INPLACE_ACTIVATIONS
 
 SPLIT_MAX_ROWS = 4
 

@@ -16,20 +16,20 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from cuvil.runtime import rowwise
-from cuvil.runtime.conv_weights import ConvWeight
-from cuvil.runtime.direct_conv import DirectConv
-from cuvil.runtime.dnnl import load as load_dnnl
-from cuvil.runtime.kept_primitives import with_fallback
-from cuvil.runtime.linear_kernels import (
+from cuvil.backends.cpu import rowwise
+from cuvil.backends.cpu.conv_weights import ConvWeight
+from cuvil.backends.cpu.direct_conv import DirectConv
+from cuvil.backends.cpu.dnnl import load as load_dnnl
+from cuvil.backends.cpu.kept_primitives import with_fallback
+from cuvil.backends.cpu.linear_kernels import (
     ONEDNN_ACTIVATIONS,
     check_runtime_args,
     compute_precision,
     linear_kernel,
     swiglu_kernel,
 )
-from cuvil.runtime.pointwise_conv import is_pointwise, with_gemm_tactic
-from cuvil.runtime.winograd import has_enough_tiles, is_winograd_shape, with_winograd_tactic
+from cuvil.backends.cpu.pointwise_conv import is_pointwise, with_gemm_tactic
+from cuvil.backends.cpu.winograd import has_enough_tiles, is_winograd_shape, with_winograd_tactic
 
 KernelFactory = Callable[[Mapping[str, Any], Sequence[str]], Callable[..., Any]]
 
@@ -133,7 +133,7 @@ def _onednn_conv(
 
 
 def rms_norm_kernel(args: Mapping[str, Any], dynamic: Sequence[str]) -> Callable[..., Any]:
-    """``cuvil.rms_norm(input, weight, eps)``: one native pass (runtime/rowwise.py)."""
+    """``cuvil.rms_norm(input, weight, eps)``: one native pass (backends/cpu/rowwise.py)."""
     check_runtime_args(dynamic, ("input",))
     return rowwise.rms_norm(args["weight"], float(args["eps"]))
 

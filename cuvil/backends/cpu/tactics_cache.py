@@ -1,4 +1,4 @@
-"""The tactics cache: the kernel choices a model made on this machine (runtime/tactics.py), kept
+"""The tactics cache: the kernel choices a model made on this machine (tactics.py), kept
 on disk, so that the next load of the same artifact (a restart, a reload, another replica on
 the node, a benchmark's in-process copy) runs the same kernels at once instead of timing them
 again, as TensorRT's timing cache does.
@@ -31,7 +31,7 @@ from cuvil.artifact.layout import atomic_write
 if TYPE_CHECKING:
     from cuvil.runtime.model import CompiledModel
 
-log = logging.getLogger("cuvil.runtime.tactics_cache")
+log = logging.getLogger("cuvil.backends.cpu.tactics_cache")
 
 Choices = dict[str, dict[int, str]]  # node -> {row bucket: candidate name}
 

@@ -1,7 +1,7 @@
 """``cuvil.linear`` on oneDNN inner-product primitives kept across calls: the "onednn" path of
-runtime/linear_kernels.py where libdnnl is loaded (runtime/dnnl.py).
+runtime/linear_kernels.py where libdnnl is loaded (backends/cpu/dnnl.py).
 
-How the primitives are kept: runtime/kept_primitives.py. oneDNN 3.2 runs these as
+How the primitives are kept: backends/cpu/kept_primitives.py. oneDNN 3.2 runs these as
 ``brgemm:avx2`` on this 2-core EPYC. Against MKL's ``addmm`` plus an in-place activation, timed
 alternately at 2 threads: MiniLM's fused QKV projection (128x384 -> 1152) 0.60 vs 0.76 ms, its
 FFN up with GELU (-> 1536) 0.89 vs 1.11 ms, its FFN down with the residual add 0.83 vs 0.96 ms,
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from cuvil.runtime.dnnl import Dnnl, Handle
-from cuvil.runtime.kept_primitives import KeptPrimitives, Layouts
+from cuvil.backends.cpu.dnnl import Dnnl, Handle
+from cuvil.backends.cpu.kept_primitives import KeptPrimitives, Layouts
 
 
 class DirectLinear(KeptPrimitives):

@@ -7,7 +7,7 @@ output as ``[N*H*W, C_out]``, which is the channels-last output viewed back (no 
 Why a second path: the kernels differ. 64->256 channels on 56x56 pixels took 1.99 ms in oneDNN
 and 1.37 ms as an MKL GEMM on one thread, while oneDNN won most other ResNet-50 shapes by 2-15 %.
 (The GEMM path was first added because every oneDNN convolution call through ATen cost about
-50 us of set-up; the kept primitives of runtime/direct_conv.py have since cut that to ~10 us.)
+50 us of set-up; the kept primitives of backends/cpu/direct_conv.py have since cut that to ~10 us.)
 Neither wins everywhere, so both run under ``Tactics`` (timed in place, the faster kept per
 batch bucket).
 
@@ -23,8 +23,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from cuvil.runtime.activations import INPLACE_ACTIVATIONS
-from cuvil.runtime.tactics import batch_tactics
+from cuvil.backends.cpu.activations import INPLACE_ACTIVATIONS
+from cuvil.backends.cpu.tactics import batch_tactics
 
 
 def is_pointwise(

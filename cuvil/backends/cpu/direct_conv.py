@@ -1,6 +1,6 @@
 """``cuvil.conv2d`` on oneDNN convolution primitives kept across calls, channels-last in and out.
 
-How the primitives are kept: runtime/kept_primitives.py. Measured on this 2-core EPYC at 2
+How the primitives are kept: backends/cpu/kept_primitives.py. Measured on this 2-core EPYC at 2
 threads against ATen's ``mkldnn._convolution_pointwise`` on the same weights: 12.5 vs 51 us for
 an 8-channel 3x3 convolution on 4x4 pixels, 7-10 % less on most ResNet-50 layers, and 1.6 vs
 2.8 ms on its 7x7 stem; ResNet-50 as a whole went from 1.20x ONNX Runtime's time to 1.06x.
@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
-from cuvil.runtime.dnnl import Dnnl, Handle
-from cuvil.runtime.kept_primitives import KeptPrimitives, Layouts
+from cuvil.backends.cpu.dnnl import Dnnl, Handle
+from cuvil.backends.cpu.kept_primitives import KeptPrimitives, Layouts
 
 
 def channels_last_strides(shape: Sequence[int]) -> list[int]:

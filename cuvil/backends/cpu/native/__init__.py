@@ -10,8 +10,8 @@ Where no compiler exists, or ``CUVIL_NATIVE=off``, ``load`` returns None and the
 wanted a native path take another one (``reason`` says why, for reports).
 
 Container images have no compiler, so they are built with one and ``CUVIL_NATIVE_MARCH`` set to a
-portable level (``x86-64-v3``: AVX2 and FMA): ``python -m cuvil.runtime.native`` fills the cache
-then, and the digest leaves out the CPU, so any node finds the library. Such a library is only
+portable level (``x86-64-v3``: AVX2 and FMA): ``python -m cuvil.backends.cpu.native`` fills the
+cache then, and the digest leaves out the CPU, so any node finds the library. Such a library is only
 loaded where the CPU has the level's instructions (else None, with the reason), never run into an
 illegal instruction.
 """
@@ -24,12 +24,11 @@ import hashlib
 import os
 import platform
 import shutil
-import subprocess
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
 import torch  # noqa: F401  loaded first: its libgomp is the one the kernels bind to
+
+from cuvil.runtime.native_build import NativeError, cache_dir, compile_into
 
 SOURCES = Path(__file__).parent
 FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-std=c11")
@@ -40,17 +39,6 @@ LEVEL_FLAGS = {
     "x86-64-v3": frozenset({"sse4_2", "popcnt", "avx", "avx2", "fma", "bmi2", "f16c", "movbe"}),
 }
 _failures: dict[str, str] = {}
-
-
-class NativeError(RuntimeError):
-    """A native kernel could not be built or loaded."""
-
-
-def cache_dir() -> Path:
-    configured = os.environ.get("CUVIL_NATIVE_CACHE")
-    if configured:
-        return Path(configured)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "cuvil" / "native"
 
 
 def march() -> str:
@@ -103,20 +91,6 @@ def build(name: str, *, for_this_cpu: bool = True) -> Path:
     source_path = SOURCES / f"{name}.c"
     compile_into(target, lambda built: [compiler, *flags, str(source_path), "-o", str(built)])
     return target
-
-
-def compile_into(target: Path, command: Callable[[Path], list[str]]) -> None:
-    """Runs the compiler ``command(output)`` on a scratch output beside ``target`` and renames
-    it into place: atomic, so concurrent builders all end with a whole file."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        built = Path(scratch) / target.name
-        arguments = command(built)
-        result = subprocess.run(arguments, capture_output=True, text=True, check=False)
-        if result.returncode != 0:
-            source = next((Path(a).name for a in arguments if a.endswith((".c", ".cc"))), "")
-            raise NativeError(f"compiling {source} failed: {result.stderr.strip()[:500]}")
-        os.replace(built, target)
 
 
 @functools.cache
