@@ -127,7 +127,7 @@ def in_process_call(path: Path, inputs: dict[str, np.ndarray]) -> Callable[[], o
     digest = "sha256:" + hashlib.sha256(read_files(path)[media_types.CONFIG_FILE]).hexdigest()
     cached = tactics_cache.take_cached(model, digest, tactics_folder(path))
     tensors = {name: torch.from_numpy(array) for name, array in inputs.items()}
-    model.settle(tensors)
+    model.prepare(tensors)
     tactics_cache.keep(model, digest, tactics_folder(path), cached)
     warm_until = time.perf_counter() + 1.0  # time, not runs: a fresh process starts slow here
     while time.perf_counter() < warm_until:

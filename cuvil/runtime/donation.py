@@ -15,9 +15,10 @@ reads the value once (not as its input too).
 
 from __future__ import annotations
 
+from cuvil.fused_ops import CONV2D
 from cuvil.ir import Graph, Value
 
-CONV = "cuvil.conv2d"
+CONV = CONV2D
 
 
 def donated_residuals(graph: Graph) -> frozenset[str]:

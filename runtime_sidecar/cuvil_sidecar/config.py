@@ -24,7 +24,7 @@
   (0: reload only on SIGHUP).
 - ``CUVIL_GOLDEN_TOLERANCE`` (0.001): start-up golden check, max abs error / output scale.
 - ``CUVIL_WARMUP_RUNS`` (2): runs per shape bucket during warm-up; more follow where the
-  bucket's GEMM paths are still being timed (``CompiledModel.settle``).
+  bucket's GEMM paths are still being timed (``CompiledModel.prepare``).
 - ``CUVIL_WARMUP_SHAPES`` (none): more sizes to warm up than the golden inputs' (Triton's
   ``model_warmup``), as ``symbol=size`` pairs, a comma between the symbols of one shape and a
   semicolon between shapes, e.g. ``seq=128;seq=384``. Each is swept over the batch sizes too.

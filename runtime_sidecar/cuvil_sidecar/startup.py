@@ -106,7 +106,7 @@ def load_checked(
                 run_started = time.perf_counter()
                 model.run(inputs)
                 fastest = min(fastest, (time.perf_counter() - run_started) * 1e3)
-            model.settle(inputs)  # kernel choices made: served results are bit-stable
+            model.prepare(inputs)  # kernel choices made: served results are bit-stable
         except Exception as error:
             raise StartupError(f"warm-up at {bucket} failed: {error}") from error
     for bucket in primed_buckets(model, symbol, buckets):

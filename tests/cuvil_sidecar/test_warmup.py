@@ -61,10 +61,10 @@ def test_served_shapes_meet_no_open_kernel_choice(minilm_artifact: Path) -> None
         inputs = bucket_inputs(model, {"batch": batch, "seq": 40})
         with torch.inference_mode():
             model.run(inputs)
-        assert model._plan.tactic_trials() == {}, (batch, model._plan.tactic_trials())
+        assert model.plan.kernel_trials() == {}, (batch, model.plan.kernel_trials())
     unwarmed = bucket_inputs(model, {"batch": 1, "seq": 300})  # 300 rows: a new bucket
     model.run(unwarmed)
-    assert model._plan.tactic_trials() != {}  # the check can fail: this size was never warmed
+    assert model.plan.kernel_trials() != {}  # the check can fail: this size was never warmed
 
 
 def test_tactics_cache_setting() -> None:

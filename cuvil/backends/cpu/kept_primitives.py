@@ -234,24 +234,26 @@ class KeptPrimitives:
         return bound
 
 
-def with_fallback(
-    kept: KeptPrimitives, fallback: Callable[[], Callable[..., torch.Tensor]]
-) -> Callable[..., torch.Tensor]:
-    """The kernel: ``kept``, and ``fallback()``'s kernel (ATen's oneDNN call, built on first need)
-    for shapes past the cache and calls ``kept`` cannot take (a broadcast residual)."""
-    built: list[Callable[..., torch.Tensor]] = []
+class KeptWithFallback:
+    """A kernel: ``kept``, and ``fallback()``'s kernel (ATen's oneDNN call, built on first need)
+    for shapes past the cache and calls ``kept`` cannot take (a broadcast residual). The plan
+    calls ``run``."""
 
-    def run(x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
-        if kept.can_run(x.shape):
-            out = kept(x, *rest)
+    def __init__(
+        self, kept: KeptPrimitives, fallback: Callable[[], Callable[..., torch.Tensor]]
+    ) -> None:
+        self.kept = kept
+        self._fallback = fallback
+        self._built: list[Callable[..., torch.Tensor]] = []
+
+    def run(self, x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+        if self.kept.can_run(x.shape):
+            out = self.kept(x, *rest)
             if out is not None:
                 return out
-        if not built:
-            built.append(fallback())
-        return built[0](x, *rest)
-
-    run.direct = kept  # type: ignore[attr-defined]
-    return run
+        if not self._built:
+            self._built.append(self._fallback())
+        return self._built[0](x, *rest)
 
 
 def _free(dnnl: Dnnl, owned: dict[str, list[Handle]]) -> None:

@@ -20,7 +20,7 @@ which one runs.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,9 +29,10 @@ import torch.nn.functional as F
 from cuvil.backends.cpu.activations import INPLACE_ACTIVATIONS, ONEDNN_ACTIVATIONS
 from cuvil.backends.cpu.direct_linear import DirectLinear
 from cuvil.backends.cpu.dnnl import load as load_dnnl
-from cuvil.backends.cpu.kept_primitives import with_fallback
+from cuvil.backends.cpu.kept_primitives import KeptWithFallback
 from cuvil.backends.cpu.split_gemm import SPLIT_MAX_ROWS, split_linear, split_parts
 from cuvil.backends.cpu.tactics import Tactics, bucket
+from cuvil.runtime.kernels import FusedCall, PreparedKernel
 
 mkldnn = torch.ops.mkldnn
 
@@ -48,28 +49,22 @@ def compute_precision(weight_dtype: torch.dtype) -> str:
     return "fp32"
 
 
-def check_runtime_args(dynamic: Sequence[str], expected: Sequence[str]) -> None:
-    unexpected = [name for name in dynamic if name not in expected]
-    if unexpected:
-        raise ValueError(f"arguments {unexpected} must be constants for this kernel")
-
-
 def _as_fp32(tensor: torch.Tensor | None) -> torch.Tensor | None:
     return tensor.float() if tensor is not None else None
 
 
-def linear_kernel(args: Mapping[str, Any], dynamic: Sequence[str]) -> Callable[..., Any]:
+def linear_kernel(call: FusedCall) -> PreparedKernel:
     """``cuvil.linear(input, weight, bias, activation, residual)``: activation(x W^T + b), or
     x W^T + b + residual."""
-    check_runtime_args(dynamic, ("input", "residual"))
-    activation = str(args["activation"])
-    if "residual" in dynamic and activation != "none":
+    call.check_runtime(("input", "residual"))
+    activation = str(call.arg("activation"))
+    residual = call.is_runtime("residual")
+    if residual and activation != "none":
         raise ValueError("cuvil.linear fuses an activation or a residual add, not both")
-    weight: torch.Tensor = args["weight"]
+    weight: torch.Tensor = call.arg("weight")
     if compute_precision(weight.dtype) == "bf16":
-        return _bf16_linear(weight, args.get("bias"), activation, "residual" in dynamic)
-    weight, bias = weight.float(), _as_fp32(args.get("bias"))
-    residual = "residual" in dynamic
+        return PreparedKernel(_bf16_linear(weight, call.arg("bias"), activation, residual))
+    weight, bias = weight.float(), _as_fp32(call.arg("bias"))
     if residual:
         candidates = _residual_candidates(weight, bias)
     else:
@@ -93,7 +88,7 @@ def _tactic_linear(
     candidates: list[tuple[str, Callable[..., torch.Tensor]]],
     in_features: int,
     few_rows: list[tuple[str, Callable[..., torch.Tensor]]] | None = None,
-) -> Callable[..., Any]:
+) -> PreparedKernel:
     """Flatten leading dims to rows, let the tactics pick the GEMM path per row bucket
     (``few_rows`` candidates join in for buckets up to SPLIT_MAX_ROWS rows)."""
     tactics = Tactics(candidates, few_rows or (), SPLIT_MAX_ROWS)
@@ -113,8 +108,7 @@ def _tactic_linear(
             decided[x.shape[0]] = tactics.chosen[key][1]
         return y.view(*lead, y.shape[-1])
 
-    linear.tactics = tactics  # type: ignore[attr-defined]
-    return linear
+    return PreparedKernel(linear, tactics)
 
 
 def _activation_candidates(
@@ -151,7 +145,7 @@ def _onednn_path(
     dnnl = load_dnnl()
     if dnnl is None:
         return aten()
-    return with_fallback(DirectLinear(dnnl, weight, bias, activation, residual), aten)
+    return KeptWithFallback(DirectLinear(dnnl, weight, bias, activation, residual), aten).run
 
 
 def _residual_candidates(
@@ -201,21 +195,21 @@ def _bf16_linear(
     return linear
 
 
-def swiglu_kernel(args: Mapping[str, Any], dynamic: Sequence[str]) -> Callable[..., Any]:
+def swiglu_kernel(call: FusedCall) -> PreparedKernel:
     """``cuvil.swiglu(input, gate_up_weight, hidden)``: silu(x Wg^T) * (x Wu^T) with the two
     projections packed into one GEMM (its path chosen like a linear's)."""
-    check_runtime_args(dynamic, ("input",))
-    hidden = int(args["hidden"])
-    weight: torch.Tensor = args["gate_up_weight"]
+    call.check_runtime(("input",))
+    hidden = int(call.arg("hidden"))
+    weight: torch.Tensor = call.arg("gate_up_weight")
     if compute_precision(weight.dtype) == "bf16":
-        gemm = _bf16_linear(weight, None, "none", residual=False)
+        gemm = PreparedKernel(_bf16_linear(weight, None, "none", residual=False))
     else:
         candidates = _activation_candidates(weight.float(), None, "none")
         gemm = _tactic_linear(candidates, weight.shape[-1])
+    project = gemm.run
 
     def swiglu(x: torch.Tensor) -> torch.Tensor:
-        gate, up = gemm(x).split(hidden, dim=-1)
+        gate, up = project(x).split(hidden, dim=-1)
         return F.silu(gate).mul_(up)
 
-    swiglu.tactics = getattr(gemm, "tactics", None)  # type: ignore[attr-defined]
-    return swiglu
+    return PreparedKernel(swiglu, gemm.choices)

@@ -25,6 +25,7 @@ import torch
 
 from cuvil.backends.cpu.activations import INPLACE_ACTIVATIONS
 from cuvil.backends.cpu.tactics import batch_tactics
+from cuvil.runtime.kernels import PreparedKernel
 
 
 def is_pointwise(
@@ -94,7 +95,7 @@ def with_gemm_tactic(
     activation: str,
     residual: bool,
     donated: bool = False,
-) -> Callable[..., torch.Tensor]:
+) -> PreparedKernel:
     """``onednn`` and the GEMM path under one tactic choice, keyed by the batch bucket."""
     gemm = gemm_conv(weight, bias, activation, residual, donated)
     return batch_tactics([("onednn", onednn), ("gemm", gemm)])

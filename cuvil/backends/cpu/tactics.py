@@ -27,8 +27,9 @@ candidate's result, so nothing runs twice. Candidates must be pure: same inputs,
 (to rounding).
 
 Outputs of one candidate and another differ in rounding, so a bucket's results are only
-bit-stable once it is decided: ``CompiledModel.settle(inputs)`` runs a shape until every choice it
-meets is made (the sidecar does so for each bucket before it reports ready).
+bit-stable once it is decided: the CPU backend runs a shape until every choice it
+meets is made (``CompiledModel.prepare``; the sidecar prepares each bucket before it reports
+ready).
 
 ``CUVIL_TACTICS=first`` turns timing off and always runs the first candidate (reproducible
 kernel choice, e.g. for bisecting a numerical difference).
@@ -42,6 +43,8 @@ import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+from cuvil.runtime.kernels import PreparedKernel
 
 ROUNDS = 4  # timed calls per run of a candidate, after one untimed warm-up call
 BLOCKS = 3  # runs per candidate
@@ -172,13 +175,12 @@ class Tactics:
 def batch_tactics(
     candidates: Sequence[tuple[str, Callable[..., Any]]],
     on_decided: Callable[[dict[int, str]], None] | None = None,
-) -> Callable[..., Any]:
+) -> PreparedKernel:
     """One kernel over ``candidates`` that take ``(x, *rest)``, chosen per bucket of x's batch
-    size; the ``Tactics`` object rides on it as ``.tactics`` (for reports and ``settle``)."""
+    size; its ``Tactics`` are the kernel's choices (for reports and ``prepare``)."""
     tactics = Tactics(candidates, on_decided=on_decided)
 
     def run(x: Any, *rest: Any) -> Any:
         return tactics.run(bucket(x.shape[0]), x, *rest)
 
-    run.tactics = tactics  # type: ignore[attr-defined]
-    return run
+    return PreparedKernel(run, tactics)

@@ -25,6 +25,7 @@ import torch
 from cuvil.backends.cpu.activations import INPLACE_ACTIVATIONS
 from cuvil.backends.cpu.native import load as load_native
 from cuvil.backends.cpu.tactics import batch_tactics
+from cuvil.runtime.kernels import PreparedKernel
 
 TILE = 4  # output pixels per tile side; input tiles are TILE + 2 wide
 # Tiles go through in chunks of at most 256 (transform, GEMMs, transform back, chunk by chunk):
@@ -215,12 +216,12 @@ def with_winograd_tactic(
     padding: Sequence[int],
     activation: str,
     donated: bool = False,
-) -> Callable[..., torch.Tensor]:
+) -> PreparedKernel:
     """``direct`` and the Winograd path under one tactic choice per batch bucket; ``direct``
     alone where no native library could be built."""
     winograd = winograd_conv(weight, bias, padding, activation, donated)
     if winograd is None:
-        return direct
+        return PreparedKernel(direct)
 
     def release_unless_chosen(choices: dict[int, str]) -> None:
         if "winograd" not in choices.values() and "timing" not in choices.values():

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from cuvil.backends.cpu.kernels import conv2d_kernel
 from cuvil.backends.cpu.pointwise_conv import gemm_conv, is_pointwise
 from cuvil.backends.cpu.tactics import trial_length
+from tests.cuvil.backends.cpu.calls import prepare
 
 ACTIVATIONS = {"none": lambda y: y, "relu": torch.relu, "silu": F.silu, "relu6": F.relu6}
 SHAPES = [(1, 16, 24, 7), (3, 8, 5, 5), (2, 8, 8, 1)]  # batch, in, out, size (1: ambiguous layout)
@@ -83,17 +84,17 @@ def test_kernel_times_both_paths_and_keeps_matching(residual: bool) -> None:
         "dilation": [1, 1],
         "groups": 1,
         "activation": "relu" if not residual else "none",
-        "_input_sizes": (1, 8, 6, 6),
     }
     dynamic = ["input", "residual"] if residual else ["input"]
-    kernel = conv2d_kernel(args, dynamic)
+    kernel = prepare(conv2d_kernel, args, dynamic, input_sizes=(1, 8, 6, 6))
+    assert kernel.choices is not None
     x = _channels_last(1, 8, 6, 6)
     extra = (_channels_last(1, 12, 6, 6),) if residual else ()
     expected = _expected(x, weight, bias, str(args["activation"]), *extra)
     for _ in range(trial_length(2)):  # every call of the trial, whichever path it takes
-        _close(kernel(x, *extra), expected)
-    assert kernel.tactics.describe()[1] in {"onednn", "gemm"}
-    _close(kernel(x, *extra), expected)
+        _close(kernel.run(x, *extra), expected)
+    assert kernel.choices.describe()[1] in {"onednn", "gemm"}
+    _close(kernel.run(x, *extra), expected)
 
 
 def test_three_by_three_convolution_has_no_tactic() -> None:
@@ -105,6 +106,5 @@ def test_three_by_three_convolution_has_no_tactic() -> None:
         "dilation": [1, 1],
         "groups": 1,
         "activation": "none",
-        "_input_sizes": (1, 4, 5, 5),
     }
-    assert not hasattr(conv2d_kernel(args, ["input"]), "tactics")
+    assert prepare(conv2d_kernel, args, input_sizes=(1, 4, 5, 5)).choices is None

@@ -12,6 +12,7 @@ import cuvil
 from cuvil.backends.cpu.kernels import conv2d_kernel
 from cuvil.ir import Graph, Node, Value
 from cuvil.runtime.donation import donated_residuals
+from tests.cuvil.backends.cpu.calls import prepare
 from tests.cuvil.graphs import f32
 
 
@@ -86,9 +87,8 @@ def test_a_donated_residual_holds_the_result(kernel_size: int) -> None:
         "dilation": [1, 1],
         "groups": 1,
         "activation": "relu",
-        "_residual_donated": True,
     }
-    conv = conv2d_kernel(args, ["input", "residual"])
+    conv = prepare(conv2d_kernel, args, ["input", "residual"], donated=True).run
     for _ in range(12):  # every tactic candidate (1x1: GEMM, 3x3: Winograd) takes its turn
         x = torch.randn(2, 4, 6, 6).contiguous(memory_format=torch.channels_last)
         residual = torch.randn(2, 8, 6, 6).contiguous(memory_format=torch.channels_last)

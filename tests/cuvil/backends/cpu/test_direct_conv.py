@@ -15,6 +15,7 @@ from cuvil.backends.cpu import dnnl as dnnl_module
 from cuvil.backends.cpu import kept_primitives
 from cuvil.backends.cpu.direct_conv import DirectConv
 from cuvil.backends.cpu.kernels import conv2d_kernel
+from tests.cuvil.backends.cpu.calls import kept_of, prepare
 
 ACTIVATIONS = {
     "none": lambda y: y,
@@ -95,8 +96,9 @@ def test_direct_convolution_matches_torch(
     torch.manual_seed(0)
     inputs, outputs, kernel, *_, groups = geometry
     args = _args(torch.randn(outputs, inputs // groups, kernel, kernel), geometry, activation)
-    conv = conv2d_kernel(args, ["input", "residual"] if residual else ["input"])
-    assert hasattr(conv, "direct") or hasattr(conv, "tactics")
+    kernel = prepare(conv2d_kernel, args, ["input", "residual"] if residual else ["input"])
+    assert kept_of(kernel) is not None or kernel.choices is not None
+    conv = kernel.run
     for batch, height, width in [(1, 11, 12), (3, 9, 9), (1, 11, 12)]:
         x = torch.randn(batch, inputs, height, width)  # plain NCHW in: taken channels-last
         extra = (
@@ -157,14 +159,15 @@ def test_shapes_past_the_cache_and_broadcast_residuals_take_aten(
     torch.manual_seed(3)
     # 5x5: no Winograd tactic in front of the kept primitives
     args = _args(torch.randn(8, 4, 5, 5), (4, 8, 5, 1, 2, 1, 1), "none")
-    conv = conv2d_kernel(args, ["input", "residual"])
+    kernel = prepare(conv2d_kernel, args, ["input", "residual"])
+    conv, kept = kernel.run, kept_of(kernel)
     for size in (6, 9):
         x = torch.randn(1, 4, size, size)
         residual = torch.randn(1, 8, size, size)
         _close(conv(x, residual), _expected(x, args, residual))
-    assert len(conv.direct.primitives) == 1  # type: ignore[attr-defined]
+    assert kept is not None and len(kept.primitives) == 1
     x, bias_like = torch.randn(1, 4, 6, 6), torch.randn(1, 8, 1, 1)
-    assert conv.direct(x, bias_like) is None  # type: ignore[attr-defined]
+    assert kept(x, bias_like) is None
 
 
 def test_an_impossible_convolution_names_oneDNN_and_its_status(dnnl: dnnl_module.Dnnl) -> None:
@@ -181,8 +184,9 @@ def test_switched_off_the_kernels_use_aten(monkeypatch: pytest.MonkeyPatch) -> N
         assert dnnl_module.load() is None
         assert dnnl_module.describe().startswith("ATen's")
         args = _args(torch.randn(8, 4, 3, 3), (4, 8, 3, 1, 1, 1, 1), "relu")
-        conv = conv2d_kernel(args, ["input"])
-        assert not hasattr(conv, "direct")
+        kernel = prepare(conv2d_kernel, args, ["input"])
+        assert kept_of(kernel) is None
+        conv = kernel.run
         x = torch.randn(2, 4, 7, 7)
         _close(conv(x), _expected(x, args, None))
     finally:

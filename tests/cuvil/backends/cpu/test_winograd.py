@@ -13,8 +13,9 @@ import torch.nn.functional as F
 
 from cuvil.backends.cpu import native
 from cuvil.backends.cpu.kernels import conv2d_kernel
-from cuvil.backends.cpu.tactics import trial_length
+from cuvil.backends.cpu.tactics import Tactics, trial_length
 from cuvil.backends.cpu.winograd import WinogradConv, winograd_conv, with_winograd_tactic
+from tests.cuvil.backends.cpu.calls import prepare
 
 TOLERANCE = 2e-5  # relative to the output's scale; measured 1e-6 to 8e-6
 ACTIVATIONS = {"none": lambda y: y, "relu": F.relu, "relu6": F.relu6, "silu": F.silu}
@@ -134,10 +135,11 @@ def test_tactic_frees_the_transformed_weight_when_direct_wins() -> None:
         return want
 
     conv = with_winograd_tactic(instant, weight, bias, [1, 1], "none")
-    tactics = conv.tactics  # type: ignore[attr-defined]
+    tactics = conv.choices
+    assert isinstance(tactics, Tactics)
     winograd = dict(tactics.candidates)["winograd"]
     for _ in range(trial_length(2) + 2):
-        assert _relative(conv(x), want) < TOLERANCE
+        assert _relative(conv.run(x), want) < TOLERANCE
     assert tactics.describe() == {1: "onednn"}
     assert winograd._transformed is None  # released once the other path was chosen
     assert len(calls) == trial_length(2) // 2 + 2  # and the direct path serves from then on
@@ -153,9 +155,9 @@ def test_conv2d_kernel_offers_winograd_only_where_it_can_win() -> None:
             "dilation": [1, 1],
             "groups": 1,
             "activation": "relu",
-            "_input_sizes": (None, 16, size, size),
         }
-        found = getattr(conv2d_kernel(args, ["input"]), "tactics", None)
+        found = prepare(conv2d_kernel, args, input_sizes=(None, 16, size, size)).choices
+        assert found is None or isinstance(found, Tactics)
         return sorted(dict(found.candidates)) if found is not None else None
 
     assert kernel(16) == ["onednn", "winograd"]

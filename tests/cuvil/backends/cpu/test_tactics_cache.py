@@ -38,7 +38,7 @@ def test_a_second_load_runs_the_first_loads_kernels_without_timing(tmp_path: Pat
     first = _compiled()
     cached = tactics_cache.take_cached(first, DIGEST, tmp_path)
     assert cached == {}  # nothing kept yet
-    first.settle(x)
+    first.prepare(x)
     tactics_cache.keep(first, DIGEST, tmp_path, cached)
     kept = first.execution()["tactics"]
     assert kept and all("timing" not in by_bucket.values() for by_bucket in kept.values())
@@ -50,7 +50,7 @@ def test_a_second_load_runs_the_first_loads_kernels_without_timing(tmp_path: Pat
     assert tactics_cache.take_cached(second, DIGEST, tmp_path) == forced
     assert second.execution()["tactics"] == forced  # chosen before any run
     second.run(x)
-    assert second._plan.tactic_trials() == {}  # nothing timed
+    assert second.plan.kernel_trials() == {}  # nothing timed
     with torch.inference_mode():
         assert torch.allclose(second.run(x)["output"], first.run(x)["output"], atol=1e-5)
 
@@ -89,7 +89,7 @@ def test_an_unwritable_cache_does_not_fail_the_load(
     blocker = tmp_path / "file"
     blocker.write_text("")
     model = _compiled()
-    model.settle({"input": torch.randn(2, 16)})
+    model.prepare({"input": torch.randn(2, 16)})
     with caplog.at_level(logging.WARNING, "cuvil.backends.cpu.tactics_cache"):
         tactics_cache.keep(model, DIGEST, blocker / "tactics", {})  # a file in the way
     assert "cannot keep the kernel choices" in caplog.text

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from cuvil.backends.cpu import native, rowwise
 from cuvil.backends.cpu.kernels import rms_norm_kernel, rope_kernel
+from tests.cuvil.backends.cpu.calls import prepare
 
 TOLERANCE = 1e-5  # relative to the output's scale; measured 1e-7 to 4e-7
 
@@ -115,10 +116,10 @@ def test_rope_calls_it_does_not_take_go_to_torch() -> None:
 def test_the_kernel_factories_use_them() -> None:
     weight = torch.randn(64) + 1
     x = torch.randn(3, 64)
-    norm = rms_norm_kernel({"weight": weight, "eps": 1e-6}, ["input"])
+    norm = prepare(rms_norm_kernel, {"weight": weight, "eps": 1e-6}).run
     assert _relative(norm(x), F.rms_norm(x, [64], weight, 1e-6)) < TOLERANCE
     q, cos, sin = _rope_inputs()[0]
-    rope = rope_kernel({}, ["input", "cos", "sin"])
+    rope = prepare(rope_kernel, {}, ["input", "cos", "sin"]).run
     assert _relative(rope(q, cos, sin), rowwise.rope_with_torch(q, cos, sin)) < TOLERANCE
 
 
@@ -131,7 +132,7 @@ def test_a_compiled_llama_runs_them_and_matches_eager() -> None:
         spec.model, spec.example_inputs, dynamic_shapes=spec.dynamic_shapes, name=spec.name
     )
     assert compiled.execution()["rowwise"].startswith("native (")
-    steps = {step.name: step.kernel for step in compiled._plan.steps}
+    steps = {step.name: step.kernel for step in compiled.plan.steps}
     natives = [name for name, kernel in steps.items() if kernel.__qualname__.endswith("native")]
     assert sum(name.startswith("rms_norm") for name in natives) == 5  # 2 layers x 2 + final
     assert sum(name.startswith("rope") for name in natives) == 4  # q and k per layer

@@ -18,6 +18,8 @@ from cuvil.backends.cpu.linear_kernels import (
     swiglu_kernel,
 )
 from cuvil.backends.cpu.tactics import BLOCKS, ROUNDS, Tactics, bucket, trial_length
+from cuvil.runtime.kernels import PreparedKernel
+from tests.cuvil.backends.cpu.calls import prepare
 
 REFERENCE = {
     "none": lambda y: y,
@@ -41,15 +43,16 @@ def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
 def test_every_path_matches_linear_with_activation(activation: str) -> None:
     torch.manual_seed(0)
     weight, bias = torch.randn(24, 16), torch.randn(24)
-    kernel = linear_kernel({"weight": weight, "bias": bias, "activation": activation}, ["input"])
+    kernel = prepare(linear_kernel, {"weight": weight, "bias": bias, "activation": activation})
+    tactics = _tactics(kernel)
     with torch.inference_mode():
         for rows in (1, 7, 130):
             x = torch.randn(2, rows, 16)
             expected = REFERENCE[activation](F.linear(x, weight, bias))
-            _close(kernel(x), expected)  # the chosen path
-            for _, path in kernel.tactics.candidates:  # and every other one
+            _close(kernel.run(x), expected)  # the chosen path
+            for _, path in tactics.candidates:  # and every other one
                 _close(path(x.reshape(-1, 16)).view(2, rows, 24), expected)
-    assert set(kernel.tactics.describe()) == {bucket(2), bucket(14), bucket(260)}
+    assert set(tactics.describe()) == {bucket(2), bucket(14), bucket(260)}
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -57,23 +60,30 @@ def test_every_path_matches_linear_plus_residual(bias: bool) -> None:
     torch.manual_seed(1)
     weight = torch.randn(8, 12)
     b = torch.randn(8) if bias else None
-    kernel = linear_kernel(
-        {"weight": weight, "bias": b, "activation": "none"}, ["input", "residual"]
+    kernel = prepare(
+        linear_kernel, {"weight": weight, "bias": b, "activation": "none"}, ["input", "residual"]
     )
     with torch.inference_mode():
         x, residual = torch.randn(3, 5, 12), torch.randn(3, 5, 8)
         expected = F.linear(x, weight, b) + residual
-        _close(kernel(x, residual), expected)
-        for _, path in kernel.tactics.candidates:
+        _close(kernel.run(x, residual), expected)
+        for _, path in _tactics(kernel).candidates:
             _close(path(x.reshape(15, 12), residual.reshape(15, 8)).view(3, 5, 8), expected)
         assert torch.equal(residual, residual.clone())  # the residual is not written to
 
 
 def test_linear_refuses_activation_and_residual_together() -> None:
     with pytest.raises(ValueError, match="not both"):
-        linear_kernel(
-            {"weight": torch.randn(4, 4), "bias": None, "activation": "relu"}, ["input", "residual"]
+        prepare(
+            linear_kernel,
+            {"weight": torch.randn(4, 4), "bias": None, "activation": "relu"},
+            ["input", "residual"],
         )
+
+
+def _tactics(kernel: PreparedKernel) -> Tactics:
+    assert isinstance(kernel.choices, Tactics)
+    return kernel.choices
 
 
 def test_tactics_time_candidates_in_place_then_keep_the_faster() -> None:
@@ -142,10 +152,10 @@ def test_bucket_rounds_up_to_a_power_of_two() -> None:
 def test_bf16_weights_compute_as_the_cpu_allows() -> None:
     torch.manual_seed(2)
     weight = torch.randn(32, 16).to(torch.bfloat16)
-    kernel = linear_kernel({"weight": weight, "bias": None, "activation": "none"}, ["input"])
+    kernel = prepare(linear_kernel, {"weight": weight, "bias": None, "activation": "none"})
     x = torch.randn(4, 16)
     with torch.inference_mode():
-        actual = kernel(x)
+        actual = kernel.run(x)
     assert actual.dtype == torch.float32
     if has_onednn_bf16():
         assert compute_precision(torch.bfloat16) == "bf16"
@@ -158,10 +168,10 @@ def test_bf16_weights_compute_as_the_cpu_allows() -> None:
 def test_swiglu_matches_its_definition() -> None:
     torch.manual_seed(3)
     gate, up = torch.randn(10, 8), torch.randn(10, 8)
-    kernel = swiglu_kernel({"gate_up_weight": torch.cat([gate, up]), "hidden": 10}, ["input"])
+    kernel = prepare(swiglu_kernel, {"gate_up_weight": torch.cat([gate, up]), "hidden": 10})
     x = torch.randn(2, 6, 8)
     with torch.inference_mode():
-        _close(kernel(x), F.silu(F.linear(x, gate)) * F.linear(x, up))
+        _close(kernel.run(x), F.silu(F.linear(x, gate)) * F.linear(x, up))
 
 
 def test_compiled_model_reports_the_paths_its_linears_chose() -> None:
@@ -178,21 +188,21 @@ def test_compiled_model_reports_the_paths_its_linears_chose() -> None:
     assert paths <= {"mkl", "onednn", "split"}
 
 
-def test_settle_makes_the_choices_a_shape_meets_then_results_are_bit_stable() -> None:
+def test_prepare_makes_the_choices_a_shape_meets_then_results_are_bit_stable() -> None:
     import cuvil
-    from cuvil.runtime.model import SETTLE_RUNS
+    from cuvil.backends.cpu.backend import SETTLE_RUNS
 
     torch.manual_seed(4)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
     compiled = cuvil.jit(model.eval(), (torch.randn(4, 32),))
     x = torch.randn(4, 32)
-    runs = compiled.settle({"input": x})
+    runs = compiled.prepare({"input": x})
     assert 1 < runs <= SETTLE_RUNS  # (verification already made a call or two)
     choices = compiled.execution()["tactics"]
     assert all(choice[bucket(4)] in ("mkl", "onednn", "split") for choice in choices.values())
     first, second = compiled(x), compiled(x)
     assert torch.equal(first, second)
-    assert compiled.settle({"input": x}) == 1  # nothing left to choose
+    assert compiled.prepare({"input": x}) == 1  # nothing left to choose
 
 
 def test_few_row_candidates_join_only_small_buckets() -> None:
