@@ -336,8 +336,7 @@ def shared_memory_infer(
     """A ModelInfer call with every input and output in one system shared memory segment; each
     call copies the inputs in and the outputs out, as a caller with fresh data would."""
     import tritonclient.grpc as syncclient
-
-    from cuvil.demo.shared_tensors import SharedTensors
+    from cuvil_cli.demo.shared_tensors import SharedTensors
 
     first = client.infer(model, infer_inputs(syncclient.InferInput, inputs))
     outputs = {o.name: first.as_numpy(o.name) for o in first.get_response().outputs}

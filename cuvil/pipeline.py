@@ -57,11 +57,12 @@ from cuvil.passes.sibling_linears import fuse_sibling_linears
 from cuvil.precisions import PRECISIONS
 from cuvil.runtime.model import CompiledModel
 from cuvil.runtime.signature import InputBinder, Signature
+from cuvil.stages import COMPILE_STAGES
 from cuvil.verify import OutputError, compare_outputs, worst_relative_error
 
 log = logging.getLogger("cuvil.pipeline")
 
-STAGES = ("export", "import", "verify_ir", "passes", "codegen", "plan", "verify")
+STAGES = COMPILE_STAGES
 PassFunction = Callable[[Program], Program]
 # The passes every target gets, in order; the backend's lowering follows them.
 NEUTRAL_PASSES: tuple[tuple[str, PassFunction], ...] = (

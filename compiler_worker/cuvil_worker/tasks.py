@@ -36,12 +36,12 @@ from cuvil_worker.errors import (
     RegistryFault,
 )
 from cuvil_worker.target_pipeline import (
-    ANNOTATION_COMPILATION,
-    ANNOTATION_TRACE_ID,
     STATE_OF_STAGE,
+    annotations_for,
     build_cached,
     forget_cached,
     publish,
+    push_compilation_index,
 )
 
 log = logging.getLogger(__name__)
@@ -76,10 +76,7 @@ def _retry_registry(task: Task, error: Exception) -> Exception:
 
 
 def _annotations(request: dict[str, Any], trace_id: str | None) -> dict[str, str]:
-    annotations = {ANNOTATION_COMPILATION: f"{request['namespace']}/{request['name']}"}
-    if trace_id:
-        annotations[ANNOTATION_TRACE_ID] = trace_id
-    return annotations
+    return annotations_for(f"{request['namespace']}/{request['name']}", trace_id)
 
 
 def _fetcher(task_id: str) -> Callable[[str], Path]:
@@ -157,7 +154,7 @@ def _target_results(request: dict[str, Any]) -> list[dict[str, Any]]:
 
 @app.task(bind=True, name=TASK_INDEX, acks_late=True, max_retries=None)
 def push_index_task(self: Task, request: dict[str, Any]) -> dict[str, Any]:
-    from cuvil.artifact import PushResult, RegistryError, push_index
+    from cuvil.artifact import RegistryError
 
     check_request(request)
     done = _already_done(self)
@@ -171,15 +168,11 @@ def push_index_task(self: Task, request: dict[str, Any]) -> dict[str, Any]:
     repository, tag = str(output.get("repository") or ""), str(output.get("tag") or "latest")
     if not repository:
         raise InvalidSpec("spec.output.repository is empty")
-    entries = [
-        PushResult(r["ref"], r["digest"], r["size"], r["mediaType"], r["target"], r["precision"])
-        for r in results
-    ]
     with telemetry.continued(request.get("traceparent"), "cuvil.push_index") as span:
         StageReporter(self, None)("index")
         annotations = _annotations(request, telemetry.trace_id_of(span))
         try:
-            index = push_index(f"{repository}:{tag}", entries, annotations=annotations)
+            index = push_compilation_index(f"{repository}:{tag}", results, annotations)
         except RegistryError as error:
             if not error.retryable:
                 raise CompileFailed(f"registry refused the index: {error}") from None

@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def cuvil(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "cuvil.cli.main", *args],
+        [sys.executable, "-m", "cuvil_cli.main", *args],
         cwd=REPO,
         capture_output=True,
         text=True,

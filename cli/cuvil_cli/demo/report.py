@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from cuvil.demo.compilation import Compiled
-from cuvil.demo.serving import Served
+from cuvil_cli.demo.compilation import Compiled
+from cuvil_cli.demo.serving import Served
 
 
 @dataclass

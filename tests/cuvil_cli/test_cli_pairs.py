@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-
-from cuvil.cli.pairs import key_values
+from cuvil_cli.pairs import key_values
 
 
 def test_pairs_become_a_mapping_and_values_keep_their_equals_signs() -> None:

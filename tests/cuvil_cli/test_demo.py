@@ -13,8 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-from cuvil.cli.main import main
+from cuvil_cli.main import main
 
 REPO = Path(__file__).resolve().parents[2]
 REF_NAME = "org.opencontainers.image.ref.name"  # the tag, in an OCI layout's index.json
@@ -25,7 +24,7 @@ def run_demo(
 ) -> tuple[subprocess.CompletedProcess[str], float]:
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("CUVIL_", "OTEL_"))}
     environ |= {"HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore::FutureWarning"}
-    command = [sys.executable, "-m", "cuvil.cli.main", "demo", "--models", models]
+    command = [sys.executable, "-m", "cuvil_cli.main", "demo", "--models", models]
     started = time.monotonic()
     done = subprocess.run(
         [*command, "--out", str(out), "--bench-iterations", "5", *extra],

@@ -9,10 +9,10 @@ from pathlib import Path
 from cuvil.artifact import describe_reference, resolve_model
 from cuvil.artifact.files import read_artifact
 from cuvil.artifact.reference import is_artifact_path, is_oci_reference
-from cuvil.cli.oci_commands import add_registry_arguments, print_description, registry_config_from
 from cuvil.ir_dot import graph_to_dot, render_svg
 from cuvil.ir_text import print_graph
 from cuvil.runtime.signature import Signature
+from cuvil_cli.oci_commands import add_registry_arguments, print_description, registry_config_from
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -28,8 +28,8 @@ import torch
 from cuvil_worker.checks import call as eager_outputs
 from torch.utils import _pytree as pytree
 
-from cuvil.demo.shared_tensors import SharedTensors
 from cuvil.verify import compare_output
+from cuvil_cli.demo.shared_tensors import SharedTensors
 
 SERVE_TOLERANCE = 1e-3  # max abs error / output scale, as the sidecar's own golden check
 TRITON_DTYPES = {"FP32": torch.float32, "INT64": torch.int64, "INT32": torch.int32}

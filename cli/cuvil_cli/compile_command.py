@@ -12,9 +12,9 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from cuvil.api import jit
 from cuvil.artifact import push_artifact
 from cuvil.artifact.reference import is_oci_reference
-from cuvil.cli.oci_commands import add_registry_arguments, registry_config_from
-from cuvil.cli.spec import load_factory_spec
 from cuvil.pipeline import STAGES
+from cuvil_cli.oci_commands import add_registry_arguments, registry_config_from
+from cuvil_cli.spec import load_factory_spec
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

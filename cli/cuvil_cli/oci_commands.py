@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from cuvil.artifact.registry_config import RegistryConfig
-from cuvil.cli.pairs import key_values
+from cuvil_cli.pairs import key_values
 
 
 def add_registry_arguments(parser: argparse.ArgumentParser) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from cuvil.cli.spec import COMPILATION_KIND, SpecError
+from cuvil_cli.spec import COMPILATION_KIND, SpecError
 
 DEFAULT_TARGET = "cpu-x86_64"
 BUILTIN_MODULE = "cuvil.models"
@@ -88,13 +88,11 @@ def compile_to_layout(
     from cuvil_worker import telemetry
     from cuvil_worker.config import WorkerConfig
     from cuvil_worker.target_pipeline import (
-        ANNOTATION_COMPILATION,
-        ANNOTATION_TRACE_ID,
+        annotations_for,
         build,
         publish,
+        push_compilation_index,
     )
-
-    from cuvil.artifact import PushResult, push_index
 
     started = time.perf_counter()
     repository = f"oci:{layout.resolve()}"
@@ -103,23 +101,12 @@ def compile_to_layout(
     target = model.target
     parent = telemetry.current_traceparent()
     with telemetry.continued(parent, "cuvil.compile_target", target=target) as span:
-        annotations = {ANNOTATION_COMPILATION: f"demo/{model.name}"}
-        trace_id = telemetry.trace_id_of(span)
-        if trace_id:
-            annotations[ANNOTATION_TRACE_ID] = trace_id
+        annotations = annotations_for(f"demo/{model.name}", telemetry.trace_id_of(span))
         packaged = build(spec, target, config, on_stage)
         pushed = publish(packaged, spec, target, on_stage, annotations)
     with telemetry.continued(parent, "cuvil.push_index"):
         on_stage("index")
-        entry = PushResult(
-            pushed["ref"],
-            pushed["digest"],
-            pushed["size"],
-            pushed["mediaType"],
-            pushed["target"],
-            pushed["precision"],
-        )
-        index = push_index(f"{repository}:{model.name}", [entry], annotations=annotations)
+        index = push_compilation_index(f"{repository}:{model.name}", [pushed], annotations)
     return Compiled(
         name=model.name,
         reference=f"{repository}:{model.name}",

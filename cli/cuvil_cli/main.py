@@ -12,12 +12,12 @@ import importlib
 import sys
 
 COMMANDS = (
-    "cuvil.cli.compile_command",
-    "cuvil.cli.inspect_command",
-    "cuvil.cli.run_command",
-    "cuvil.cli.demo_command",
-    "cuvil.cli.serve_command",
-    "cuvil.cli.oci_commands",
+    "cuvil_cli.compile_command",
+    "cuvil_cli.inspect_command",
+    "cuvil_cli.run_command",
+    "cuvil_cli.demo_command",
+    "cuvil_cli.serve_command",
+    "cuvil_cli.oci_commands",
 )
 
 

@@ -6,7 +6,7 @@ validation and benchmark against eager, gates, package, push) into a local OCI i
 pointing at that reference, send requests with NVIDIA's ``tritonclient.grpc``, check every
 answer against eager PyTorch, and print the fusion report, the latencies and the trace that
 joins the compile spans (this process) to the serving spans (the sidecar, over OTLP).
-Exits 1 when any check fails. The steps live in ``cuvil.demo``.
+Exits 1 when any check fails. The steps live in ``cuvil_cli.demo``.
 """
 
 from __future__ import annotations
@@ -55,10 +55,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run_demo(args: argparse.Namespace) -> int:
     from opentelemetry import trace
 
-    from cuvil.demo import report
-    from cuvil.demo.compilation import demo_model
-    from cuvil.demo.traces import LocalSpans, render_tree
     from cuvil.otlp_receiver import OtlpReceiver
+    from cuvil_cli.demo import report
+    from cuvil_cli.demo.compilation import demo_model
+    from cuvil_cli.demo.traces import LocalSpans, render_tree
 
     started = time.perf_counter()
     models = [demo_model(text) for text in args.models]  # bad --models fail before any work
@@ -67,14 +67,14 @@ def run_demo(args: argparse.Namespace) -> int:
     out: Path = args.out
     layout = out / "layout"
     out.mkdir(parents=True, exist_ok=True)
-    tracer = trace.get_tracer("cuvil.demo")
+    tracer = trace.get_tracer("cuvil_cli.demo")
     runs: list[report.ModelRun] = []
     roots: dict[str, Any] = {}
     receiver = None if args.no_serve else OtlpReceiver().start()
     sidecars: dict[str, Any] = {}
     try:
         for model in models:
-            root = tracer.start_span(f"cuvil.demo {model.name}")
+            root = tracer.start_span(f"cuvil_cli.demo {model.name}")
             roots[model.name] = root
             run = report.ModelRun(model.name, format(root.get_span_context().trace_id, "032x"))
             runs.append(run)
@@ -121,8 +121,8 @@ def _quiet_progress_bars() -> None:
 def _compile(run: Any, model: Any, layout: Path, bench_iterations: int) -> None:
     from cuvil_worker.errors import CompileFailed
 
-    from cuvil.demo import report
-    from cuvil.demo.compilation import compile_to_layout
+    from cuvil_cli.demo import report
+    from cuvil_cli.demo.compilation import compile_to_layout
 
     try:
         run.compiled = compile_to_layout(
@@ -136,7 +136,7 @@ def _compile(run: Any, model: Any, layout: Path, bench_iterations: int) -> None:
 
 
 def _start_sidecar(run: Any, out: Path, otlp_endpoint: str) -> Any:
-    from cuvil.demo.serving import SidecarProcess
+    from cuvil_cli.demo.serving import SidecarProcess
 
     env = SIDECAR_ENV | {
         "CUVIL_CACHE_DIR": str((out / "cache").resolve()),
@@ -159,9 +159,9 @@ def _serve(
     from cuvil_worker import telemetry
     from opentelemetry import trace
 
-    from cuvil.demo import report
-    from cuvil.demo.serving import send_requests
     from cuvil.frontend.sources import load_source
+    from cuvil_cli.demo import report
+    from cuvil_cli.demo.serving import send_requests
 
     # The eager references, loaded as the worker loaded them (seeded: the same weights).
     sources = {name: load_source(specs[name]) for name in sidecars}
@@ -180,7 +180,7 @@ def _serve(
         source = sources[run.name]
         vocab = int(getattr(getattr(source.model, "config", None), "vocab_size", 0) or 2)
         context = trace.set_span_in_context(roots[run.name])
-        with tracer.start_as_current_span("cuvil.demo.requests", context=context):
+        with tracer.start_as_current_span("cuvil_cli.demo.requests", context=context):
             run.served = send_requests(
                 sidecars[run.name],
                 source.model,
