@@ -71,6 +71,9 @@ def test_operator_image_has_no_torch_but_every_operator_import() -> None:
     assert third_party <= set(OPERATOR_IMPORTS), third_party - set(OPERATOR_IMPORTS)
 
 
+LIGHT_MODULES = ("cuvil.targets", "cuvil.precisions")
+
+
 def _imports_of(package: Path) -> set[str]:
     """Third-party top-level modules the package imports, following its cuvil_* imports."""
     seen: set[Path] = set()
@@ -95,6 +98,8 @@ def _imports_of(package: Path) -> set[str]:
                     queue += [
                         p for p in (module.with_suffix(".py"), module / "__init__.py") if p.exists()
                     ]
+                elif name in LIGHT_MODULES:  # cuvil's vocabulary, read without torch
+                    queue.append(ROOT.joinpath(*name.split(".")).with_suffix(".py"))
                 elif top == "cuvil":
                     found.add(top)  # the compiler: never in the operator image
                 elif top not in sys.stdlib_module_names and top != "__future__":
