@@ -1,4 +1,11 @@
-"""``cuvil compile SPEC -o PATH``: compile a model with a live stage display."""
+"""``cuvil compile SPEC [-o PATH_OR_REF]``: compile a model with a live stage display.
+
+A ModelCompilation YAML goes through the worker's own per-target pipeline
+(``cuvil_cli.compilation``): its validation, benchmark and gates hold as on the cluster (a failed
+gate exits 1 naming its measured value and threshold), every target is compiled, and without
+``-o`` the result goes where ``spec.output`` says. A Python ``module:factory`` is compiled with
+``cuvil.jit`` for one target.
+"""
 
 from __future__ import annotations
 
@@ -14,17 +21,26 @@ from cuvil.artifact import push_artifact
 from cuvil.artifact.reference import is_oci_reference
 from cuvil.pipeline import STAGES
 from cuvil_cli.oci_commands import add_registry_arguments, registry_config_from
-from cuvil_cli.spec import load_factory_spec
+from cuvil_cli.spec import SpecError, load_factory_spec
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("compile", help="compile a model (SPEC: module:factory)")
-    parser.add_argument("spec", help="a Python 'module:factory', e.g. cuvil.models:resnet50")
-    parser.add_argument(
-        "-o", "--output", required=True, help="artifact path, or a registry/oci: REF to push to"
+    parser = subparsers.add_parser(
+        "compile", help="compile a model (SPEC: a ModelCompilation YAML or module:factory)"
     )
     parser.add_argument(
-        "--target", help="cpu-x86_64, cuda-sm_90, … (default: the YAML's first target, else cpu)"
+        "spec", help="a ModelCompilation YAML, or a Python 'module:factory' (cuvil.models:mlp)"
+    )
+    parser.add_argument(
+        "-o",
+        "--output",
+        help="artifact path, or a registry/oci: REF to push to (default: the YAML's spec.output)",
+    )
+    parser.add_argument(
+        "--target", help="cpu-x86_64, cuda-sm_90, … (default: the YAML's targets, else cpu)"
+    )
+    parser.add_argument(
+        "--bench-iterations", type=int, default=20, help="a YAML's benchmark: timed runs each"
     )
     parser.add_argument("--precision", help="fp32 or bf16 (default: the YAML's, else fp32)")
     parser.add_argument("--dir", action="store_true", help="write the directory form, not one file")
@@ -37,6 +53,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_compile(args: argparse.Namespace) -> int:
+    if args.spec.endswith((".yaml", ".yml")):
+        from cuvil_cli.compile_spec import compile_yaml
+
+        return compile_yaml(args)
+    if not args.output:
+        raise SpecError("-o PATH_OR_REF is needed for a module:factory SPEC")
     console = Console(stderr=True)
     spec = load_factory_spec(args.spec)
     targets = spec.metadata.get("targets") or []

@@ -14,16 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
 from cuvil.models.catalog import ModelSpec
+from cuvil_cli.compilation import CompilationSpecError, read_compilation
 
 
 class SpecError(ValueError):
     pass
-
-
-COMPILATION_KIND = "ModelCompilation"
 
 
 def load_factory_spec(spec: str) -> ModelSpec:
@@ -72,18 +69,12 @@ def load_compilation_spec(path: str | Path) -> ModelSpec:
     from cuvil.frontend.sources import SourceError, load_source
 
     try:
-        documents = [d for d in yaml.safe_load_all(Path(path).read_text()) if d]
-    except (OSError, yaml.YAMLError) as error:
-        raise SpecError(f"cannot read {path}: {error}") from None
-    manifests = [d for d in documents if isinstance(d, dict) and d.get("kind") == COMPILATION_KIND]
-    if not manifests:
-        raise SpecError(f"{path} holds no {COMPILATION_KIND}")
-    manifest = manifests[0]
-    body = manifest.get("spec") or {}
-    try:
-        source = load_source(body)
-    except SourceError as error:
-        raise SpecError(f"{path}: {error}") from None
-    name = str((manifest.get("metadata") or {}).get("name") or source.name)
+        compilation = read_compilation(path)
+        source = load_source(compilation.spec)
+    except (CompilationSpecError, SourceError) as error:
+        raise SpecError(str(error)) from None
+    body = compilation.spec
     metadata = {"targets": list(body.get("targets") or []), "precision": body.get("precision")}
-    return ModelSpec(name, source.model, source.example_inputs, source.dynamic_shapes, metadata)
+    return ModelSpec(
+        compilation.name, source.model, source.example_inputs, source.dynamic_shapes, metadata
+    )

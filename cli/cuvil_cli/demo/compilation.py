@@ -3,7 +3,8 @@
 What the ``cuvil.compile`` Celery task does for one target (``cuvil_worker.target_pipeline``:
 load -> cuvil.jit -> validate -> benchmark -> gates -> package -> publish), then what the
 ``cuvil.push_index`` task does (an OCI index tagged with the model's name), only with a local OCI
-image layout standing in for the registry and no broker: the same functions, called directly.
+image layout standing in for the registry and no broker: the same functions, called directly
+through ``cuvil_cli.compilation``.
 """
 
 from __future__ import annotations
@@ -12,11 +13,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
+from cuvil_cli.compilation import (
+    DEFAULT_TARGET,
+    Compilation,
+    CompilationSpecError,
+    build_targets,
+    push_targets,
+    read_compilation,
+)
+from cuvil_cli.spec import SpecError
 
-from cuvil_cli.spec import COMPILATION_KIND, SpecError
-
-DEFAULT_TARGET = "cpu-x86_64"
 BUILTIN_MODULE = "cuvil.models"
 
 
@@ -51,20 +57,12 @@ def demo_model(text: str) -> DemoModel:
     The worker compiles what a spec names, not arbitrary Python: other ``module:factory``
     strings are refused (``cuvil compile`` takes those).
     """
-    path = Path(text)
-    if text.endswith((".yaml", ".yml")) or path.is_file():
+    if text.endswith((".yaml", ".yml")) or Path(text).is_file():
         try:
-            documents = [d for d in yaml.safe_load_all(path.read_text()) if d]
-        except (OSError, yaml.YAMLError) as error:
-            raise SpecError(f"cannot read {text}: {error}") from None
-        manifest = next(
-            (d for d in documents if isinstance(d, dict) and d.get("kind") == COMPILATION_KIND),
-            None,
-        )
-        if manifest is None:
-            raise SpecError(f"{text} holds no {COMPILATION_KIND}")
-        name = str((manifest.get("metadata") or {}).get("name") or path.stem)
-        return DemoModel(name, dict(manifest.get("spec") or {}))
+            compilation = read_compilation(text)
+        except CompilationSpecError as error:
+            raise SpecError(str(error)) from None
+        return DemoModel(compilation.name, compilation.spec)
     module, _, factory = text.partition(":")
     if module != BUILTIN_MODULE or not factory:
         raise SpecError(
@@ -78,7 +76,8 @@ def demo_model(text: str) -> DemoModel:
 def compile_to_layout(
     model: DemoModel, layout: Path, *, bench_iterations: int, on_stage: Any
 ) -> Compiled:
-    """The worker's build + publish for the model's first target, then the index under its tag.
+    """The worker's build + publish for the model's first target, then the index under its tag
+    (``cuvil_cli.compilation``, which ``cuvil compile SPEC.yaml`` runs too).
 
     Raises the worker's own errors (``cuvil_worker.errors.CompileFailed`` and subclasses) when
     the model does not compile, validate or pass its gates.
@@ -86,33 +85,28 @@ def compile_to_layout(
     import time
 
     from cuvil_worker import telemetry
-    from cuvil_worker.config import WorkerConfig
-    from cuvil_worker.target_pipeline import (
-        annotations_for,
-        build,
-        publish,
-        push_compilation_index,
-    )
 
     started = time.perf_counter()
-    repository = f"oci:{layout.resolve()}"
-    spec = dict(model.spec) | {"output": {"repository": repository, "tag": model.name}}
-    config = WorkerConfig(work_dir=layout.parent / "work", bench_iterations=bench_iterations)
-    target = model.target
+    reference = f"oci:{layout.resolve()}:{model.name}"
+    compilation = Compilation(model.name, dict(model.spec) | {"targets": [model.target]})
     parent = telemetry.current_traceparent()
-    with telemetry.continued(parent, "cuvil.compile_target", target=target) as span:
-        annotations = annotations_for(f"demo/{model.name}", telemetry.trace_id_of(span))
-        packaged = build(spec, target, config, on_stage)
-        pushed = publish(packaged, spec, target, on_stage, annotations)
+    with telemetry.continued(parent, "cuvil.compile_target", target=model.target) as span:
+        compiled = build_targets(
+            compilation, work_dir=layout.parent / "work", bench_iterations=bench_iterations,
+            on_stage=on_stage,
+        )  # fmt: skip
     with telemetry.continued(parent, "cuvil.push_index"):
-        on_stage("index")
-        index = push_compilation_index(f"{repository}:{model.name}", [pushed], annotations)
+        push_targets(
+            compiled, compilation, reference, on_stage=on_stage,
+            trace_id=telemetry.trace_id_of(span),
+        )  # fmt: skip
+    (pushed,) = compiled.pushed
     return Compiled(
         name=model.name,
-        reference=f"{repository}:{model.name}",
+        reference=reference,
         manifest_digest=pushed["digest"],
-        index_digest=index.digest,
-        target=target,
-        report=packaged.report,
+        index_digest=str(compiled.index_digest),
+        target=model.target,
+        report=compiled.report(model.target),
         seconds=time.perf_counter() - started,
     )
