@@ -32,15 +32,15 @@
 - ``CUVIL_SHARED_MEMORY`` (``system``): Triton's system shared-memory extension, for clients on
   the same node (``shared_memory.py``); ``off`` answers its RPCs UNIMPLEMENTED.
 - ``CUVIL_GRPC_FRONTEND`` (``auto``): the gRPC server: ``native`` (gRPC C++, built on first use
-  from the system's ``libgrpc++-dev``; ~0.1 ms less per call), ``grpcio`` (grpcio's asyncio
+  from the system's ``libgrpc++-dev``; less Python per call), ``grpcio`` (grpcio's asyncio
   server), or ``auto``: native where it builds, else grpcio with a warning saying why.
 - ``CUVIL_TORCH_THREADS`` (0 = torch's default, one per core): intra-op threads per model run
   (ONNX Runtime's ``intra_op_num_threads``). On a node shared with other busy pods, fewer
   threads than cores avoids runs stalling on a thread the scheduler has parked.
-- ``GOMP_SPINCOUNT`` (3000 here, libgomp's own default 300000): how long OpenMP threads spin for
-  more work before sleeping; long enough to bridge the gaps between a run's parallel regions,
-  short enough that after a run they give their cores back to the client, gRPC and the next
-  request (``main.py``).
+- ``GOMP_SPINCOUNT`` (3000 in the sidecar, libgomp's own default 300000): how long OpenMP
+  threads spin for more work before sleeping; long enough to bridge the gaps between a run's
+  parallel regions, short enough that after a run they give their cores back to the client,
+  gRPC and the next request (``main.py``).
 
 Tracing is configured by the standard ``OTEL_*`` variables (see ``tracing.py``).
 """

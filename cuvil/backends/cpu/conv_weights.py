@@ -1,14 +1,13 @@
 """Convolution weights in oneDNN's blocked layout, packed per batch class.
 
-The blocked layout oneDNN wants depends on the input geometry, batch included: on this AVX2
-EPYC a 1x1 convolution uses ``Acdb32a`` at batch 1 and ``Acdb24a`` at batch 2 and above. A
-weight packed for the wrong one is reordered on every call — through oneDNN's generic reorder,
-44 ms for ResNet-50's 2048->512 weight, which made a batch-2 ResNet-50 4.5x slower than at
-batch 1 per image. So weights are packed per batch class: batch 1, and batch >= 2 (checked on
-every ResNet-50 convolution at batches 2, 3, 4, 8, 16, 32: one layout, but for a 3x3 128-channel
-convolution at batch 3). The class a model is compiled for is packed at load; the other only
-when a call first needs it, from the packed one (no second plain copy is kept). Without static
-channels and spatial sizes the weight stays plain channels-last.
+The blocked layout oneDNN wants depends on the input geometry, batch included: on AVX2, for
+example, a 1x1 convolution's weight blocks differ between batch 1 and larger batches. A weight
+packed for the wrong one is reordered on every call, through oneDNN's generic reorder, which for
+a large weight costs many times the convolution itself. So weights are packed per batch class:
+batch 1, and batch >= 2 (above one, oneDNN's choice rarely varies with the batch, and where it
+does the cost is a reorder, not a wrong answer). The class a model is compiled for is packed at
+load; the other only when a call first needs it, from the packed one (no second plain copy is
+kept). Without static channels and spatial sizes the weight stays plain channels-last.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """``cuvil.conv2d`` on oneDNN convolution primitives kept across calls, channels-last in and out.
 
-How the primitives are kept: backends/cpu/kept_primitives.py. Measured on this 2-core EPYC at 2
-threads against ATen's ``mkldnn._convolution_pointwise`` on the same weights: 12.5 vs 51 us for
-an 8-channel 3x3 convolution on 4x4 pixels, 7-10 % less on most ResNet-50 layers, and 1.6 vs
-2.8 ms on its 7x7 stem; ResNet-50 as a whole went from 1.20x ONNX Runtime's time to 1.06x.
+How the primitives are kept: backends/cpu/kept_primitives.py. Against ATen's
+``mkldnn._convolution_pointwise`` on the same weights, a kept primitive saves the descriptor
+ATen rebuilds on every call: a large share of a small convolution's time, where that set-up
+outweighs the arithmetic, and a smaller one on large layers. The figures for whole models are
+in benchmarks/README.md.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """``cuvil.linear`` on oneDNN inner-product primitives kept across calls: the "onednn" path of
 runtime/linear_kernels.py where libdnnl is loaded (backends/cpu/dnnl.py).
 
-How the primitives are kept: backends/cpu/kept_primitives.py. oneDNN 3.2 runs these as
-``brgemm:avx2`` on this 2-core EPYC. Against MKL's ``addmm`` plus an in-place activation, timed
-alternately at 2 threads: MiniLM's fused QKV projection (128x384 -> 1152) 0.60 vs 0.76 ms, its
-FFN up with GELU (-> 1536) 0.89 vs 1.11 ms, its FFN down with the residual add 0.83 vs 0.96 ms,
-and a one-row 784 -> 512 with ReLU 26 vs 44 us. The tactics still time both in place.
+How the primitives are kept: backends/cpu/kept_primitives.py. The inner product applies the
+bias, the activation and the residual add as post-ops while each output block is still in
+cache, where MKL's ``addmm`` plus an in-place activation makes a second pass over the output.
+Which is faster depends on the CPU's ISA (oneDNN picks its kernel for it, ``brgemm`` on AVX2 and
+up) and on the shape, so the tactics time both in place rather than assume either.
 """
 
 from __future__ import annotations

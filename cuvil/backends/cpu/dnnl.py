@@ -1,10 +1,10 @@
 """oneDNN's C API through ctypes: primitives built once and kept, for kernels that ATen rebuilds.
 
 Why not only ATen: ``torch.ops.mkldnn._convolution_pointwise`` builds oneDNN's primitive
-descriptor on every call, about 50 us before any arithmetic on this 2-core EPYC (99 us for an
-8-channel 1x1 convolution on 4x4 pixels; 15 us through this module). ResNet-50 makes 53 such calls
-per image. Here a primitive is created once per input shape and executed with the tensors' data
-pointers bound in place, which is what ONNX Runtime and OpenVINO do natively.
+descriptor on every call, which costs more than the arithmetic of a small convolution and is
+paid once for every convolution of every image. Here a primitive is created once per input
+shape and executed with the tensors' data pointers bound in place, which is what ONNX Runtime
+and OpenVINO do natively.
 
 The library is ``libdnnl.so.3`` from the ``onednn-cpu-gomp`` wheel (oneDNN 3.2, GNU OpenMP: it
 shares the libgomp that torch loads, so ``torch.set_num_threads`` governs both). oneDNN keeps its

@@ -1,11 +1,12 @@
 """oneDNN primitives kept across calls, one per input shape, for one constant weight.
 
-The shared half of direct_conv.py and direct_linear.py. A primitive is built on
-the first call with a new input shape (about 0.2-1 ms, weight packing included) with the
-activation and any residual add as post-ops; the weight is packed into the blocked layout that
-primitive asks for, once per distinct layout, from the first packed copy (no plain copy is kept
-once one exists). A call binds the input, output and residual pointers and executes: about
-10 us of Python and ctypes, where ATen's call rebuilds the descriptor (about 50 us).
+The shared half of direct_conv.py and direct_linear.py. A primitive is built on the first call
+with a new input shape (the costly step, weight packing included, which the sidecar's warm-up
+takes before serving) with the activation and any residual add as post-ops; the weight is packed
+into the blocked layout that primitive asks for, once per distinct layout, from the first packed
+copy (no plain copy is kept once one exists). A call only binds the input, output and residual
+pointers and executes, where ATen's call rebuilds the primitive descriptor every time, which
+costs more than the arithmetic of a small convolution.
 
 Keys carry the thread count: oneDNN splits the work for the count at creation and keeps that
 split. The memory objects that carry pointers are per thread, so threads may run one model at
@@ -87,7 +88,7 @@ class KeptPrimitives:
         self.activation = activation
         self.has_residual = residual
         # a donated residual is dead after this op: the output is written over it (oneDNN's sum
-        # post-op, 3-15 % faster than a binary add that reads it as a separate input)
+        # post-op, which saves the binary add's read of a separate input and a fresh output)
         self.donated = residual and donated
         self.bias = bias.float().contiguous() if bias is not None else None
         self.primitives: dict[tuple[int, ...], _Primitive] = {}

@@ -7,15 +7,15 @@
     split   for up to 4 rows: the weight split across threads as a batched GEMM
             (MKL runs a one-row GEMM on one thread; see backends/cpu/split_gemm.py)
 
-None wins everywhere (see cuvil/backends/cpu/tactics.py for the measured cases), so each linear
+None wins everywhere (see cuvil/backends/cpu/tactics.py for why), so each linear
 times them, in place, over its first calls in a new row-count bucket and keeps the fastest.
 Both paths keep their own copy of the weight (oneDNN's blocked layout is opaque to MKL): fp32
 linear weights take twice their size in memory while loaded.
 
 bf16 weights run in bf16 on CPUs whose oneDNN has bf16 instructions (AVX512-BF16, AMX); on
-others they are widened to fp32 once at load — the fp32 GEMM is 5-10x faster there than ATen's
-emulated bf16, and the result only carries bf16's weight rounding. ``compute_precision()`` says
-which one runs.
+others they are widened to fp32 once at load — the fp32 GEMM is several times faster there
+than ATen's emulated bf16, and the result only carries bf16's weight rounding.
+``compute_precision()`` says which one runs.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def _tactic_linear(
     decided: dict[int, Callable[..., torch.Tensor]] = {}  # 2-D calls: rows -> chosen path
 
     def linear(x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2:  # already rows: skip the reshapes and the bucket (5 us of 9 at 1 row)
+        if x.dim() == 2:  # already rows: skip the reshapes and the bucket (most of a 1-row call)
             path = decided.get(x.shape[0])
             if path is not None:
                 return path(x, *rest)

@@ -4,17 +4,15 @@ A channels-last 1x1 convolution with stride 1, no padding and one group is a mat
 the input viewed as ``[N*H*W, C_in]`` (no copy) times the weight as ``[C_in, C_out]`` gives the
 output as ``[N*H*W, C_out]``, which is the channels-last output viewed back (no copy either).
 
-Why a second path: the kernels differ. 64->256 channels on 56x56 pixels took 1.99 ms in oneDNN
-and 1.37 ms as an MKL GEMM on one thread, while oneDNN won most other ResNet-50 shapes by 2-15 %.
-(The GEMM path was first added because every oneDNN convolution call through ATen cost about
-50 us of set-up; the kept primitives of backends/cpu/direct_conv.py have since cut that to ~10 us.)
-Neither wins everywhere, so both run under ``Tactics`` (timed in place, the faster kept per
-batch bucket).
+Why a second path: the kernels differ. MKL's GEMM and oneDNN's convolution block the same
+product differently, and which is faster depends on the shape (a few channels on many pixels
+can favour the GEMM, where oneDNN wins most others) and on the CPU. Neither wins everywhere, so
+both run under ``Tactics`` (timed in place, the faster kept per batch bucket).
 
 Epilogue on the GEMM path: the bias rides in ``addmm``; a residual is added first (residual +
 bias, into a fresh buffer) and the GEMM accumulates into it; the activation runs in place last.
-The GEMM path reads the weight as loaded, through a transposed view (MKL takes it as it is, at
-the same speed as a transposed copy here), so it holds no second copy of the weight.
+The GEMM path reads the weight as loaded, through a transposed view (MKL takes a transposed
+operand as a flag, not a copy), so it holds no second copy of the weight.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """A third GEMM path for linears called with a few rows: the weight split across threads.
 
 At one row a linear is a matrix-vector product, and MKL runs it on one thread however many
-there are (784->512: 39 us on 1 thread and on 2). Splitting the output features into one part
-per thread and running the parts as a batched GEMM (``baddbmm``, batch = parts) puts every
+there are, so its time does not fall with more threads. Splitting the output features into one
+part per thread and running the parts as a batched GEMM (``baddbmm``, batch = parts) puts every
 thread to work, each on the same slice of the weight every call, so on a CPU with per-core L2
-each part can stay in its core's cache between calls. Measured at one row, 2 threads, weights
-hot: 784->512 38 -> 25 us, 384->1536 58 -> 35 us, 2048->1000 164 -> 84 us.
+each part can stay in its core's cache between calls. Whether that wins for a given shape and
+host is for ``Tactics`` to time; the figures are in benchmarks/README.md.
 
 The parts are views of the weight when the feature count divides evenly, else of a copy padded
 with zero rows (the padding is sliced off the result). The path joins the others under

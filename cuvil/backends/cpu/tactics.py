@@ -1,30 +1,29 @@
 """Tactic selection: when kernels compute the same thing, time each on this CPU, inside the
 running model, and keep the fastest, per shape bucket.
 
-Which GEMM path wins depends on the CPU, the shape and what the caches hold. On a 2-core AVX2
-EPYC, MKL's sgemm (``addmm``) beats oneDNN's prepacked linear by 5-15 % on MiniLM shapes timed
-in a loop, and oneDNN's erf-GELU post-op is 45 % slower than a separate in-place GELU; but inside
-the tiny Llama, where each weight arrives from L3 rather than L2, oneDNN is 8 % faster overall.
-Timing candidates back to back on a hot weight picked the wrong path there, so the timing is
-done in place: while a bucket (row counts rounded up to a power of two) is undecided, its calls
-take the candidates in runs of ``ROUNDS + 1`` consecutive calls, timed where the model really
-runs them; the first call of each run is untimed (oneDNN builds its primitive there, and the
-caches still hold the previous candidate's copy of the weight). Runs rather than alternation
-(A B A B), because each path keeps its own copy of the weight: alternating, every call found
-its weight evicted by the other path's copy, a state that never occurs once one is chosen. A
-one-row GEMM split across cores (backends/cpu/split_gemm.py) only wins with its weight slices still
-in each core's L2, which alternation never showed.
+Which GEMM path wins depends on the CPU, the shape and what the caches hold. A path that wins on
+a shape timed alone in a loop, its weight hot in L2, can lose inside a model, where each weight
+arrives from L3 or memory after the layers before it evicted it; and a fused post-op is not
+always faster than a separate in-place activation (oneDNN's erf-GELU, for one). Timing
+candidates back to back on a hot weight can pick the wrong path, so the timing is done in place:
+while a bucket (row counts rounded up to a power of two) is undecided, its calls take the
+candidates in runs of ``ROUNDS + 1`` consecutive calls, timed where the model really runs them;
+the first call of each run is untimed (oneDNN builds its primitive there, and the caches still
+hold the previous candidate's copy of the weight). Runs rather than alternation (A B A B),
+because each path keeps its own copy of the weight: alternating, every call would find its
+weight evicted by the other path's copy, a state that never occurs once one is chosen. A one-row
+GEMM split across cores (backends/cpu/split_gemm.py) only wins with its weight slices still in
+each core's L2, which alternation never shows.
 
-The runs go round the candidates ``BLOCKS`` times (A A A A A B B B B B, three times over), and
-a candidate's time is the median over its runs of each run's fastest call. One run each was not
-enough on a shared host: every op of a model times its candidates in the same model runs, so a
-slow second of the host decided all of them at once. Three ResNet-50 loads in a row picked
-``gemm`` for all 20 pointwise convolutions in one (51.2 ms a run) and ``onednn`` in the two
-others (46.1 and 46.8 ms). For the same reason each ``Tactics`` starts its round at a different
-candidate (by the order they were made), so that a slow stretch falls on different candidates
-of different ops. After the trial the fastest serves the bucket. Every call returns the
-candidate's result, so nothing runs twice. Candidates must be pure: same inputs, same result
-(to rounding).
+The runs go round the candidates ``BLOCKS`` times (A A A A A B B B B B, three times over), and a
+candidate's time is the median over its runs of each run's fastest call. One run each is not
+enough on a shared host: every op of a model times its candidates in the same model runs, so one
+slow stretch of the host can decide all of them at once, and one load of a model can run the
+slower kernel in every layer where another load of it does not. For the same reason each
+``Tactics`` starts its round at a different candidate (by the order they were made), so that a
+slow stretch falls on different candidates of different ops. After the trial the fastest serves
+the bucket. Every call returns the candidate's result, so nothing runs twice. Candidates must be
+pure: same inputs, same result (to rounding).
 
 Outputs of one candidate and another differ in rounding, so a bucket's results are only
 bit-stable once it is decided: the CPU backend runs a shape until every choice it

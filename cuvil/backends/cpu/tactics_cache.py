@@ -1,11 +1,11 @@
-"""The tactics cache: the kernel choices a model made on this machine (tactics.py), kept
+"""The tactics cache: the kernel choices a model made on one machine (tactics.py), kept
 on disk, so that the next load of the same artifact (a restart, a reload, another replica on
 the node, a benchmark's in-process copy) runs the same kernels at once instead of timing them
 again, as TensorRT's timing cache does.
 
-Timing is not free and not stable: a ResNet-50 settles in ~30 runs, and on a shared host two
-loads can choose differently (before the trials were repeated, one load of three chose the GEMM
-path for all 20 pointwise convolutions and ran 10 % slower). With the cache, every load after
+Timing is not free and not stable: each bucket takes ``trial_length`` calls to decide (30 with
+two candidates), and on a shared host two loads can still choose differently, one slow stretch
+of the host deciding every layer's choice at once (tactics.py). With the cache, every load after
 the first runs what the first chose.
 
 A choice holds for the artifact, CPU, thread count and library versions it was timed with, so
@@ -58,7 +58,7 @@ def machine() -> dict[str, str]:
 
 
 def cache_file(directory: Path, artifact_digest: str) -> Path:
-    """Where the choices for this artifact (its config's digest) on this machine live."""
+    """Where the choices for this artifact (its config's digest) on the current machine live."""
     identity = json.dumps([artifact_digest, machine()], sort_keys=True).encode()
     return directory / f"{hashlib.sha256(identity).hexdigest()[:32]}.json"
 
@@ -95,7 +95,7 @@ def write_choices(
 
 
 def take_cached(model: CompiledModel, artifact_digest: str, directory: Path | None) -> Choices:
-    """Preset the choices this artifact made on this machine before, if kept; returns them
+    """Preset the choices this artifact made earlier on the current machine, if kept; returns them
     (``directory`` None: no cache)."""
     if directory is None:
         return {}

@@ -3,9 +3,9 @@
 A 3x3 convolution does 144 multiplies per 4x4 output tile per channel pair; Winograd does 36,
 as 36 GEMMs over the tiles (torch.bmm, MKL) between an input and an output transform
 (native/winograd.c: one pass over memory each, bias, residual and ReLU/ReLU6 folded into
-the output one). On this 2-core AVX2 EPYC the GEMMs of ResNet-50's 64-channel 3x3 layer at 56x56
-take 0.37 ms where the whole direct convolution takes 1.3 ms. Neither ONNX Runtime's MLAS nor
-oneDNN (Winograd only with AVX-512) do this on such a CPU.
+the output one). With a quarter of the multiplies, the GEMMs take a fraction of the direct
+convolution's time, which leaves room for the two transforms on large feature maps. Neither ONNX
+Runtime's MLAS nor oneDNN (Winograd only with AVX-512) offers this on an AVX2-only CPU.
 
 It is offered as a tactic beside the direct convolution (backends/cpu/tactics.py), which times both
 in the running model and keeps the faster per batch bucket: with few tiles (7x7 feature maps) the
@@ -29,10 +29,10 @@ from cuvil.runtime.kernels import PreparedKernel
 
 TILE = 4  # output pixels per tile side; input tiles are TILE + 2 wide
 # Tiles go through in chunks of at most 256 (transform, GEMMs, transform back, chunk by chunk):
-# a chunk's transformed tiles then stay in cache between the three steps. One whole batch at once
-# measured 4.1 ms for 4 images of ResNet-50's 64-channel 56x56 layer, chunks of 256 2.5 ms (of
-# 32, 3.5 ms: thin GEMMs); one image (196 tiles) is one chunk. CHUNK_FLOATS bounds the per-thread
-# workspaces (16 MiB) where channels are many.
+# a chunk's transformed tiles then stay in cache between the three steps, where a whole batch at
+# once spills them to memory; much smaller chunks make the GEMMs too thin. A 56x56 image (196
+# tiles) is one chunk. CHUNK_FLOATS bounds the per-thread workspaces (16 MiB) where channels are
+# many.
 TILES_PER_CHUNK = 256
 CHUNK_FLOATS = 4 << 20
 FUSED_ACTIVATIONS = {"none": 0, "relu": 1, "relu6": 2}  # done in the output transform
@@ -58,9 +58,9 @@ _workspaces = threading.local()
 def workspace(kind: str, shape: tuple[int, ...]) -> torch.Tensor:
     """This thread's buffer ``kind`` viewed as ``shape``, grown as needed and never shrunk.
 
-    Every Winograd layer on a thread shares it: allocating the transformed tiles afresh (1.8 MB
-    for ResNet-50's first 3x3 layer) made glibc hand the pages back and fault them in again on
-    every call, which doubled that layer's time."""
+    Every Winograd layer on a thread shares it: allocating the transformed tiles afresh (buffers
+    of megabytes) would let glibc hand the pages back to the system and fault them in again on
+    every call, a cost of the order of the layer's own arithmetic."""
     size = 1
     for dim in shape:
         size *= dim
@@ -98,8 +98,8 @@ def output_tiles(height: int, width: int, padding: Sequence[int]) -> tuple[int, 
 
 def has_enough_tiles(sizes: Sequence[int | None], padding: Sequence[int]) -> bool:
     """Whether Winograd is worth timing for inputs of these static sizes: 16 or more output
-    tiles per image (ResNet's 14x14 maps and up). On 7x7 maps its GEMMs are four rows thin, 2.4x
-    slower than oneDNN, and its transformed weight would be the largest resident copy (4x the
+    tiles per image (ResNet's 14x14 maps and up). On 7x7 maps its GEMMs are four rows thin, too
+    thin to beat oneDNN, and its transformed weight would be the largest resident copy (4x the
     weight). Dynamic spatial sizes (None) leave it to the timing."""
     if len(sizes) != 4 or sizes[2] is None or sizes[3] is None:
         return True
