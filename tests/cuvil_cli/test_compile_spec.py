@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from cuvil_cli.main import main
 
 import cuvil
-from cuvil_cli.main import main
 
 SPEC = """\
 apiVersion: cuvil.dev/v1alpha1
