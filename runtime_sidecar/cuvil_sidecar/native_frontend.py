@@ -8,7 +8,7 @@ method runs (as a task only once it has to wait); its response (or status) goes 
 ``cuvil_frontend_finish``, which may be called from any thread. Against grpcio's asyncio server,
 which makes every call a task on the loop and runs its own bookkeeping under the GIL, this
 leaves less Python per call; the side-by-side figures are in benchmarks/README.md
-(sidecar_ab.py).
+(sidecar_load.py, its front ends side by side).
 
 A large ModelInfer reaches Python already split (``Method.tensor_field``): the native side
 copies its tensors' bytes once, off the GIL, from gRPC's slices into one buffer of their own,
