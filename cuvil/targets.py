@@ -15,6 +15,8 @@ from dataclasses import dataclass
 FAMILIES = ("cpu", "cuda")
 CPU_ARCHES = ("x86_64", "aarch64")
 CPU_ISAS = ("avx512", "amx")  # x86_64 levels above the baseline, in rising order
+# ISA level -> the /proc/cpuinfo flags a CPU needs for code built for that level
+CPU_ISA_FLAGS = {"avx512": frozenset({"avx512f"}), "amx": frozenset({"amx_tile", "amx_bf16"})}
 CUDA_ARCHES = ("sm_80", "sm_86", "sm_87", "sm_89", "sm_90")
 # The targets a ModelCompilation may name (the CRD's enum), most common first.
 KNOWN_TARGETS = (
