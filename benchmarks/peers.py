@@ -229,7 +229,7 @@ def _prepare_cuvil(case: Case, precision: str) -> Prepared:
         )
     )
     inputs = case.inputs
-    compiled.settle(inputs)  # GEMM paths chosen at this shape (timed in place, runtime/tactics)
+    compiled.prepare(inputs)  # GEMM paths chosen at this shape (timed in place: cpu/tactics.py)
     report = compiled.report
     names = compiled.signature.output_names
 

@@ -35,8 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import sidecar_load as load_test
-
-from cuvil.cli.pairs import key_values
+from cuvil_cli.pairs import key_values
 
 REPO = Path(__file__).resolve().parents[1]
 BLOCKS = {"mlp": (40, 50), "minilm": (20, 8), "resnet50": (12, 4)}  # blocks, calls per block

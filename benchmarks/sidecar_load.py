@@ -120,14 +120,14 @@ def in_process_call(path: Path, inputs: dict[str, np.ndarray]) -> Callable[[], o
 
     from cuvil.artifact import media_types
     from cuvil.artifact.files import read_files
-    from cuvil.runtime import tactics_cache
+    from cuvil.backends.cpu import tactics_cache
     from cuvil.runtime.model import load
 
     model = load(path)
     digest = "sha256:" + hashlib.sha256(read_files(path)[media_types.CONFIG_FILE]).hexdigest()
     cached = tactics_cache.take_cached(model, digest, tactics_folder(path))
     tensors = {name: torch.from_numpy(array) for name, array in inputs.items()}
-    model.settle(tensors)
+    model.prepare(tensors)
     tactics_cache.keep(model, digest, tactics_folder(path), cached)
     warm_until = time.perf_counter() + 1.0  # time, not runs: a fresh process starts slow here
     while time.perf_counter() < warm_until:
@@ -336,8 +336,7 @@ def shared_memory_infer(
     """A ModelInfer call with every input and output in one system shared memory segment; each
     call copies the inputs in and the outputs out, as a caller with fresh data would."""
     import tritonclient.grpc as syncclient
-
-    from cuvil.demo.shared_tensors import SharedTensors
+    from cuvil_cli.demo.shared_tensors import SharedTensors
 
     first = client.infer(model, infer_inputs(syncclient.InferInput, inputs))
     outputs = {o.name: first.as_numpy(o.name) for o in first.get_response().outputs}

@@ -37,12 +37,10 @@ def jit(
     (``"raise"``). ``patterns`` defaults to those accepted by ``cuvil.patterns.register_pattern``.
     """
     from cuvil.patterns import registered_patterns
-    from cuvil.pipeline import DEFAULT_TOLERANCE, CompileOptions, compile_model
+    from cuvil.pipeline import CompileOptions, compile_model
+    from cuvil.precisions import precision as precision_named
 
-    if precision not in DEFAULT_TOLERANCE:
-        raise ValueError(
-            f"precision {precision!r} is not supported; choose from {sorted(DEFAULT_TOLERANCE)}"
-        )
+    budget = precision_named(precision).budget
 
     options = CompileOptions(
         target=target,
@@ -52,7 +50,7 @@ def jit(
         on_stage=on_stage,
         disable_passes=tuple(disable_passes),
         patterns=tuple(registered_patterns() if patterns is None else patterns),
-        tolerance=DEFAULT_TOLERANCE[precision] if tolerance is None else tolerance,
+        tolerance=budget if tolerance is None else tolerance,
         on_mismatch=on_mismatch,
     )
     return compile_model(model, example_inputs, dynamic_shapes, options)

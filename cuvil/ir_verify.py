@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import sympy
 
+from cuvil.fused_ops import fused_op_problems
 from cuvil.ir import DTYPES, LAYOUTS, Graph, Node, free_symbols
 
 NODE_NAME = re.compile(r"[A-Za-z_][\w.]*")
@@ -98,3 +99,5 @@ def _node_problems(node: Node, seen: dict[str, Node], declared: set[str]) -> Ite
         yield f"{where}: a const needs a string 'key'"
     if node.op == "input" and node.args:
         yield f"{where}: an input takes no arguments"
+    for problem in fused_op_problems(node):
+        yield f"{where}: {problem}"

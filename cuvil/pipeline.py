@@ -1,9 +1,13 @@
 """The compile pipeline: the one place that fixes the order of stages.
 
-    export -> import -> verify_ir -> passes -> plan -> verify
+    export -> import -> verify_ir -> passes -> codegen -> plan -> verify
 
 Each stage name is also its OpenTelemetry span name, its key in ``report["stages"]`` and, with a
 dump directory, the file its IR is dumped to (``<n>-<stage>.ir``).
+
+The pass list is the target-neutral passes, then the lowering the target's backend declares
+(``Lowering``: which epilogues its kernels fuse, channels-last or not, sibling linears, the
+precisions it compiles); ``codegen`` asks the backend for the artifact's kernels layer.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from torch.utils import _pytree as pytree
 import cuvil
 from cuvil.analysis.memory import plan_memory
 from cuvil.artifact.files import ArtifactContents
+from cuvil.artifact.kernels_layer import pack_kernels
+from cuvil.backends import Backend, Lowering, backend_for
 from cuvil.frontend.convert import convert_exported_program
 from cuvil.frontend.export import ExportedModel, export_model
 from cuvil.ir import Graph
@@ -39,8 +45,8 @@ from cuvil.passes.cleanup import (
 from cuvil.passes.dead_code import eliminate_dead_code
 from cuvil.passes.fusion import (
     canonicalize_activations,
+    epilogue_pass,
     fold_batch_norm,
-    fuse_epilogues,
     fuse_transformer_blocks,
 )
 from cuvil.passes.layout import to_channels_last
@@ -48,18 +54,18 @@ from cuvil.passes.precision import to_bf16
 from cuvil.passes.program import Program
 from cuvil.passes.rewrite import Rule, apply_rules
 from cuvil.passes.sibling_linears import fuse_sibling_linears
-from cuvil.runtime.model import CompiledModel, target_device
+from cuvil.precisions import PRECISIONS
+from cuvil.runtime.model import CompiledModel
 from cuvil.runtime.signature import InputBinder, Signature
+from cuvil.stages import COMPILE_STAGES
 from cuvil.verify import OutputError, compare_outputs, worst_relative_error
 
 log = logging.getLogger("cuvil.pipeline")
 
-STAGES = ("export", "import", "verify_ir", "passes", "plan", "verify")
-PRECISIONS = ("fp32", "bf16")
-# Error budget per precision: max error relative to the output's scale before bisection starts.
-DEFAULT_TOLERANCE = {"fp32": 1e-4, "bf16": 3e-2}
+STAGES = COMPILE_STAGES
 PassFunction = Callable[[Program], Program]
-PASSES: tuple[tuple[str, PassFunction], ...] = (
+# The passes every target gets, in order; the backend's lowering follows them.
+NEUTRAL_PASSES: tuple[tuple[str, PassFunction], ...] = (
     ("dead_code", lambda program: replace(program, graph=eliminate_dead_code(program.graph))),
     ("identities", remove_identities),
     ("canonicalize_activations", canonicalize_activations),
@@ -68,9 +74,14 @@ PASSES: tuple[tuple[str, PassFunction], ...] = (
     ("fold_batch_norm", fold_batch_norm),
     ("fuse_transformer_blocks", fuse_transformer_blocks),
     ("attention_masks", share_attention_mask_bias),
-    ("fuse_epilogues", fuse_epilogues),
-    ("sibling_linears", fuse_sibling_linears),
-    ("layout", to_channels_last),
+)
+# Every pass name a compile may run (what ``disable_passes`` may name).
+PASS_NAMES = (
+    *(name for name, _ in NEUTRAL_PASSES),
+    "fuse_epilogues",
+    "sibling_linears",
+    "layout",
+    "precision",
 )
 
 tracer = trace.get_tracer("cuvil.pipeline")
@@ -110,32 +121,46 @@ class _Run:
             (self.options.dump_dir / f"{index}-{name}.ir").write_text(print_graph(graph))
 
 
-def check_options(options: CompileOptions) -> None:
-    device = target_device(options.target)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"target {options.target!r} needs a CUDA device; none is visible here")
-    unknown = set(options.disable_passes) - {name for name, _ in PASSES}
+def check_options(options: CompileOptions) -> Backend:
+    """The target's backend, once the options are known to be ones it can compile."""
+    backend = backend_for(options.target)
+    backend.check_compile()
+    unknown = set(options.disable_passes) - set(PASS_NAMES)
     if unknown:
-        raise ValueError(f"unknown pass(es) {sorted(unknown)}; passes: {[n for n, _ in PASSES]}")
+        raise ValueError(f"unknown pass(es) {sorted(unknown)}; passes: {list(PASS_NAMES)}")
     if options.on_mismatch not in ("fallback", "raise"):
         raise ValueError(f"on_mismatch must be 'fallback' or 'raise', not {options.on_mismatch!r}")
-    if options.precision not in PRECISIONS:
+    supported = [name for name in PRECISIONS if name in backend.lowering.precisions]
+    if options.precision not in supported:
         raise ValueError(
-            f"precision {options.precision!r} is not supported; choose from {PRECISIONS}"
+            f"precision {options.precision!r} is not supported for {options.target}; "
+            f"choose from {supported}"
         )
+    return backend
+
+
+def lowering_passes(lowering: Lowering, precision: str) -> tuple[tuple[str, PassFunction], ...]:
+    """The backend's part of the pass list, in order."""
+    passes: list[tuple[str, PassFunction]] = [("fuse_epilogues", epilogue_pass(lowering))]
+    if lowering.sibling_linears:
+        passes.append(("sibling_linears", fuse_sibling_linears))
+    if lowering.channels_last:
+        passes.append(("layout", to_channels_last))
+    if precision == "bf16":
+        passes.append(("precision", to_bf16))
+    return tuple(passes)
 
 
 def passes_for(options: CompileOptions) -> tuple[tuple[str, PassFunction], ...]:
-    """The pass list: the user's patterns (if any) right before the built-in fusions, and the
-    precision pass last when the precision is not fp32."""
-    passes = PASSES
+    """The pass list: the neutral passes with the user's patterns (if any) right before the
+    built-in fusions, then the target backend's lowering."""
+    passes = NEUTRAL_PASSES
     if options.patterns:
         user = ("user_patterns", partial(apply_rules, rules=tuple(options.patterns)))
-        index = [name for name, _ in PASSES].index("fold_batch_norm")
-        passes = (*PASSES[:index], user, *PASSES[index:])
-    if options.precision == "bf16":
-        passes = (*passes, ("precision", to_bf16))
-    return passes
+        index = [name for name, _ in NEUTRAL_PASSES].index("fold_batch_norm")
+        passes = (*NEUTRAL_PASSES[:index], user, *NEUTRAL_PASSES[index:])
+    lowering = backend_for(options.target).lowering
+    return (*passes, *lowering_passes(lowering, options.precision))
 
 
 def run_passes(
@@ -183,10 +208,11 @@ def lower(
     return run_passes(program, run, active)
 
 
-def build(program: Program, config: dict[str, Any], output_spec: Any) -> CompiledModel:
-    return CompiledModel(
-        ArtifactContents(config, program.graph, dict(program.weights)), output_spec=output_spec
-    )
+def build(
+    program: Program, config: dict[str, Any], output_spec: Any, kernels: bytes | None = None
+) -> CompiledModel:
+    contents = ArtifactContents(config, program.graph, dict(program.weights), kernels=kernels)
+    return CompiledModel(contents, output_spec=output_spec)
 
 
 def measure(compiled: CompiledModel, inputs: dict, expected: dict) -> list[OutputError]:
@@ -223,7 +249,7 @@ def bisect_passes(program: Program, run: _Run, check: Callable[[Program], float]
 def compile_model(
     model: torch.nn.Module, example_inputs: Any, dynamic_shapes: Any, options: CompileOptions
 ) -> CompiledModel:
-    check_options(options)
+    backend = check_options(options)
     run = _Run(options)
     started = time.perf_counter()
     with tracer.start_as_current_span("cuvil.compile"):
@@ -249,17 +275,20 @@ def compile_model(
             "passes": [entry["name"] for entry in applied],
         }
         inputs = _named_inputs(signature, exported)
+        with run.stage("codegen"):
+            kernels = pack_kernels(backend.codegen(program.graph, program.weights))
         with run.stage("plan"):
             flat_reference, output_spec = eager_outputs(model, exported)
             expected = dict(zip(signature.output_names, flat_reference, strict=True))
-            compiled = build(program, config, output_spec)
+            compiled = build(program, config, output_spec, kernels)
         with run.stage("verify"):
             errors = measure_built(lambda: compiled, inputs, expected, name)
             bisection = None
             if worst_relative_error(errors) > options.tolerance:
 
                 def check(candidate: Program) -> float:
-                    built = partial(build, candidate, config, None)
+                    layer = pack_kernels(backend.codegen(candidate.graph, candidate.weights))
+                    built = partial(build, candidate, config, None, layer)
                     return worst_relative_error(measure_built(built, inputs, expected, name))
 
                 culprit = bisect_passes(imported, run, check)
@@ -274,7 +303,8 @@ def compile_model(
                 disabled = frozenset(options.disable_passes) | {culprit}
                 program, applied = lower(imported, run, disabled)
                 config["passes"] = [entry["name"] for entry in applied]
-                compiled = build(program, config, output_spec)
+                kernels = pack_kernels(backend.codegen(program.graph, program.weights))
+                compiled = build(program, config, output_spec, kernels)
                 errors = measure(compiled, inputs, expected)
     compiled.contents.golden = {f"input.{k}": v for k, v in inputs.items()} | {
         f"output.{k}": v for k, v in expected.items()

@@ -14,13 +14,11 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from cuvil.precisions import PRECISIONS
 from cuvil.verify import compare_output
 from cuvil_worker.errors import GateFailed, InvalidSpec, VerificationFailed
 
 DEFAULT_SAMPLES = 4
-# precision -> default (rtol, atol) against eager fp32, when spec.validation does not say;
-# 8-bit mantissas (bf16) drift by a few 1e-3 per op, so their sanity bound is wider.
-DEFAULT_TOLERANCES = {"fp32": (1e-3, 1e-4), "bf16": (5e-2, 5e-2), "fp16": (1e-2, 1e-2)}
 
 
 def call(model: Callable[..., Any], inputs: Any) -> list[torch.Tensor]:
@@ -45,9 +43,9 @@ def validate(
 ) -> dict[str, Any]:
     """Compiled vs eager fp32 on every golden sample: per output the worst max abs / relative
     error, the lowest cosine and top-1 agreement; fails when outside ``rtol``/``atol``."""
-    default_rtol, default_atol = DEFAULT_TOLERANCES.get(precision, DEFAULT_TOLERANCES["fp32"])
-    rtol = float(validation.get("rtol", default_rtol))
-    atol = float(validation.get("atol", default_atol))
+    defaults = PRECISIONS.get(precision, PRECISIONS["fp32"])  # rtol/atol per precision
+    rtol = float(validation.get("rtol", defaults.rtol))
+    atol = float(validation.get("atol", defaults.atol))
     worst: dict[str, dict[str, Any]] = {}
     outside: list[str] = []
     for index, sample in enumerate(samples):

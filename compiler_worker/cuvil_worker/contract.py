@@ -30,6 +30,8 @@ from typing import Any
 
 from celery import Celery, chord
 
+from cuvil.targets import TargetError, parse_target
+
 # Celery rebuilds a stored failure as its own class only when that class's module is imported.
 from cuvil_worker import errors  # noqa: F401
 
@@ -89,12 +91,13 @@ def queue_for_target(target: str, override: str | None = None) -> str:
     ``cuvil.cuda.sm_90``. A non-empty ``override`` (spec.queue) wins."""
     if override:
         return override
-    family, _, variant = target.partition("-")
-    if family == "cpu":
-        return "cuvil.cpu"
-    if family == "cuda" and variant:
-        return f"cuvil.cuda.{variant}"
-    raise RequestError(f"unknown target {target!r}; expected cpu-… or cuda-sm_XX")
+    try:
+        parsed = parse_target(target)
+    except TargetError as error:
+        raise RequestError(str(error)) from None
+    if parsed.family == "cuda" and not parsed.variant:
+        raise RequestError(f"target {target!r} names no GPU architecture; use cuda-sm_XX")
+    return parsed.queue
 
 
 def chord_task_id(request: Mapping[str, Any]) -> str:

@@ -1,6 +1,6 @@
 """One target of a compilation, start to finish:
 
-    load -> [cuvil.jit: export, import, verify_ir, passes, plan, verify]
+    load -> [cuvil.jit: export, import, verify_ir, passes, codegen, plan, verify]
          -> validate (vs eager fp32 on golden inputs) -> benchmark -> gates -> package -> push
 
 ``build`` does everything up to ``package`` (all failures permanent: ``CompileFailed``);
@@ -23,21 +23,20 @@ from typing import Any
 
 from opentelemetry import trace
 
+from cuvil.stages import COMPILE_STAGES
 from cuvil_worker import checks
 from cuvil_worker.config import WorkerConfig
 from cuvil_worker.contract import STATE_COMPILING, STATE_PUSHING, STATE_VALIDATING
 from cuvil_worker.errors import InvalidSpec, ModelNotCompilable, caused_by
 
-JIT_STAGES = ("export", "import", "verify_ir", "passes", "plan", "verify")
-STAGES = ("load", *JIT_STAGES, "validate", "benchmark", "gates", "package", "push")
+STAGES = ("load", *COMPILE_STAGES, "validate", "benchmark", "gates", "package", "push")
 STATE_OF_STAGE = {
-    **dict.fromkeys(("load", "export", "import", "verify_ir", "passes", "plan"), STATE_COMPILING),
+    **dict.fromkeys(("load", *COMPILE_STAGES[: COMPILE_STAGES.index("verify")]), STATE_COMPILING),
     **dict.fromkeys(("verify", "validate", "benchmark", "gates"), STATE_VALIDATING),
     **dict.fromkeys(("package", "push", "index"), STATE_PUSHING),
 }
 ANNOTATION_TRACE_ID = "dev.cuvil.trace-id"
 ANNOTATION_COMPILATION = "dev.cuvil.compilation"
-REPORT_ARTIFACT_TYPE = "application/vnd.cuvil.report.v1+json"
 
 tracer = trace.get_tracer("cuvil.worker")
 StageFn = Callable[[str], None]
@@ -190,6 +189,7 @@ def publish(
     """Push the artifact by digest (untagged) and attach its report as a referrer
     (``registry_config``: the compilation's own push credentials; None: the worker's)."""
     from cuvil.artifact import attach_referrer, push_artifact
+    from cuvil.artifact.media_types import REPORT
 
     output = spec.get("output") or {}
     repository = str(output.get("repository") or "")
@@ -207,8 +207,8 @@ def publish(
         referrer = attach_referrer(
             pushed.ref,
             report_bytes,
-            media_type=REPORT_ARTIFACT_TYPE,
-            artifact_type=REPORT_ARTIFACT_TYPE,
+            media_type=REPORT,
+            artifact_type=REPORT,
             annotations=dict(annotations),
             registry_config=registry_config,
         )
@@ -223,3 +223,31 @@ def publish(
         "pushSeconds": seconds["push"],
         "report": packaged.report,
     }
+
+
+def annotations_for(compilation: str, trace_id: str | None) -> dict[str, str]:
+    """The annotations every manifest, referrer and index of a compilation carries:
+    ``namespace/name`` (or the demo's ``demo/<model>``) and the trace that made it."""
+    annotations = {ANNOTATION_COMPILATION: compilation}
+    if trace_id:
+        annotations[ANNOTATION_TRACE_ID] = trace_id
+    return annotations
+
+
+def push_compilation_index(
+    reference: str,
+    results: list[dict[str, Any]],
+    annotations: Mapping[str, str],
+    registry_config: Any = None,
+) -> Any:
+    """The OCI index over every target's pushed manifest (``publish``'s results), tagged at
+    ``reference``: the only push under the requested tag, once every target succeeded."""
+    from cuvil.artifact import PushResult, push_index
+
+    entries = [
+        PushResult(r["ref"], r["digest"], r["size"], r["mediaType"], r["target"], r["precision"])
+        for r in results
+    ]
+    return push_index(
+        reference, entries, annotations=dict(annotations), registry_config=registry_config
+    )

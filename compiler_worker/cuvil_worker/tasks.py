@@ -52,12 +52,12 @@ from cuvil_worker.errors import (
     RegistryFault,
 )
 from cuvil_worker.target_pipeline import (
-    ANNOTATION_COMPILATION,
-    ANNOTATION_TRACE_ID,
     STATE_OF_STAGE,
+    annotations_for,
     build_cached,
     forget_cached,
     publish,
+    push_compilation_index,
 )
 
 log = logging.getLogger(__name__)
@@ -98,10 +98,7 @@ def _retry_registry(task: Task, error: Exception) -> Exception:
 
 
 def _annotations(request: dict[str, Any], trace_id: str | None) -> dict[str, str]:
-    annotations = {ANNOTATION_COMPILATION: f"{request['namespace']}/{request['name']}"}
-    if trace_id:
-        annotations[ANNOTATION_TRACE_ID] = trace_id
-    return annotations
+    return annotations_for(f"{request['namespace']}/{request['name']}", trace_id)
 
 
 def _fetcher(task_id: str) -> Callable[[str], Path]:
@@ -161,9 +158,9 @@ def _require_device(target: str, worker: str) -> None:
     """A CUDA target reaching a worker without a GPU is a routing problem, not a bad spec."""
     import torch
 
-    from cuvil.runtime.model import target_device
+    from cuvil.targets import parse_target
 
-    if target_device(target).type == "cuda" and not torch.cuda.is_available():
+    if parse_target(target).family == "cuda" and not torch.cuda.is_available():
         raise DeviceUnavailable(
             f"target {target} needs a CUDA device and worker {worker} has none: its queue"
             " (spec.queue, or the chart's GPU worker pool) must be served by GPU workers"
@@ -259,7 +256,7 @@ def push_index_task(self: Task, request: dict[str, Any]) -> dict[str, Any]:
 def _push_index(
     task: Task, request: dict[str, Any], guard: Guard, ledger: PushLedger
 ) -> dict[str, Any]:
-    from cuvil.artifact import PushResult, RegistryError, push_index
+    from cuvil.artifact import RegistryError
 
     try:
         results = _target_results(request)
@@ -269,10 +266,6 @@ def _push_index(
     repository, tag = str(output.get("repository") or ""), str(output.get("tag") or "latest")
     if not repository:
         raise InvalidSpec("spec.output.repository is empty")
-    entries = [
-        PushResult(r["ref"], r["digest"], r["size"], r["mediaType"], r["target"], r["precision"])
-        for r in results
-    ]
     with telemetry.continued(request.get("traceparent"), "cuvil.push_index") as span:
         StageReporter(task, None, guard)("index")
         annotations = _annotations(request, telemetry.trace_id_of(span))
@@ -280,11 +273,8 @@ def _push_index(
             with shielded():
                 guard.check("before its index was tagged", push=True)
                 credentials = registry_config_for(app, request, config.work_dir)
-                index = push_index(
-                    f"{repository}:{tag}",
-                    entries,
-                    annotations=annotations,
-                    registry_config=credentials,
+                index = push_compilation_index(
+                    f"{repository}:{tag}", results, annotations, registry_config=credentials
                 )
                 ledger.record(index.ref, "index")
                 guard.check("after its index was tagged", push=True)

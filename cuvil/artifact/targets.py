@@ -1,10 +1,11 @@
 """Which index entry this machine runs: probe the CPU ISA and the GPU, rank the targets.
 
-Targets are the names of the design (``cpu-x86_64``, ``cpu-x86_64-amx``, ``cuda-sm_90``…) plus the
-generic ``cpu``. A machine's candidates come best first: the exact GPU architecture, then older
-minors of the same major (a cubin for sm_80 runs on sm_86/87/89, not on sm_90), then the most
-specific CPU ISA down to the generic build. An index entry is picked by the first candidate it
-offers; when none matches, the error lists what the index offers and what this machine accepts.
+Targets are the names of ``cuvil.targets`` (``cpu-x86_64``, ``cpu-x86_64-amx``, ``cuda-sm_90``…)
+plus the generic ``cpu``. A machine's candidates come best first: the exact GPU architecture,
+then older minors of the same major (a cubin for sm_80 runs on sm_86/87/89, not on sm_90), then
+the most specific CPU ISA down to the generic build. An index entry is picked by the first
+candidate it offers; when none matches, the error lists what the index offers and what this
+machine accepts.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 from cuvil.artifact import media_types as mt
 from cuvil.artifact.errors import NoMatchingTargetError
+from cuvil.targets import CPU_ISA_FLAGS, CPU_ISAS
 
 _MACHINE_ARCH = {"x86_64": "x86_64", "amd64": "x86_64", "aarch64": "aarch64", "arm64": "aarch64"}
 
@@ -44,10 +46,7 @@ def cpu_targets(arch: str, flags: Iterable[str]) -> list[str]:
     arch = _MACHINE_ARCH.get(arch, arch)
     found: list[str] = []
     if arch == "x86_64":
-        if {"amx_tile", "amx_bf16"} <= flags:
-            found.append("cpu-x86_64-amx")
-        if "avx512f" in flags:
-            found.append("cpu-x86_64-avx512")
+        found += [f"cpu-x86_64-{isa}" for isa in reversed(CPU_ISAS) if CPU_ISA_FLAGS[isa] <= flags]
     found.extend([f"cpu-{arch}", "cpu"])
     return found
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from cuvil.fused_ops import ATTENTION
 from cuvil.ir import Node, TensorType, Value
 from cuvil.passes.program import NameSource, Program
 
-ATTENTION = "cuvil.attention"
 WHERE = "aten.where.Scalar"
 
 

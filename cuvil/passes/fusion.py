@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
+from cuvil.backends.base import Lowering
 from cuvil.passes.program import Program
 from cuvil.passes.rewrite import apply_rules
-from cuvil.passes.rules_epilogue import rules_conv_epilogue, rules_linear_epilogue
+from cuvil.passes.rules_epilogue import epilogue_rules
 from cuvil.passes.rules_fold import rules_addmm, rules_fold_batch_norm
 from cuvil.passes.rules_norms import rules_layer_norm, rules_rms_norm, rules_rope, rules_swiglu
 from cuvil.passes.rules_transformer import rules_attention, rules_gelu
@@ -26,5 +30,7 @@ def fuse_transformer_blocks(program: Program) -> Program:
     return apply_rules(program, rules_transformer)
 
 
-def fuse_epilogues(program: Program) -> Program:
-    return apply_rules(program, rules_conv_epilogue + rules_linear_epilogue)
+def epilogue_pass(lowering: Lowering) -> Callable[[Program], Program]:
+    """The epilogue fusion a backend's kernels take (its ``Lowering``'s epilogue shapes)."""
+    rules = epilogue_rules(lowering.conv_epilogues, lowering.linear_epilogues)
+    return partial(apply_rules, rules=rules)

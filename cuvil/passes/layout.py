@@ -13,11 +13,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from cuvil.fused_ops import CONV2D
 from cuvil.ir import Enum, Node, TensorType, Value, map_values
 from cuvil.passes.program import NameSource, Program
 
 CHANNELS_LAST = "channels_last"
-PRODUCERS = {"cuvil.conv2d"}
+PRODUCERS = {CONV2D}
 PRESERVING = {
     "aten.relu.default",
     "aten.hardtanh.default",

@@ -14,14 +14,15 @@ from dataclasses import replace
 
 import torch
 
+from cuvil.fused_ops import CONV2D, LINEAR, SWIGLU
 from cuvil.ir import Node, Value
 from cuvil.passes.dead_code import eliminate_dead_code
 from cuvil.passes.program import NameSource, Program, const_node
 
 WEIGHT_ARGUMENTS = {
-    "cuvil.linear": "weight",
-    "cuvil.conv2d": "weight",
-    "cuvil.swiglu": "gate_up_weight",
+    LINEAR: "weight",
+    CONV2D: "weight",
+    SWIGLU: "gate_up_weight",
 }
 
 

@@ -14,6 +14,8 @@ Unfused layers are lowered to the same ops, so the backend has one path for each
 
 from __future__ import annotations
 
+from cuvil.fused_ops import CONV2D, fused_node
+from cuvil.fused_ops import LINEAR as FUSED_LINEAR
 from cuvil.ir import Arg, Node, Value
 from cuvil.passes.rewrite import Condition, Match, P, Rewriter, Rule, V
 
@@ -98,33 +100,25 @@ def fuse(match: Match, rewriter: Rewriter) -> list[Node]:
     activation = activation_of(match.node("act")) if "act" in match.nodes else "none"
     residual = match.values.get("residual")
     root = match.root
-    args: tuple[tuple[str, Arg], ...]
+    args: dict[str, Arg] = {
+        "input": match.values["x"],
+        "weight": layer.arg("weight"),
+        "bias": layer.arg("bias"),
+        "activation": activation,
+        "residual": residual,
+    }
     if layer.op == CONV:
-        args = (
-            ("input", match.values["x"]),
-            ("weight", layer.arg("weight")),
-            ("bias", layer.arg("bias")),
-            ("stride", _pair(layer.arg("stride", (1, 1)))),
-            ("padding", _pair(layer.arg("padding", (0, 0)))),
-            ("dilation", _pair(layer.arg("dilation", (1, 1)))),
-            ("groups", layer.arg("groups", 1)),
-            ("activation", activation),
-            ("residual", residual),
-        )
-        op = "cuvil.conv2d"
-    else:
-        args = (
-            ("input", match.values["x"]),
-            ("weight", layer.arg("weight")),
-            ("bias", layer.arg("bias")),
-            ("activation", activation),
-            ("residual", residual),
-        )
-        op = "cuvil.linear"
+        args |= {
+            "stride": _pair(layer.arg("stride", (1, 1))),
+            "padding": _pair(layer.arg("padding", (0, 0))),
+            "dilation": _pair(layer.arg("dilation", (1, 1))),
+            "groups": layer.arg("groups", 1),
+        }
     name = rewriter.names.fresh(
         f"{layer.name}_fused" if root is not layer else f"{layer.name}_lowered"
     )
-    return [Node(name, op, args, root.types, layer.origin)]
+    op = CONV2D if layer.op == CONV else FUSED_LINEAR
+    return [fused_node(op, name, args, root.types, layer.origin)]
 
 
 def _pair(value: object) -> tuple[int, int]:
@@ -225,10 +219,15 @@ rules_residual_before_view = tuple(
     )
 )
 
-rules_conv_epilogue = _rules("conv", CONV, is_fusable, {"add_act", "act", "add", "plain"})
-# oneDNN's linear takes an activation or a residual add, not both
-rules_linear_epilogue = (
-    rule_activation_before_view,
-    *rules_residual_before_view,
-    *_rules("linear", LINEAR, is_fusable, {"act", "add", "plain"}),
-)
+
+def epilogue_rules(conv: frozenset[str], linear: frozenset[str]) -> tuple[Rule, ...]:
+    """The rules for the epilogue shapes a backend's convolutions and linears fuse (``add_act``,
+    ``act``, ``add``, ``plain``; see ``_shapes``); a linear's activation and residual move
+    through the view between them first where its kernels take them."""
+    through_view: tuple[Rule, ...] = (rule_activation_before_view,) if "act" in linear else ()
+    through_view += rules_residual_before_view if "add" in linear else ()
+    return (
+        *_rules("conv", CONV, is_fusable, set(conv)),
+        *through_view,
+        *_rules("linear", LINEAR, is_fusable, set(linear)),
+    )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from cuvil.fused_ops import LAYER_NORM, RMS_NORM, ROPE, SWIGLU, fused_node
 from cuvil.ir import Node, Value
 from cuvil.passes.program import const_node
 from cuvil.passes.rewrite import L, Match, P, Rewriter, Rule, V
@@ -26,7 +27,9 @@ LINEAR, SILU = "aten.linear.default", "aten.silu.default"
 
 
 def _new(match: Match, rewriter: Rewriter, base: str, op: str, args: tuple) -> Node:
-    return Node(rewriter.names.fresh(base), op, args, match.root.types, match.root.origin)
+    """The fused node replacing the match's root, its arguments checked against the table."""
+    name = rewriter.names.fresh(base)
+    return fused_node(op, name, dict(args), match.root.types, match.root.origin)
 
 
 def _is_const_vector(match: Match, name: str) -> bool:
@@ -61,7 +64,7 @@ def canonical_layer_norm(match: Match, rewriter: Rewriter) -> list[Node]:
         ("bias", root.arg("bias")),
         ("eps", root.float_arg("eps", 1e-5)),
     )
-    return [_new(match, rewriter, "layer_norm", "cuvil.layer_norm", args)]
+    return [_new(match, rewriter, "layer_norm", LAYER_NORM, args)]
 
 
 def _decomposed_layer_norm() -> P:
@@ -103,7 +106,7 @@ def fuse_layer_norm(match: Match, rewriter: Rewriter) -> list[Node]:
         ("bias", match.values["b"]),
         ("eps", float(match.literals["eps"])),
     )
-    return [_new(match, rewriter, "layer_norm", "cuvil.layer_norm", args)]
+    return [_new(match, rewriter, "layer_norm", LAYER_NORM, args)]
 
 
 rules_layer_norm = (
@@ -144,7 +147,7 @@ def fuse_rms_norm(match: Match, rewriter: Rewriter) -> list[Node]:
         ("weight", match.values["w"]),
         ("eps", float(match.literals["eps"])),
     )
-    return [_new(match, rewriter, "rms_norm", "cuvil.rms_norm", args)]
+    return [_new(match, rewriter, "rms_norm", RMS_NORM, args)]
 
 
 rules_rms_norm = tuple(
@@ -183,7 +186,7 @@ def fuse_swiglu(match: Match, rewriter: Rewriter) -> list[Node]:
         ("gate_up_weight", weight.value()),
         ("hidden", int(gate.shape[0])),
     )
-    return [weight, _new(match, rewriter, "swiglu", "cuvil.swiglu", args)]
+    return [weight, _new(match, rewriter, "swiglu", SWIGLU, args)]
 
 
 rules_swiglu = tuple(
@@ -240,7 +243,7 @@ def fuse_rope(match: Match, rewriter: Rewriter) -> list[Node]:
         ("cos", match.values["cos"]),
         ("sin", match.values["sin"]),
     )
-    return [_new(match, rewriter, "rope", "cuvil.rope", args)]
+    return [_new(match, rewriter, "rope", ROPE, args)]
 
 
 rules_rope = (Rule("rope", _rope(), fuse_rope, is_rope),)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 
+from cuvil.fused_ops import ATTENTION, fused_node
 from cuvil.ir import Node
 from cuvil.passes.rewrite import L, Match, P, Replacement, Rewriter, Rule, V
 
@@ -27,7 +28,9 @@ RESHAPE = ("aten._unsafe_view.default", "aten.view.default", "aten.reshape.defau
 
 
 def _node(match: Match, rewriter: Rewriter, base: str, op: str, args: tuple) -> Node:
-    return Node(rewriter.names.fresh(base), op, args, match.root.types, match.root.origin)
+    """The fused node replacing the match's root, its arguments checked against the table."""
+    name = rewriter.names.fresh(base)
+    return fused_node(op, name, dict(args), match.root.types, match.root.origin)
 
 
 # ---------------------------------------------------------------- attention
@@ -79,7 +82,7 @@ def fuse_attention(match: Match, rewriter: Rewriter) -> list[Node]:
         ("causal", False),
         ("gqa", False),
     )
-    return [_node(match, rewriter, "attention", "cuvil.attention", args)]
+    return [_node(match, rewriter, "attention", ATTENTION, args)]
 
 
 def _repeat_kv(name: str) -> P:
@@ -104,7 +107,7 @@ def fuse_sdpa(match: Match, rewriter: Rewriter) -> list[Node]:
         ("causal", bool(root.arg("is_causal", False))),
         ("gqa", gqa),
     )
-    return [_node(match, rewriter, "attention", "cuvil.attention", args)]
+    return [_node(match, rewriter, "attention", ATTENTION, args)]
 
 
 rules_attention = (
@@ -182,7 +185,8 @@ def is_gelu_tanh(match: Match) -> bool:
 def to_gelu(approximate: str) -> Replacement:
     def build(match: Match, rewriter: Rewriter) -> list[Node]:
         args = (("self", match.values["x"]), ("approximate", approximate))
-        return [_node(match, rewriter, "gelu", "aten.gelu.default", args)]
+        name = rewriter.names.fresh("gelu")
+        return [Node(name, "aten.gelu.default", args, match.root.types, match.root.origin)]
 
     return build
 

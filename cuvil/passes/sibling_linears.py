@@ -19,11 +19,11 @@ from dataclasses import replace
 import sympy
 import torch
 
+from cuvil.fused_ops import LINEAR, fused_node
 from cuvil.ir import Node, TensorType, Value
 from cuvil.passes.dead_code import eliminate_dead_code
 from cuvil.passes.program import NameSource, Program, const_node
 
-LINEAR = "cuvil.linear"
 SLICE = "aten.slice.Tensor"
 
 
@@ -99,16 +99,15 @@ def _merge(
         bias_arg = nodes[-1].value()
     out = first.types[0]
     shape = (*out.shape[:-1], sympy.Integer(int(weight.shape[0])))
-    merged = Node(
-        names.fresh(f"{first.name}_siblings"),
+    merged = fused_node(
         LINEAR,
-        (
-            ("input", first.arg("input")),
-            ("weight", nodes[0].value()),
-            ("bias", bias_arg),
-            ("activation", first.arg("activation")),
-            ("residual", None),
-        ),
+        names.fresh(f"{first.name}_siblings"),
+        {
+            "input": first.arg("input"),
+            "weight": nodes[0].value(),
+            "bias": bias_arg,
+            "activation": first.arg("activation"),
+        },
         (TensorType(out.dtype, shape),),
         first.origin,
     )

@@ -1,14 +1,15 @@
 """Kernel lookup: IR op name -> the callable that runs it, bound once when a plan is built.
 
 ``aten.*`` ops bind to ``torch.ops.aten`` overloads; Cuvil's own fused ops (``cuvil.*``) come
-from a table that backends extend by passing their kernels in (nothing registers on import).
-Literal arguments that stand for torch enums are decoded here too.
+from the backend's factories (``FusedCall`` in, ``PreparedKernel`` out; nothing registers on
+import). Literal arguments that stand for torch enums are decoded here too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
@@ -16,6 +17,62 @@ from cuvil.dtypes import LAYOUTS, MEMORY_FORMATS, torch_dtype
 from cuvil.ir import Enum
 
 Kernel = Callable[..., Any]
+
+
+class KernelChoices(Protocol):
+    """A choice a kernel makes per shape bucket at run time (e.g. which GEMM path is fastest
+    on this machine), reported and preset through the plan."""
+
+    def trial_calls(self) -> dict[int, int]:
+        """bucket -> calls so far, for the buckets still deciding."""
+        ...
+
+    def preset(self, choices: Mapping[int, str]) -> int:
+        """Take choices made before (bucket -> name); returns how many were taken."""
+        ...
+
+    def describe(self) -> dict[int, str]:
+        """bucket -> the name chosen, or ``timing`` while still deciding."""
+        ...
+
+
+@dataclass(frozen=True)
+class PreparedKernel:
+    """What a fused op's factory returns: the function the plan calls with the run-time
+    arguments, and the per-shape choice it still makes (None for a kernel with one path)."""
+
+    run: Kernel
+    choices: KernelChoices | None = None
+
+
+@dataclass(frozen=True)
+class FusedCall:
+    """What a factory is told about one fused node when a plan is built."""
+
+    op: str
+    node: str
+    constants: Mapping[str, Any]  # weights as tensors, literals as values, absent args as None
+    runtime: tuple[str, ...]  # the arguments passed at run time, in the order they come
+    # static sizes of the run-time arguments (None for a dynamic dim), so kernels can pick layouts
+    sizes: Mapping[str, tuple[int | None, ...]] = field(default_factory=dict)
+    # the node may write its output over its residual (nothing reads it later: runtime/donation)
+    residual_donated: bool = False
+
+    def arg(self, name: str, default: Any = None) -> Any:
+        value = self.constants.get(name)
+        return default if value is None else value
+
+    def is_runtime(self, name: str) -> bool:
+        return name in self.runtime
+
+    def check_runtime(self, allowed: Sequence[str]) -> None:
+        """Refuse run-time values where the kernel needs a constant (e.g. a computed weight)."""
+        unexpected = [name for name in self.runtime if name not in allowed]
+        if unexpected:
+            raise ValueError(f"arguments {unexpected} must be constants for {self.op}")
+
+
+KernelFactory = Callable[[FusedCall], PreparedKernel]
 
 
 class UnknownKernelError(LookupError):

@@ -15,42 +15,27 @@ import torch
 from torch.utils import _pytree as pytree
 
 from cuvil.artifact.files import ArtifactContents, read_artifact, write_artifact
+from cuvil.artifact.kernels_layer import unpack_kernels
+from cuvil.backends import Backend, backend_for
 from cuvil.ir import Graph
-from cuvil.runtime.dnnl import describe as describe_dnnl
-from cuvil.runtime.kernels import Kernel
-from cuvil.runtime.linear_kernels import compute_precision
-from cuvil.runtime.native import describe as describe_native
 from cuvil.runtime.plan import ExecutionPlan
 from cuvil.runtime.signature import InputBinder, InputError, Signature
-from cuvil.runtime.tactics import trial_length
-
-TARGET_DEVICES = {"cpu": "cpu", "cuda": "cuda"}
-SETTLE_RUNS = trial_length(3) + 1  # up to three candidates
-
-
-def target_device(target: str) -> torch.device:
-    """``cpu``, ``cpu-x86_64-amx``, ``cuda-sm_90`` … -> the torch device that runs it."""
-    family = target.split("-", 1)[0]
-    if family not in TARGET_DEVICES:
-        raise ValueError(
-            f"unknown target {target!r}; targets start with one of {sorted(TARGET_DEVICES)}"
-        )
-    return torch.device(TARGET_DEVICES[family])
 
 
 class CompiledModel:
     def __init__(
-        self,
-        contents: ArtifactContents,
-        *,
-        kernels: Mapping[str, Kernel] | None = None,
-        output_spec: pytree.TreeSpec | None = None,
+        self, contents: ArtifactContents, *, output_spec: pytree.TreeSpec | None = None
     ) -> None:
         self.contents = contents
         self.signature = Signature.of_graph(contents.graph)
-        self.device = target_device(str(contents.config.get("target", "cpu")))
+        self.backend: Backend = backend_for(str(contents.config.get("target", "cpu")))
+        self.device = self.backend.device
         self._binder = InputBinder(self.signature)
-        self._plan = ExecutionPlan(contents.graph, contents.weights, self.device, kernels)
+        factories = {
+            **self.backend.kernels,
+            **self.backend.load_kernels(unpack_kernels(contents.kernels)),
+        }
+        self.plan = ExecutionPlan(contents.graph, contents.weights, self.device, factories)
         self._output_spec = output_spec  # the model's own output structure, when known
 
     @property
@@ -70,20 +55,10 @@ class CompiledModel:
         return str(self.contents.config.get("name", self.graph.name))
 
     def execution(self) -> dict[str, Any]:
-        """What runs on this machine: the precision the GEMMs compute in (a bf16 artifact runs
-        fp32 GEMMs on a CPU without bf16 instructions), the GEMM path each linear chose, which
-        oneDNN the convolutions and linears call, and whether Cuvil's native kernels (Winograd
-        transforms; RMSNorm and RoPE) are offered."""
-        dtypes = {tensor.dtype for tensor in self.contents.weights.values()}
-        has_bf16 = torch.bfloat16 in dtypes
-        return {
-            "weights": "bf16" if has_bf16 else "fp32",
-            "gemm_compute": compute_precision(torch.bfloat16) if has_bf16 else "fp32",
-            "tactics": self._plan.tactic_choices(),
-            "onednn": describe_dnnl(),
-            "winograd": describe_native("winograd"),
-            "rowwise": describe_native("rowwise"),
-        }
+        """What runs on this machine, as the backend describes it: for the CPU, the precision
+        the GEMMs compute in, the path each kernel with a choice took (``tactics``), which
+        oneDNN and which native kernels are offered."""
+        return self.backend.describe(self)
 
     def memory_plan(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         """The arena plan for the intermediates at these inputs' shapes (bytes, vs the naive
@@ -92,29 +67,23 @@ class CompiledModel:
 
         return plan_memory(self.graph, self._binder.bind(inputs)).summary()
 
-    def settle(self, inputs: Mapping[str, torch.Tensor], max_runs: int = SETTLE_RUNS) -> int:
-        """Run these inputs until every kernel choice they meet is made (runtime/tactics.py):
-        from then on, calls at this shape give bit-identical results. Returns the runs made."""
-        before = self._plan.tactic_trials()
-        for runs in range(1, max_runs + 1):
-            self.run(inputs)
-            after = self._plan.tactic_trials()
-            if not any(before.get(key) != calls for key, calls in after.items()):
-                return runs  # no choice this shape meets is still open
-            before = after
-        return max_runs
+    def prepare(self, inputs: Mapping[str, torch.Tensor]) -> int:
+        """Make the model ready to serve inputs of this shape, the backend's way (the CPU runs
+        it until every kernel choice the shape meets is made, so later calls at this shape give
+        bit-identical results). Returns the runs made."""
+        return self.backend.prepare(self, inputs)
 
     def preset_tactics(self, choices: Mapping[str, Mapping[int, str]]) -> int:
-        """Run the kernels chosen before (``execution()["tactics"]``, e.g. from the tactics cache,
-        runtime/tactics_cache.py) instead of timing them; returns how many choices were taken."""
-        return self._plan.preset_tactics(choices)
+        """Run the kernels chosen before (``execution()["tactics"]``, e.g. from the CPU
+        backend's tactics cache) instead of deciding again; returns how many were taken."""
+        return self.plan.preset_choices(choices)
 
     def run(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Run on named inputs; returns outputs by name. Tensors on the model's device are used
         in place."""
         symbols = self._binder.bind(inputs)
         with torch.inference_mode():
-            return self._plan.run(inputs, symbols)
+            return self.plan.run(inputs, symbols)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         names = self.signature.input_names
@@ -141,6 +110,6 @@ class CompiledModel:
         )
 
 
-def load(path: str | Path, *, kernels: Mapping[str, Kernel] | None = None) -> CompiledModel:
+def load(path: str | Path) -> CompiledModel:
     """Load an artifact (tar file or directory) written by ``CompiledModel.save``."""
-    return CompiledModel(read_artifact(path), kernels=kernels)
+    return CompiledModel(read_artifact(path))

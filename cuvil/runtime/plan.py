@@ -16,9 +16,16 @@ import sympy
 import torch
 
 from cuvil.ir import Arg, Enum, Graph, Node, Value
-from cuvil.runtime.cpu_kernels import CPU_KERNELS
 from cuvil.runtime.donation import donated_residuals
-from cuvil.runtime.kernels import Kernel, call_layout, decode_enum, resolve_kernel
+from cuvil.runtime.kernels import (
+    FusedCall,
+    Kernel,
+    KernelChoices,
+    KernelFactory,
+    call_layout,
+    decode_enum,
+    resolve_kernel,
+)
 from cuvil.runtime.shape_cache import ShapeCache, shape_only_nodes
 from cuvil.shape_expr import compile_expr
 
@@ -32,7 +39,7 @@ def view_as_reshape(tensor: torch.Tensor, size: Sequence[int]) -> torch.Tensor:
     return tensor.reshape(size)
 
 
-# Plan-wide kernels for aten ops, overridable by the caller's table.
+# Plan-wide kernels for aten ops.
 PLAN_KERNELS: dict[str, Kernel] = {"aten.view.default": view_as_reshape}
 Filler = Callable[[list[Any], Mapping[str, int]], Any]
 
@@ -47,6 +54,7 @@ class Step:
     outputs: tuple[int, ...]  # slots for the step's outputs
     release: tuple[int, ...]  # slots whose last use is this step
     name: str
+    choices: KernelChoices | None = None  # what the kernel still decides per shape
 
 
 class PlanError(ValueError):
@@ -58,12 +66,13 @@ class ExecutionPlan:
         self,
         graph: Graph,
         weights: Mapping[str, torch.Tensor],
-        device: torch.device | str = "cpu",
-        kernels: Mapping[str, Kernel] | None = None,
+        device: torch.device | str,
+        factories: Mapping[str, KernelFactory],
     ) -> None:
+        """``factories``: the backend's kernel factory for each fused op it implements."""
         self.graph = graph
         self.device = torch.device(device)
-        self._kernels = {**PLAN_KERNELS, **(kernels or {})}
+        self._kernels = PLAN_KERNELS
         self._slot: dict[Value, int] = {}
         for node in graph.nodes:
             for index in range(len(node.types)):
@@ -71,7 +80,7 @@ class ExecutionPlan:
         self.initial: list[Any] = [None] * len(self._slot)
         self.input_slots = tuple((name, self._slot[Value(name)]) for name in graph.inputs)
         self.output_slots = tuple((name, self._slot[value]) for name, value in graph.outputs)
-        self._factories = dict(CPU_KERNELS) if self.device.type == "cpu" else {}
+        self._factories = factories
         self._const_slots: set[int] = set()
         self._read_slots: set[int] = {slot for _, slot in self.output_slots}
         last_use = self._last_uses()
@@ -133,6 +142,7 @@ class ExecutionPlan:
     def _factory_step(self, node: Node, last_use: dict[int, str]) -> Step:
         """A fused op: the factory sees constants now and returns the function for the rest."""
         constants: dict[str, Any] = {}
+        sizes: dict[str, tuple[int | None, ...]] = {}
         runtime: list[tuple[str, Value]] = []
         for key, arg in node.args:
             if isinstance(arg, Value):
@@ -143,24 +153,28 @@ class ExecutionPlan:
                     runtime.append((key, arg))
                     # Static sizes of run-time operands let kernels pick their packed layout.
                     shape = self.graph.type_of(arg).shape
-                    constants[f"_{key}_sizes"] = tuple(
-                        int(d) if d.is_Integer else None for d in shape
-                    )
+                    sizes[key] = tuple(int(d) if d.is_Integer else None for d in shape)
             else:
                 literal, filler = self._compile_arg(arg)
                 if filler is not None:
                     raise PlanError(f"%{node.name}: {node.op} needs {key!r} to be a constant")
                 constants[key] = literal
-        if node.name in self._donated:
-            constants["_residual_donated"] = True
+        call = FusedCall(
+            node.op,
+            node.name,
+            constants,
+            tuple(key for key, _ in runtime),
+            sizes,
+            residual_donated=node.name in self._donated,
+        )
         try:
-            kernel = self._factories[node.op](constants, [key for key, _ in runtime])
+            prepared = self._factories[node.op](call)
         except (ValueError, RuntimeError) as error:
             raise PlanError(f"%{node.name}: {node.op}: {error}") from None
         fills = tuple((i, self._slot[value]) for i, (_, value) in enumerate(runtime))
         self._read_slots.update(slot for _, slot in fills)
         return Step(
-            kernel,
+            prepared.run,
             (None,) * len(runtime),
             {},
             fills,
@@ -168,6 +182,7 @@ class ExecutionPlan:
             self._outputs(node),
             self._release(node, last_use),
             node.name,
+            prepared.choices,
         )
 
     def _outputs(self, node: Node) -> tuple[int, ...]:
@@ -296,32 +311,30 @@ class ExecutionPlan:
     def kernel_names(self) -> Sequence[str]:
         return [step.name for step in self.steps]
 
-    def tactic_trials(self) -> dict[tuple[str, int], int]:
-        """(node, row bucket) -> calls so far, for the choices still being timed."""
+    def kernel_trials(self) -> dict[tuple[str, int], int]:
+        """(node, bucket) -> calls so far, for the choices kernels are still making."""
         trials: dict[tuple[str, int], int] = {}
         for step in self.steps:
-            tactics = getattr(step.kernel, "tactics", None)
-            if tactics is not None:
-                trials.update(((step.name, key), n) for key, n in tactics.trial_calls().items())
+            if step.choices is not None:
+                calls = step.choices.trial_calls()
+                trials.update(((step.name, key), n) for key, n in calls.items())
         return trials
 
-    def preset_tactics(self, choices: Mapping[str, Mapping[int, str]]) -> int:
-        """node -> {row bucket: path} made before: taken instead of timed (``Tactics.preset``).
-        Returns how many were taken."""
-        taken = 0
-        for step in self.steps:
-            tactics = getattr(step.kernel, "tactics", None)
-            if tactics is not None and step.name in choices:
-                taken += tactics.preset(choices[step.name])
-        return taken
+    def preset_choices(self, choices: Mapping[str, Mapping[int, str]]) -> int:
+        """node -> {bucket: name} made before: taken instead of decided again. Returns how many
+        were taken."""
+        return sum(
+            step.choices.preset(choices[step.name])
+            for step in self.steps
+            if step.choices is not None and step.name in choices
+        )
 
-    def tactic_choices(self) -> dict[str, dict[int, str]]:
-        """node -> {row bucket: GEMM path, or "timing"} for the kernels that have run with a
-        choice to make (see runtime/tactics)."""
+    def kernel_choices(self) -> dict[str, dict[int, str]]:
+        """node -> {bucket: the path chosen, or "timing"} for the kernels that have run with a
+        choice to make."""
         choices = {}
         for step in self.steps:
-            tactics = getattr(step.kernel, "tactics", None)
-            described = tactics.describe() if tactics is not None else None
+            described = step.choices.describe() if step.choices is not None else None
             if described:
                 choices[step.name] = described
         return choices

@@ -14,6 +14,9 @@ from typing import Any
 
 import yaml
 
+from cuvil.precisions import PRECISIONS as PRECISION_TABLE
+from cuvil.targets import KNOWN_TARGETS
+
 GROUP = "cuvil.dev"
 VERSION = "v1alpha1"
 PLURAL = "modelcompilations"
@@ -23,7 +26,7 @@ SHORT_NAMES = ["mc"]
 CRD_NAME = f"{PLURAL}.{GROUP}"
 API_VERSION = f"{GROUP}/{VERSION}"
 
-TARGETS = ["cpu-x86_64", "cpu-x86_64-amx", "cuda-sm_80", "cuda-sm_87", "cuda-sm_90"]
+TARGETS = list(KNOWN_TARGETS)
 PRECISIONS = ["fp32", "bf16", "fp16"]
 DTYPES = ["float32", "float16", "bfloat16", "int64", "int32", "bool"]
 BUILTIN_MODELS = ["mlp", "resnet18", "resnet50", "minilm", "tiny_llama"]
@@ -41,6 +44,11 @@ def _string(description: str, **extra: Any) -> dict[str, Any]:
 
 def _number(description: str, **extra: Any) -> dict[str, Any]:
     return {"type": "number", "description": description, **extra}
+
+
+def _defaults(field: str) -> str:
+    """A validation tolerance's default per precision, for its description."""
+    return ", ".join(f"{name} {getattr(p, field):g}" for name, p in PRECISION_TABLE.items())
 
 
 def _object(description: str, properties: dict[str, Any], **extra: Any) -> dict[str, Any]:
@@ -221,8 +229,12 @@ def build_spec_schema() -> dict[str, Any]:
                         "default": 4,
                         "description": "Golden inputs compared with eager fp32.",
                     },
-                    "rtol": _number("Relative tolerance.", minimum=0, default=1.0e-3),
-                    "atol": _number("Absolute tolerance.", minimum=0, default=1.0e-4),
+                    "rtol": _number(
+                        f"Relative tolerance (default {_defaults('rtol')}).", minimum=0
+                    ),
+                    "atol": _number(
+                        f"Absolute tolerance (default {_defaults('atol')}).", minimum=0
+                    ),
                 },
             ),
             "gates": _object(

@@ -8,17 +8,16 @@ server holds for the model in any phase: decoding, queued, running, encoding), a
 already holds every one of them runs at once, and a request that is the only one skips the
 queue and runs as it would without batching (handed to the worker, and answered from there).
 A lone client (concurrency 1, or a trickle of requests) then gets the unbatched latency instead
-of paying the whole delay for nothing: the MLP at concurrency 1 with batching took 3.5 ms a
-call against 0.84 unbatched. Under load there are always other requests in flight, and
-batches fill as before.
+of paying the whole delay for nothing (a wait that can exceed a small model's whole run).
+Under load there are always other requests in flight, and batches fill as usual.
 
 Requests that could not join stay at the head of the line for the next batch. With
 ``max_rows <= 1`` (batching off, or a model without a shared batch dim) every request runs alone:
 straight on the worker threads, whose queue is then the request queue, or, when nothing else is
 executing and the model's recent runs took under ``INLINE_RUN_S``, on the event loop itself.
-Handing a run to a worker thread and waking the loop when it is done costs ~0.2 ms on a 2-core
-host, more than a tiny model's whole run; a long run stays on the worker so that the loop keeps
-answering health checks and decoding the next request meanwhile (MiniLM measured slower inline).
+Handing a run to a worker thread and waking the loop when it is done costs a thread wake-up each
+way, more than a tiny model's whole run; a long run stays on the worker so that the loop keeps
+answering health checks and decoding the next request meanwhile.
 """
 
 from __future__ import annotations
@@ -37,7 +36,8 @@ from cuvil_sidecar.errors import ShuttingDown
 from cuvil_sidecar.handoff import Handoff
 
 # Runs shorter than this (recent average) skip the worker thread when batching is off and the
-# model is idle: well above the ~0.2 ms hand-off it saves, well below a run worth overlapping.
+# model is idle: several times the hand-off it saves (a thread wake-up each way), well below a
+# run worth overlapping with the loop's own work.
 INLINE_RUN_S = 0.001
 RECENT_WEIGHT = 0.2  # weight of the newest run in the recent average
 

@@ -161,7 +161,7 @@ def write_output(
 def _output_bytes(name: str, tensor: torch.Tensor) -> tuple[Datatype, memoryview]:
     """The tensor's bytes as a view of its memory, copied first only where it is not plain CPU
     memory numpy can read. The plain case takes one torch call: right after a model's run
-    every cache is cold, and a call costs ~5 us then (ResNet-50's logits: 19 against 50 us)."""
+    every cache is cold, and each torch call is slow then, so the fewer the better."""
     datatype = BY_TORCH.get(tensor.dtype)
     if datatype is None:
         raise TypeError(f"output {name!r} has dtype {tensor.dtype}, which the protocol lacks")

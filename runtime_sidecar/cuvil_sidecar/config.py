@@ -9,7 +9,7 @@
   ``/v2/health/ready`` (503 with the reason while not ready); 0 turns it off.
 - ``CUVIL_CACHE_DIR`` (``~/.cache/cuvil``): node cache for pulled artifacts.
 - ``CUVIL_TACTICS_CACHE`` (``$CUVIL_CACHE_DIR/tactics``): where the kernel choices timed at
-  warm-up are kept per artifact and machine (``cuvil/runtime/tactics_cache.py``), so that a
+  warm-up are kept per artifact and machine (``cuvil/backends/cpu/tactics_cache.py``), so that a
   restart or reload of the same artifact runs the same kernels without timing them again
   (TensorRT's timing cache); ``off`` times them on every load.
 - ``CUVIL_MAX_BATCH_SIZE`` (8): most rows one joined batch holds; 0 or 1 turns batching off.
@@ -24,7 +24,7 @@
   (0: reload only on SIGHUP).
 - ``CUVIL_GOLDEN_TOLERANCE`` (0.001): start-up golden check, max abs error / output scale.
 - ``CUVIL_WARMUP_RUNS`` (2): runs per shape bucket during warm-up; more follow where the
-  bucket's GEMM paths are still being timed (``CompiledModel.settle``).
+  bucket's GEMM paths are still being timed (``CompiledModel.prepare``).
 - ``CUVIL_WARMUP_SHAPES`` (none): more sizes to warm up than the golden inputs' (Triton's
   ``model_warmup``), as ``symbol=size`` pairs, a comma between the symbols of one shape and a
   semicolon between shapes, e.g. ``seq=128;seq=384``. Each is swept over the batch sizes too.
@@ -32,15 +32,15 @@
 - ``CUVIL_SHARED_MEMORY`` (``system``): Triton's system shared-memory extension, for clients on
   the same node (``shared_memory.py``); ``off`` answers its RPCs UNIMPLEMENTED.
 - ``CUVIL_GRPC_FRONTEND`` (``auto``): the gRPC server: ``native`` (gRPC C++, built on first use
-  from the system's ``libgrpc++-dev``; ~0.1 ms less per call), ``grpcio`` (grpcio's asyncio
+  from the system's ``libgrpc++-dev``; less Python per call), ``grpcio`` (grpcio's asyncio
   server), or ``auto``: native where it builds, else grpcio with a warning saying why.
 - ``CUVIL_TORCH_THREADS`` (0 = torch's default, one per core): intra-op threads per model run
   (ONNX Runtime's ``intra_op_num_threads``). On a node shared with other busy pods, fewer
   threads than cores avoids runs stalling on a thread the scheduler has parked.
-- ``GOMP_SPINCOUNT`` (3000 here, libgomp's own default 300000): how long OpenMP threads spin for
-  more work before sleeping; long enough to bridge the gaps between a run's parallel regions,
-  short enough that after a run they give their cores back to the client, gRPC and the next
-  request (``main.py``).
+- ``GOMP_SPINCOUNT`` (3000 in the sidecar, libgomp's own default 300000): how long OpenMP
+  threads spin for more work before sleeping; long enough to bridge the gaps between a run's
+  parallel regions, short enough that after a run they give their cores back to the client,
+  gRPC and the next request (``main.py``).
 
 Tracing is configured by the standard ``OTEL_*`` variables (see ``tracing.py``).
 """

@@ -14,7 +14,7 @@ from collections.abc import Hashable
 
 import torch
 
-import cuvil
+from cuvil import __version__ as CUVIL_VERSION
 from cuvil.runtime.signature import InputError
 from cuvil_sidecar import tracing
 from cuvil_sidecar.codec import DATATYPES, decode_input, encode_output, write_output
@@ -50,7 +50,7 @@ class DataPlane:
 
     def server_metadata(self) -> ServerMetadata:
         extensions = ("system_shared_memory",) if self.shared_memory is not None else ()
-        return ServerMetadata(SERVER_NAME, getattr(cuvil, "__version__", "0"), extensions)
+        return ServerMetadata(SERVER_NAME, CUVIL_VERSION, extensions)
 
     def register_shared_memory(self, name: str, key: str, offset: int, byte_size: int) -> None:
         self._registry().register(name, key, offset, byte_size)

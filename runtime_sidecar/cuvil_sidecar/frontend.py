@@ -16,7 +16,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from cuvil.runtime.native import NativeError
+from cuvil.runtime.native_build import NativeError
 from cuvil_sidecar import tracing
 from cuvil_sidecar._generated import grpc_service_pb2 as pb
 from cuvil_sidecar.config import SidecarConfig

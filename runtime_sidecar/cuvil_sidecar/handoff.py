@@ -5,8 +5,8 @@ task it is ``loop.run_in_executor``: when ``fn`` returns, the event loop wakes a
 task. The native front end drives its calls itself (``drive``), and for those a handoff with
 ``resume_on_worker`` set goes on where ``fn`` ended: the worker thread resumes the call and
 runs it to its end (encoding the response and sending it), so the event loop is never woken
-for it. On a 2-core host that wake-up cost ~0.25 ms a call for MiniLM (the loop had slept
-through the 22 ms run, and its first turn runs cold).
+for it. That wake-up is dear after a long run: the loop has slept through the run, and its
+first turn runs with cold caches, on every call.
 
 Code that runs after such an await may therefore run on a worker thread: it must not touch the
 event loop (no asyncio calls; thread-safe counters), which holds for the data plane's path from

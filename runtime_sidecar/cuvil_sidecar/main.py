@@ -10,15 +10,15 @@ import sys
 
 from cuvil_sidecar.config import ConfigError, SidecarConfig
 
-# OpenMP threads spin this many rounds for more work before they sleep (libgomp's default,
-# 300000, is milliseconds; a round is a `pause`, some 25 ns here). Within a model run the next
-# parallel region comes within microseconds, and a thread that slept must be woken for it; after
-# the run, a thread spinning on for milliseconds takes a core from the client, gRPC and the next
-# decode. Measured on 2 cores, sidecars side by side: the MLP at concurrency 16 with batching
-# ran 1399 QPS with the default and 2237 with 1000; MiniLM at concurrency 1 ran 0.5 ms slower
-# with 1000 than with the default (its threads slept between regions), and 3000 kept both: MiniLM
-# 25.25 against 25.72 ms (p50) with 1000, the MLP 1688 against 1537 QPS (within the noise).
-# ResNet-50 (long regions) did not move.
+# OpenMP threads spin this many rounds for more work before they sleep (a round is a `pause`,
+# tens of nanoseconds; libgomp's default, 300000 rounds, is milliseconds). Within a model run the
+# next parallel region comes within microseconds, and a thread that slept must be woken for it;
+# after the run, a thread spinning on for milliseconds takes a core from the client, gRPC and
+# the next decode. So the spin is set between the two: long enough to bridge the gaps between a
+# run's parallel regions (a much shorter one lets a model of many short regions, like MiniLM's,
+# put its threads to sleep inside a run), short enough that the threads give their cores back
+# soon after it (the default costs small batched models throughput). Models of long regions,
+# like ResNet-50's, do not notice either way. Figures: benchmarks/README.md (sidecar_ab.py).
 OMP_SPIN = "3000"
 
 
@@ -40,7 +40,7 @@ def run(config: SidecarConfig) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     set_omp_spin(logging.getLogger("cuvil_sidecar"))
-    from cuvil.runtime.native import NativeError
+    from cuvil.runtime.native_build import NativeError
     from cuvil_sidecar.server import serve
 
     if config.torch_threads:

@@ -38,9 +38,9 @@ async def in_own_thread(work: Callable[[], T]) -> T:
     Loading runs the model (warm-up, golden check), and libgomp keeps a pool of OpenMP threads
     for every thread that has run a parallel region, for as long as that thread lives. With the
     loader's pool alive beside the serving thread's, libgomp counts more threads than cores and
-    its threads stop spinning between parallel regions: ResNet-50 ran 2-3 ms (5 %) slower a
-    call, its second thread woken 108 times a run instead of once. A thread that ends frees its
-    pool, so after a load only the serving thread's remains."""
+    its threads stop spinning between parallel regions: every region of a run then has to wake
+    a sleeping thread instead of finding it spinning, which slows every call. A thread that ends
+    frees its pool, so after a load only the serving thread's remains."""
     thread = ThreadPoolExecutor(1, thread_name_prefix="cuvil-load")
     try:
         return await asyncio.get_running_loop().run_in_executor(thread, work)

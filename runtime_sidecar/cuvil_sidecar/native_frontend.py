@@ -5,15 +5,17 @@ the same servicer methods the grpcio server runs.
 A call arrives on one of gRPC's threads: its request is parsed there, straight from gRPC's
 buffer, its metadata copied out, and the call handed to the event loop, where the servicer
 method runs (as a task only once it has to wait); its response (or status) goes back through
-``cuvil_frontend_finish``, which may be called from any thread. Against grpcio's asyncio server
-this saves ~0.1 ms a call on a 2-core host (ServerLive through tritonclient's sync client, the
-two sidecars side by side: 0.38 against 0.48 ms; the MLP's ModelInfer 0.85 against 0.94 ms).
+``cuvil_frontend_finish``, which may be called from any thread. Against grpcio's asyncio server,
+which makes every call a task on the loop and runs its own bookkeeping under the GIL, this
+leaves less Python per call; the side-by-side figures are in benchmarks/README.md
+(sidecar_load.py, its front ends side by side).
 
 A large ModelInfer reaches Python already split (``Method.tensor_field``): the native side
 copies its tensors' bytes once, off the GIL, from gRPC's slices into one buffer of their own,
 each at a 64-byte boundary, and Python parses only the rest of the message and takes the
-buffer over (freed when the last tensor made from it goes). ResNet-50's 600 KB image arrives
-in a dozen slices; before, they were joined into one string and each tensor copied out again.
+buffer over (freed when the last tensor made from it goes). A large request arrives in many
+slices; joining them into one string and copying each tensor out of it would copy every byte
+twice more.
 
 Every call is finished exactly once: with the method's answer, with its abort status, INTERNAL
 for a bug, INVALID_ARGUMENT for bytes that do not parse, or UNAVAILABLE when the server stops
@@ -233,10 +235,10 @@ class NativeFrontend:
 
     def _begin(self, call: int, index: int, request: Any, metadata: bytes) -> None:
         """Runs the call at once, up to its first wait. A call answered without waiting (health,
-        metadata, a small model's inline run) needs no task, which saves a turn of the loop
-        (~35 us here); one that waits becomes a task when what it waits for is done, as
-        Python 3.12's eager tasks do. A model run handed to a worker thread (``handoff``) goes
-        on from that thread, to the end of the call."""
+        metadata, a small model's inline run) needs no task, which saves a turn of the loop (a
+        task object and a pass through the loop's scheduler); one that waits becomes a task when
+        what it waits for is done, as Python 3.12's eager tasks do. A model run handed to a worker
+        thread (``handoff``) goes on from that thread, to the end of the call."""
         coroutine = self._serve(call, self._methods[index], request, metadata)
         with self._alive_lock:
             self._alive += 1

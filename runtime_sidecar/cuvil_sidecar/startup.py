@@ -10,8 +10,9 @@ artifact may list more in ``config["shape_buckets"]`` (symbol -> size maps), and
 operator (``CUVIL_WARMUP_SHAPES``). Over each of these the batch symbol takes every power of two
 up to the largest joined batch (and that size itself): these buckets are settled. The batch sizes
 in between (up to ``PRIMED_UP_TO``) then run once each: their kernel choices are those of the
-next power of two, already made, so one run only builds their oneDNN primitives (7-30 ms each),
-which the first joined batch of that size would otherwise wait for.
+next power of two, already made, so one run only builds their oneDNN primitives (the costly
+part of a shape's first call), which the first joined batch of that size would otherwise wait
+for.
 
 The kernel choices warm-up makes are kept in the tactics cache (``CUVIL_TACTICS_CACHE``), and a
 later load of the same artifact on the same machine takes them instead of timing again: a
@@ -33,8 +34,8 @@ import torch
 
 from cuvil.artifact import media_types as mt
 from cuvil.artifact.files import ArtifactError, decode_files, read_files
+from cuvil.backends.cpu import tactics_cache
 from cuvil.dtypes import torch_dtype
-from cuvil.runtime import tactics_cache
 from cuvil.runtime.model import CompiledModel
 from cuvil.runtime.signature import InputBinder, InputError, Signature
 from cuvil.shape_expr import compile_expr
@@ -114,7 +115,7 @@ def load_checked(
                 run_started = time.perf_counter()
                 model.run(inputs)
                 fastest = min(fastest, (time.perf_counter() - run_started) * 1e3)
-            model.settle(inputs)  # kernel choices made: served results are bit-stable
+            model.prepare(inputs)  # kernel choices made: served results are bit-stable
         except Exception as error:
             raise StartupError(f"warm-up at {bucket} failed: {error}") from error
     for bucket in primed_buckets(model, symbol, buckets):

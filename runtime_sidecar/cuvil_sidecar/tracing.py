@@ -90,8 +90,9 @@ def configure(environ: Mapping[str, str] | None = None) -> Any:
 
 def infer_span(model: str, digest: str, links: Sequence[Link]) -> AbstractContextManager[Any]:
     """The ``cuvil.infer`` span of one request, current while the request is served; nothing
-    at all when ``configure`` installed no tracer provider (a no-op span still costs ~10 us a
-    request, and there is no server span for it to join either)."""
+    at all when ``configure`` installed no tracer provider (a no-op span still makes objects
+    and sets and resets the current context on every request, and there is no server span for
+    it to join either)."""
     if not _enabled:
         return _NO_SPAN
     return tracer.start_as_current_span(

@@ -12,9 +12,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def run_report(script: str, *args: str) -> Any:
-    """``benchmarks/SCRIPT ARGS...``; its JSON report (stdout), after checking it succeeded."""
+    """``benchmarks/SCRIPT ARGS...`` (or ``python -m benchmarks.SCRIPT`` for a script name
+    without ``.py``); its JSON report (stdout), after checking it succeeded."""
+    command = [str(REPO / "benchmarks" / script)] if script.endswith(".py") else ["-m", script]
     done = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / script), *args],
+        [sys.executable, *command, *args],
         capture_output=True,
         text=True,
         timeout=600,

@@ -73,6 +73,9 @@ def test_operator_image_has_no_torch_but_every_operator_import() -> None:
     assert third_party <= set(OPERATOR_IMPORTS), third_party - set(OPERATOR_IMPORTS)
 
 
+LIGHT_MODULES = ("cuvil.targets", "cuvil.precisions")
+
+
 def _imports_of(package: Path) -> set[str]:
     """Third-party top-level modules the package imports, following its cuvil_* imports."""
     seen: set[Path] = set()
@@ -97,6 +100,8 @@ def _imports_of(package: Path) -> set[str]:
                     queue += [
                         p for p in (module.with_suffix(".py"), module / "__init__.py") if p.exists()
                     ]
+                elif name in LIGHT_MODULES:  # cuvil's vocabulary, read without torch
+                    queue.append(ROOT.joinpath(*name.split(".")).with_suffix(".py"))
                 elif top == "cuvil":
                     found.add(top)  # the compiler: never in the operator image
                 elif top not in sys.stdlib_module_names and top != "__future__":
@@ -126,11 +131,11 @@ def test_torch_images_pin_cpu_torch_and_install_real_extras(path: str, extras: s
 @pytest.mark.parametrize("path", ["compiler_worker/Dockerfile", "runtime_sidecar/Dockerfile"])
 def test_torch_images_carry_portable_native_kernels(path: str) -> None:
     """Built at image build time for a portable level, in a cache the image keeps; the compiler
-    leaves again (cuvil/runtime/native: a library is looked up by source, flags and level)."""
+    leaves again (cuvil/backends/cpu/native: a library is looked up by source, flags and level)."""
     text = (ROOT / path).read_text()
     assert "ENV CUVIL_NATIVE_MARCH=x86-64-v3 CUVIL_NATIVE_CACHE=/opt/cuvil/native" in text
     runs = [arg for op, arg in _instructions(path) if op == "RUN"]
-    build = next(run for run in runs if "python -m cuvil.runtime.native" in run)
-    assert build.index("apt-get install") < build.index("python -m cuvil.runtime.native")
-    assert build.index("python -m cuvil.runtime.native") < build.index("apt-get purge -y gcc")
+    build = next(run for run in runs if "python -m cuvil.backends.cpu.native" in run)
+    assert build.index("apt-get install") < build.index("python -m cuvil.backends.cpu.native")
+    assert build.index("python -m cuvil.backends.cpu.native") < build.index("apt-get purge -y gcc")
     assert text.index("CUVIL_NATIVE_MARCH") > text.index("cuvil[${EXTRAS}]")

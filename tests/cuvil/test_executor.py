@@ -31,7 +31,7 @@ def compiled() -> cuvil.runtime.model.CompiledModel:  # type: ignore[name-define
 
 
 def test_plan_is_flat_and_frees_intermediates(compiled) -> None:  # type: ignore[no-untyped-def]
-    plan = compiled._plan
+    plan = compiled.plan
     assert len(plan.steps) == sum(1 for n in compiled.graph.nodes if n.op not in ("input", "const"))
     released = {slot for step in plan.steps for slot in step.release}
     outputs = {slot for _, slot in plan.output_slots}

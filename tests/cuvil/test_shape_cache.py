@@ -28,7 +28,7 @@ def _compiled() -> cuvil.CompiledModel:
 
 def test_shape_only_steps_run_once_per_shape_and_answers_stay_right() -> None:
     compiled = _compiled()
-    plan = compiled._plan
+    plan = compiled.plan
     assert plan.shape_steps and plan.data_steps
     plan.shape_cache = ShapeCache(plan.shape_cache.kept_slots)  # forget the verification calls
     for seq in (8, 16, 8, 16, 32):
@@ -63,10 +63,10 @@ def test_tiny_llama_builds_its_rotary_tables_and_mask_once() -> None:
 
     spec = tiny_llama()
     compiled = cuvil.jit(spec.model, spec.example_inputs, dynamic_shapes=spec.dynamic_shapes)
-    shape_ops = {step.name for step in compiled._plan.shape_steps}
+    shape_ops = {step.name for step in compiled.plan.shape_steps}
     ops = {compiled.graph.node(name).op for name in shape_ops}
     assert {"aten.cos.default", "aten.sin.default", "aten.arange.default"} <= ops
-    assert len(compiled._plan.shape_steps) >= 20
+    assert len(compiled.plan.shape_steps) >= 20
 
 
 class SharedPositions(torch.nn.Module):

@@ -20,7 +20,7 @@ def test_cuvil_serve(mlp_artifact: Path, tmp_path: Path) -> None:
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("CUVIL_", "OTEL_"))}
     environ["PYTHONPATH"] = os.pathsep.join([str(REPO / "runtime_sidecar"), str(REPO)])
     log = (tmp_path / "serve.log").open("wb")
-    command = [sys.executable, "-m", "cuvil.cli.main", "serve", str(mlp_artifact)]
+    command = [sys.executable, "-m", "cuvil_cli.main", "serve", str(mlp_artifact)]
     command += ["--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0"]
     command += ["--name", "digits", "--max-batch-size", "1"]
     process = subprocess.Popen(command, env=environ, cwd=REPO, stdout=log, stderr=log)

@@ -61,10 +61,10 @@ def test_served_shapes_meet_no_open_kernel_choice(minilm_artifact: Path) -> None
         inputs = bucket_inputs(model, {"batch": batch, "seq": 40})
         with torch.inference_mode():
             model.run(inputs)
-        assert model._plan.tactic_trials() == {}, (batch, model._plan.tactic_trials())
+        assert model.plan.kernel_trials() == {}, (batch, model.plan.kernel_trials())
     unwarmed = bucket_inputs(model, {"batch": 1, "seq": 300})  # 300 rows: a new bucket
     model.run(unwarmed)
-    assert model._plan.tactic_trials() != {}  # the check can fail: this size was never warmed
+    assert model.plan.kernel_trials() != {}  # the check can fail: this size was never warmed
 
 
 def test_tactics_cache_setting() -> None:
@@ -91,7 +91,7 @@ def test_a_reload_runs_the_kernels_the_first_load_chose(
 
     first = loaded().execution()["tactics"]
     assert first and [path.suffix for path in tmp_path.iterdir()] == [".json"]
-    with caplog.at_level(logging.INFO, "cuvil.runtime.tactics_cache"):
+    with caplog.at_level(logging.INFO, "cuvil.backends.cpu.tactics_cache"):
         second = loaded()
     assert f"took {sum(map(len, first.values()))} kernel choices" in caplog.text
     assert second.execution()["tactics"] == first

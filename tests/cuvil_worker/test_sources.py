@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 import torch
+from cuvil_cli.main import main as cuvil_main
+from cuvil_cli.spec import load_factory_spec
 
-from cuvil.cli.main import main as cuvil_main
-from cuvil.cli.spec import load_factory_spec
 from cuvil.frontend.source_bundle import (
     SourceBundleError,
     fetch_source_bundle,

@@ -23,7 +23,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from cuvil.runtime.native import NativeError, cache_dir, compile_into
+from cuvil.runtime.native_build import NativeError, cache_dir, compile_into
 
 SOURCE = Path(__file__).parent / "frontend.cc"
 FLAGS = ("-O2", "-std=c++17", "-fPIC", "-shared")

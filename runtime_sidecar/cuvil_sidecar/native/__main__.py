@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from cuvil.runtime.native import NativeError
+from cuvil.runtime.native_build import NativeError
 from cuvil_sidecar.native import build
 
 if __name__ == "__main__":

@@ -6,10 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
+from cuvil_cli.main import main
 
 from cuvil.artifact import media_types as mt
 from cuvil.artifact.files import ArtifactContents
-from cuvil.cli.main import main
 from tests.cuvil.artifact.conftest import artifact_files, machine_target
 from tests.fixtures.registry import RunningRegistry
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import cuvil
+from cuvil.backends.cpu.linear_kernels import has_onednn_bf16
 from cuvil.models import mlp, tiny_llama
-from cuvil.pipeline import DEFAULT_TOLERANCE
-from cuvil.runtime.linear_kernels import has_onednn_bf16
+from cuvil.precisions import PRECISIONS
 from tests.cuvil.passes.rule_cases import ConvBlock
 
 
@@ -25,7 +25,7 @@ def test_bf16_stays_within_budget_and_halves_gemm_weights(factory, tmp_path: Pat
     report = bf16.report
     assert report["fusions"]["bf16_weights"] >= 3
     assert report["bisection"] is None
-    assert 0 < report["verification"]["max_relative_to_scale"] <= DEFAULT_TOLERANCE["bf16"]
+    assert 0 < report["verification"]["max_relative_to_scale"] <= PRECISIONS["bf16"].budget
     assert report["weights_bytes"] < 0.75 * fp32.report["weights_bytes"]
     dtypes = {tensor.dtype for tensor in bf16.contents.weights.values()}
     assert torch.bfloat16 in dtypes
@@ -58,7 +58,7 @@ def test_bf16_convolutions_match_within_budget() -> None:
     with torch.no_grad():
         expected = model(x)
     error = (compiled(x) - expected).abs().max() / expected.abs().max()
-    assert error <= DEFAULT_TOLERANCE["bf16"]
+    assert error <= PRECISIONS["bf16"].budget
 
 
 def test_unknown_precision_is_refused() -> None:

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import cuvil
+from cuvil.backends.cpu.backend import LOWERING
 from cuvil.passes.fusion import rules_transformer
-from cuvil.passes.rules_epilogue import rules_conv_epilogue, rules_linear_epilogue
+from cuvil.passes.rules_epilogue import epilogue_rules
 from cuvil.passes.rules_fold import rules_addmm, rules_fold_batch_norm
 from cuvil.passes.rules_transformer import rules_gelu
 from tests.cuvil.passes.rule_cases import CASES, RuleCase
@@ -17,8 +18,7 @@ ALL_RULES = {
     r.name
     for r in rules_gelu
     + rules_transformer
-    + rules_conv_epilogue
-    + rules_linear_epilogue
+    + epilogue_rules(LOWERING.conv_epilogues, LOWERING.linear_epilogues)
     + rules_fold_batch_norm
     + rules_addmm
 }

@@ -1,0 +1,85 @@
+"""The CPU backend: oneDNN primitives kept across calls, MKL GEMMs and Cuvil's C kernels, each
+op's path chosen on the machine that runs it (tactics.py).
+
+Its kernels are built when a model is loaded, on the machine that serves it (primitives and
+packed weights depend on the CPU), so it writes no kernels layer into the artifact; preparing
+a model for a shape runs it until every per-shape choice its kernels make is settled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from cuvil.backends.base import Lowering
+from cuvil.backends.cpu.dnnl import describe as describe_dnnl
+from cuvil.backends.cpu.kernels import CPU_KERNELS
+from cuvil.backends.cpu.linear_kernels import compute_precision
+from cuvil.backends.cpu.native import describe as describe_native
+from cuvil.backends.cpu.tactics import trial_length
+from cuvil.runtime.kernels import KernelFactory
+from cuvil.targets import Target
+
+if TYPE_CHECKING:
+    from cuvil.ir import Graph
+    from cuvil.runtime.model import CompiledModel
+
+SETTLE_RUNS = trial_length(3) + 1  # up to three candidates
+
+LOWERING = Lowering(
+    conv_epilogues=frozenset({"add_act", "act", "add", "plain"}),
+    # oneDNN's inner product takes an activation or a residual add as its post-op, not both
+    linear_epilogues=frozenset({"act", "add", "plain"}),
+    channels_last=True,  # oneDNN's convolutions run NHWC
+    sibling_linears=True,  # one wider GEMM beats several narrow ones on a few cores
+    precisions=("fp32", "bf16"),
+)
+
+
+class CpuBackend:
+    kernels: Mapping[str, KernelFactory] = CPU_KERNELS
+    fallbacks: Mapping[str, str] = {}
+    lowering = LOWERING
+
+    def __init__(self, target: Target) -> None:
+        self.target = target
+        self.device = torch.device("cpu")
+
+    def check_compile(self) -> None:
+        """Any machine compiles for the CPU."""
+
+    def codegen(self, graph: Graph, weights: Mapping[str, torch.Tensor]) -> dict[str, bytes]:
+        return {}
+
+    def load_kernels(self, files: Mapping[str, bytes]) -> Mapping[str, KernelFactory]:
+        return {}
+
+    def prepare(self, model: CompiledModel, inputs: Mapping[str, torch.Tensor]) -> int:
+        """Run these inputs until every kernel choice they meet is made: from then on, calls at
+        this shape give bit-identical results. Returns the runs made."""
+        before = model.plan.kernel_trials()
+        for runs in range(1, SETTLE_RUNS + 1):
+            model.run(inputs)
+            after = model.plan.kernel_trials()
+            if not any(before.get(key) != calls for key, calls in after.items()):
+                return runs  # no choice this shape meets is still open
+            before = after
+        return SETTLE_RUNS
+
+    def describe(self, model: CompiledModel) -> dict[str, Any]:
+        """The precision the GEMMs compute in (a bf16 artifact runs fp32 GEMMs on a CPU without
+        bf16 instructions), the path each kernel with a choice took, which oneDNN the
+        convolutions and linears call, and whether Cuvil's native kernels are offered."""
+        dtypes = {tensor.dtype for tensor in model.contents.weights.values()}
+        has_bf16 = torch.bfloat16 in dtypes
+        return {
+            "backend": "cpu",
+            "weights": "bf16" if has_bf16 else "fp32",
+            "gemm_compute": compute_precision(torch.bfloat16) if has_bf16 else "fp32",
+            "tactics": model.plan.kernel_choices(),
+            "onednn": describe_dnnl(),
+            "winograd": describe_native("winograd"),
+            "rowwise": describe_native("rowwise"),
+        }

@@ -1,0 +1,191 @@
+"""CPU kernels for Cuvil's fused ops: oneDNN primitives reached through ATen, weights prepacked.
+
+Each entry of CPU_KERNELS is a factory called once when a plan is built, with what the plan
+knows of the node (``FusedCall``: constant arguments — weights as tensors, literals as values —
+and the names and static sizes of the arguments that arrive at run time); it returns the
+function the plan calls with those run-time values, and the per-shape choice it still makes.
+Prepacking (``mkldnn._reorder_*_weight``) therefore happens once per load, never per call.
+Activations map onto oneDNN post-ops; a residual add becomes a binary post-op. Linear and
+SwiGLU live in linear_kernels.py (two GEMM paths, chosen per shape).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from cuvil import fused_ops as fused
+from cuvil.backends.cpu import rowwise
+from cuvil.backends.cpu.conv_weights import ConvWeight
+from cuvil.backends.cpu.direct_conv import DirectConv
+from cuvil.backends.cpu.dnnl import load as load_dnnl
+from cuvil.backends.cpu.kept_primitives import KeptWithFallback
+from cuvil.backends.cpu.linear_kernels import (
+    ONEDNN_ACTIVATIONS,
+    compute_precision,
+    linear_kernel,
+    swiglu_kernel,
+)
+from cuvil.backends.cpu.pointwise_conv import is_pointwise, with_gemm_tactic
+from cuvil.backends.cpu.winograd import has_enough_tiles, is_winograd_shape, with_winograd_tactic
+from cuvil.runtime.kernels import FusedCall, KernelFactory, PreparedKernel
+
+mkldnn = torch.ops.mkldnn
+
+
+def conv2d_kernel(call: FusedCall) -> PreparedKernel:
+    """``cuvil.conv2d(input, weight, bias, stride, padding, dilation, groups, activation,
+    residual)``: activation(conv(input) + residual), channels-last, weight prepacked."""
+    call.check_runtime(("input", "residual"))
+    weight: torch.Tensor = call.arg("weight")
+    bias = call.arg("bias")
+    if weight.dtype == torch.bfloat16:
+        if compute_precision(weight.dtype) == "bf16":
+            low_bias = bias.to(torch.bfloat16) if bias is not None else None
+            return PreparedKernel(_bf16_borders(_onednn_conv(call, weight, low_bias)))
+        weight, bias = weight.float(), bias.float() if bias is not None else None  # widened
+    return _fp32_conv2d(call, weight, bias)
+
+
+def _bf16_borders(inner: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """bf16 weights on a CPU with bf16 instructions: oneDNN computes in bf16 with fp32 at the
+    op's borders (inputs cast in, result out)."""
+
+    def run(*values: torch.Tensor) -> torch.Tensor:
+        return inner(*(v.to(torch.bfloat16) for v in values)).float()
+
+    return run
+
+
+def _fp32_conv2d(
+    call: FusedCall, weight: torch.Tensor, bias: torch.Tensor | None
+) -> PreparedKernel:
+    """oneDNN's convolution (kept primitives where libdnnl loads), and where the geometry
+    allows, a GEMM or Winograd path beside it, chosen per batch bucket."""
+    activation = str(call.arg("activation"))
+    residual = call.is_runtime("residual")
+    donated = call.residual_donated  # see runtime/donation.py
+    onednn: Callable[..., torch.Tensor]
+    dnnl = load_dnnl()
+    geometry = _geometry(call)
+    if dnnl is not None and weight.dtype == torch.float32:
+        kept = DirectConv(dnnl, weight, bias, geometry, activation, residual, donated)
+        onednn = KeptWithFallback(kept, lambda: _onednn_conv(call, weight, bias)).run
+    else:
+        onednn = _onednn_conv(call, weight, bias)
+    if is_pointwise(weight, *geometry):
+        return with_gemm_tactic(onednn, weight, bias, activation, residual, donated)
+    stride, padding, dilation, groups = geometry
+    sizes = call.sizes.get("input") or ()
+    if is_winograd_shape(weight, stride, dilation, groups) and has_enough_tiles(sizes, padding):
+        return with_winograd_tactic(onednn, weight, bias, padding, activation, donated)
+    return PreparedKernel(onednn)
+
+
+def _geometry(call: FusedCall) -> tuple[list[int], list[int], list[int], int]:
+    """stride, padding, dilation, groups of a ``cuvil.conv2d`` node."""
+    stride, padding, dilation = (list(call.arg(key)) for key in ("stride", "padding", "dilation"))
+    return stride, padding, dilation, int(call.arg("groups"))
+
+
+def _onednn_conv(
+    call: FusedCall, weight: torch.Tensor, bias: torch.Tensor | None
+) -> Callable[..., torch.Tensor]:
+    """oneDNN's convolution through ATen, the activation and any residual add as post-ops."""
+    stride, padding, dilation, groups = _geometry(call)
+    attr, scalars, algorithm = ONEDNN_ACTIVATIONS[str(call.arg("activation"))]
+    weights = ConvWeight(weight, padding, stride, dilation, groups, call.sizes.get("input"))
+    channels_last = torch.channels_last
+    if not call.is_runtime("residual"):
+
+        def conv(x: torch.Tensor) -> torch.Tensor:
+            x = x.contiguous(memory_format=channels_last)
+            packed = weights.for_batch(x.shape[0])
+            return mkldnn._convolution_pointwise(
+                x, packed, bias, padding, stride, dilation, groups, attr, scalars, algorithm
+            )
+
+        return conv
+
+    unary = None if attr == "none" else attr  # oneDNN wants no unary post-op, not "none"
+
+    def conv_add(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous(memory_format=channels_last)
+        residual = residual.contiguous(memory_format=channels_last)
+        return mkldnn._convolution_pointwise.binary(
+            x,
+            residual,
+            weights.for_batch(x.shape[0]),
+            bias,
+            padding,
+            stride,
+            dilation,
+            groups,
+            "add",
+            None,
+            unary,
+            scalars,
+            algorithm or None,
+        )
+
+    return conv_add
+
+
+def rms_norm_kernel(call: FusedCall) -> PreparedKernel:
+    """``cuvil.rms_norm(input, weight, eps)``: one native pass (rowwise.py)."""
+    call.check_runtime(("input",))
+    return PreparedKernel(rowwise.rms_norm(call.arg("weight"), float(call.arg("eps"))))
+
+
+def rope_kernel(call: FusedCall) -> PreparedKernel:
+    """``cuvil.rope(input, cos, sin)``: x * cos + rotate_half(x) * sin, one native pass."""
+    return PreparedKernel(rowwise.rope())
+
+
+def attention_kernel(call: FusedCall) -> PreparedKernel:
+    """``cuvil.attention(query, key, value, mask, scale, causal, gqa)``: ATen's CPU flash
+    attention (blocked, fused softmax) when the call allows it, the math path otherwise."""
+    scale = call.arg("scale")
+    causal = bool(call.arg("causal", False))
+    gqa = bool(call.arg("gqa", False))
+    sdpa = F.scaled_dot_product_attention
+    if call.is_runtime("mask"):
+
+        def masked(
+            q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+        ) -> torch.Tensor:
+            return sdpa(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
+
+        return PreparedKernel(masked)
+
+    constant_mask = call.arg("mask")  # a mask baked into the model, or None
+
+    def unmasked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return sdpa(q, k, v, attn_mask=constant_mask, is_causal=causal, scale=scale, enable_gqa=gqa)
+
+    return PreparedKernel(unmasked)
+
+
+def layer_norm_kernel(call: FusedCall) -> PreparedKernel:
+    """``cuvil.layer_norm(input, weight, bias, eps)`` over the last dim."""
+    call.check_runtime(("input",))
+    weight, bias, eps = call.arg("weight"), call.arg("bias"), float(call.arg("eps"))
+    shape = [int(weight.shape[-1])] if weight is not None else None
+
+    def layer_norm(x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, shape or [x.shape[-1]], weight, bias, eps)
+
+    return PreparedKernel(layer_norm)
+
+
+CPU_KERNELS: dict[str, KernelFactory] = {
+    fused.CONV2D: conv2d_kernel,
+    fused.LINEAR: linear_kernel,
+    fused.SWIGLU: swiglu_kernel,
+    fused.RMS_NORM: rms_norm_kernel,
+    fused.ROPE: rope_kernel,
+    fused.ATTENTION: attention_kernel,
+    fused.LAYER_NORM: layer_norm_kernel,
+}

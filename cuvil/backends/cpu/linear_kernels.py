@@ -1,0 +1,215 @@
+"""CPU kernels for ``cuvil.linear`` and ``cuvil.swiglu``: GEMM paths, chosen per shape.
+
+    mkl     addmm (MKL sgemm) on the pre-transposed weight, then the activation in place;
+            a residual is added first (residual + bias) and the GEMM accumulates into it
+    onednn  oneDNN's prepacked inner product with the activation or the residual add as a
+            post-op: kept primitives (backends/cpu/direct_linear.py), or ATen's call without libdnnl
+    split   for up to 4 rows: the weight split across threads as a batched GEMM
+            (MKL runs a one-row GEMM on one thread; see backends/cpu/split_gemm.py)
+
+None wins everywhere (see cuvil/backends/cpu/tactics.py for why), so each linear
+times them, in place, over its first calls in a new row-count bucket and keeps the fastest.
+Both paths keep their own copy of the weight (oneDNN's blocked layout is opaque to MKL): fp32
+linear weights take twice their size in memory while loaded.
+
+bf16 weights run in bf16 on CPUs whose oneDNN has bf16 instructions (AVX512-BF16, AMX); on
+others they are widened to fp32 once at load — the fp32 GEMM is several times faster there
+than ATen's emulated bf16, and the result only carries bf16's weight rounding.
+``compute_precision()`` says which one runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from cuvil.backends.cpu.activations import INPLACE_ACTIVATIONS, ONEDNN_ACTIVATIONS
+from cuvil.backends.cpu.direct_linear import DirectLinear
+from cuvil.backends.cpu.dnnl import load as load_dnnl
+from cuvil.backends.cpu.kept_primitives import KeptWithFallback
+from cuvil.backends.cpu.split_gemm import SPLIT_MAX_ROWS, split_linear, split_parts
+from cuvil.backends.cpu.tactics import Tactics, bucket
+from cuvil.runtime.kernels import FusedCall, PreparedKernel
+
+mkldnn = torch.ops.mkldnn
+
+
+def has_onednn_bf16() -> bool:
+    """oneDNN runs bf16 natively only with AVX512-BF16/AMX (or AVX-NE-CONVERT); checked at load."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def compute_precision(weight_dtype: torch.dtype) -> str:
+    """What a GEMM with weights of this dtype computes in on this CPU."""
+    if weight_dtype == torch.bfloat16 and has_onednn_bf16():
+        return "bf16"
+    return "fp32"
+
+
+def _as_fp32(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    return tensor.float() if tensor is not None else None
+
+
+def linear_kernel(call: FusedCall) -> PreparedKernel:
+    """``cuvil.linear(input, weight, bias, activation, residual)``: activation(x W^T + b), or
+    x W^T + b + residual."""
+    call.check_runtime(("input", "residual"))
+    activation = str(call.arg("activation"))
+    residual = call.is_runtime("residual")
+    if residual and activation != "none":
+        raise ValueError("cuvil.linear fuses an activation or a residual add, not both")
+    weight: torch.Tensor = call.arg("weight")
+    if compute_precision(weight.dtype) == "bf16":
+        return PreparedKernel(_bf16_linear(weight, call.arg("bias"), activation, residual))
+    weight, bias = weight.float(), _as_fp32(call.arg("bias"))
+    if residual:
+        candidates = _residual_candidates(weight, bias)
+    else:
+        candidates = _activation_candidates(weight, bias, activation)
+    return _tactic_linear(
+        candidates, weight.shape[-1], _split_candidates(weight, bias, activation, residual)
+    )
+
+
+def _split_candidates(
+    weight: torch.Tensor, bias: torch.Tensor | None, activation: str, residual: bool
+) -> list[tuple[str, Callable[..., torch.Tensor]]]:
+    """The weight split across threads, for calls with a few rows (backends/cpu/split_gemm.py)."""
+    parts = split_parts()
+    if parts < 2:
+        return []
+    return [("split", split_linear(weight, bias, activation, residual, parts))]
+
+
+def _tactic_linear(
+    candidates: list[tuple[str, Callable[..., torch.Tensor]]],
+    in_features: int,
+    few_rows: list[tuple[str, Callable[..., torch.Tensor]]] | None = None,
+) -> PreparedKernel:
+    """Flatten leading dims to rows, let the tactics pick the GEMM path per row bucket
+    (``few_rows`` candidates join in for buckets up to SPLIT_MAX_ROWS rows)."""
+    tactics = Tactics(candidates, few_rows or (), SPLIT_MAX_ROWS)
+    decided: dict[int, Callable[..., torch.Tensor]] = {}  # 2-D calls: rows -> chosen path
+
+    def linear(x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2:  # already rows: skip the reshapes and the bucket (most of a 1-row call)
+            path = decided.get(x.shape[0])
+            if path is not None:
+                return path(x, *rest)
+        lead = x.shape[:-1]
+        rows = x.reshape(-1, in_features)
+        flat = [r.reshape(rows.shape[0], -1) for r in rest]
+        key = bucket(rows.shape[0])
+        y = tactics.run(key, rows, *flat)
+        if x.dim() == 2 and key in tactics.chosen:
+            decided[x.shape[0]] = tactics.chosen[key][1]
+        return y.view(*lead, y.shape[-1])
+
+    return PreparedKernel(linear, tactics)
+
+
+def _activation_candidates(
+    weight: torch.Tensor, bias: torch.Tensor | None, activation: str
+) -> list[tuple[str, Callable[..., torch.Tensor]]]:
+    transposed = weight.t().contiguous()
+    activate = INPLACE_ACTIVATIONS[activation]
+
+    def mkl(x: torch.Tensor) -> torch.Tensor:
+        y = torch.addmm(bias, x, transposed) if bias is not None else torch.mm(x, transposed)
+        return activate(y)
+
+    def aten_onednn() -> Callable[..., torch.Tensor]:
+        attr, scalars, algorithm = ONEDNN_ACTIVATIONS[activation]
+        packed = mkldnn._reorder_linear_weight(weight, None)
+
+        def onednn(x: torch.Tensor) -> torch.Tensor:
+            return mkldnn._linear_pointwise(x.contiguous(), packed, bias, attr, scalars, algorithm)
+
+        return onednn
+
+    return [("mkl", mkl), ("onednn", _onednn_path(weight, bias, activation, False, aten_onednn))]
+
+
+def _onednn_path(
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str,
+    residual: bool,
+    aten: Callable[[], Callable[..., torch.Tensor]],
+) -> Callable[..., torch.Tensor]:
+    """oneDNN's linear: kept primitives where libdnnl is loaded (ATen's call past their cache),
+    else ATen's call, which rebuilds its primitive each time."""
+    dnnl = load_dnnl()
+    if dnnl is None:
+        return aten()
+    return KeptWithFallback(DirectLinear(dnnl, weight, bias, activation, residual), aten).run
+
+
+def _residual_candidates(
+    weight: torch.Tensor, bias: torch.Tensor | None
+) -> list[tuple[str, Callable[..., torch.Tensor]]]:
+    transposed = weight.t().contiguous()
+
+    def mkl(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        # residual + bias into a fresh buffer, then the GEMM accumulates into it (beta = 1)
+        start = torch.add(residual, bias) if bias is not None else residual.clone()
+        return start.addmm_(x, transposed)
+
+    def aten_onednn() -> Callable[..., torch.Tensor]:
+        packed = mkldnn._reorder_linear_weight(weight, None)
+
+        def onednn(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+            return mkldnn._linear_pointwise.binary(
+                x.contiguous(), residual.contiguous(), packed, bias, "add"
+            )
+
+        return onednn
+
+    return [("mkl", mkl), ("onednn", _onednn_path(weight, bias, "none", True, aten_onednn))]
+
+
+def _bf16_linear(
+    weight: torch.Tensor, bias: torch.Tensor | None, activation: str, residual: bool
+) -> Callable[..., Any]:
+    """oneDNN bf16 with fp32 at the op's borders (inputs cast in, result cast out)."""
+    attr, scalars, algorithm = ONEDNN_ACTIVATIONS[activation]
+    packed = mkldnn._reorder_linear_weight(weight, None)
+    low_bias = bias.to(torch.bfloat16) if bias is not None else None
+    if residual:
+
+        def linear_add(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+            y = mkldnn._linear_pointwise(x.to(torch.bfloat16), packed, low_bias, "none", [], "")
+            return y.float() + residual
+
+        return linear_add
+
+    def linear(x: torch.Tensor) -> torch.Tensor:
+        y = mkldnn._linear_pointwise(
+            x.to(torch.bfloat16), packed, low_bias, attr, scalars, algorithm
+        )
+        return y.float()
+
+    return linear
+
+
+def swiglu_kernel(call: FusedCall) -> PreparedKernel:
+    """``cuvil.swiglu(input, gate_up_weight, hidden)``: silu(x Wg^T) * (x Wu^T) with the two
+    projections packed into one GEMM (its path chosen like a linear's)."""
+    call.check_runtime(("input",))
+    hidden = int(call.arg("hidden"))
+    weight: torch.Tensor = call.arg("gate_up_weight")
+    if compute_precision(weight.dtype) == "bf16":
+        gemm = PreparedKernel(_bf16_linear(weight, None, "none", residual=False))
+    else:
+        candidates = _activation_candidates(weight.float(), None, "none")
+        gemm = _tactic_linear(candidates, weight.shape[-1])
+    project = gemm.run
+
+    def swiglu(x: torch.Tensor) -> torch.Tensor:
+        gate, up = project(x).split(hidden, dim=-1)
+        return F.silu(gate).mul_(up)
+
+    return PreparedKernel(swiglu, gemm.choices)

@@ -1,0 +1,37 @@
+"""Precisions, in one place: what each compiles to and how far its outputs may drift from eager.
+
+``budget`` is the compiler's own check (max error relative to the output's scale on the example
+inputs; above it the passes are bisected). ``rtol``/``atol`` are the validation defaults a
+ModelCompilation's ``spec.validation`` overrides (elementwise, on every golden sample).
+bf16 keeps 8 mantissa bits, so its outputs drift by a few 1e-3 per op and its bounds are wider.
+This module imports nothing heavy (the operator reads it without torch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Precision:
+    name: str
+    budget: float
+    rtol: float
+    atol: float
+
+
+PRECISIONS: dict[str, Precision] = {
+    p.name: p
+    for p in (
+        Precision("fp32", budget=1e-4, rtol=1e-3, atol=1e-4),
+        Precision("bf16", budget=3e-2, rtol=5e-2, atol=5e-2),
+    )
+}
+
+
+def precision(name: str) -> Precision:
+    """The named precision; a ValueError listing the supported ones otherwise."""
+    found = PRECISIONS.get(name)
+    if found is None:
+        raise ValueError(f"precision {name!r} is not supported; choose from {list(PRECISIONS)}")
+    return found

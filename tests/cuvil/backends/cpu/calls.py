@@ -1,0 +1,29 @@
+"""Building the CPU backend's kernels straight from their factories, as a plan would."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from cuvil.backends.cpu.kept_primitives import KeptPrimitives, KeptWithFallback
+from cuvil.runtime.kernels import FusedCall, KernelFactory, PreparedKernel
+
+
+def prepare(
+    factory: KernelFactory,
+    constants: Mapping[str, Any],
+    runtime: Sequence[str] = ("input",),
+    *,
+    input_sizes: tuple[int | None, ...] | None = None,
+    donated: bool = False,
+) -> PreparedKernel:
+    """``factory``'s kernel for a node with these constants and run-time arguments."""
+    sizes = {"input": input_sizes} if input_sizes is not None else {}
+    call = FusedCall("cuvil.test", "node", constants, tuple(runtime), sizes, donated)
+    return factory(call)
+
+
+def kept_of(kernel: PreparedKernel) -> KeptPrimitives | None:
+    """The kept oneDNN primitives a kernel runs on, if it runs on them (not ATen's call)."""
+    owner = getattr(kernel.run, "__self__", None)
+    return owner.kept if isinstance(owner, KeptWithFallback) else None

@@ -1,0 +1,101 @@
+"""Linears on kept oneDNN inner-product primitives (backends/cpu/direct_linear.py): the "onednn"
+path of cuvil.linear where libdnnl is loaded; same answers as F.linear, each weight layout packed
+once, and ATen's call past the cache or with the library switched off."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cuvil.backends.cpu import dnnl as dnnl_module
+from cuvil.backends.cpu import kept_primitives
+from cuvil.backends.cpu.linear_kernels import INPLACE_ACTIVATIONS, linear_kernel
+from cuvil.backends.cpu.tactics import Tactics
+from cuvil.runtime.kernels import PreparedKernel
+from tests.cuvil.backends.cpu.calls import kept_of, prepare
+from tests.cuvil.backends.cpu.test_linear_kernels import REFERENCE
+
+
+def _onednn_path(kernel: PreparedKernel) -> Callable[..., torch.Tensor]:
+    assert isinstance(kernel.choices, Tactics)
+    return dict(kernel.choices.candidates)["onednn"]
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert actual.shape == expected.shape
+    scale = max(float(expected.abs().max()), 1.0)
+    assert float((actual - expected).abs().max()) <= 1e-5 * scale
+
+
+@pytest.mark.parametrize("activation", sorted(INPLACE_ACTIVATIONS))
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_kept_inner_product_matches_linear(activation: str, with_bias: bool) -> None:
+    torch.manual_seed(0)
+    weight = torch.randn(40, 24)
+    bias = torch.randn(40) if with_bias else None
+    kernel = prepare(
+        linear_kernel, {"weight": weight, "bias": bias, "activation": activation}, ["input"]
+    )
+    path = _onednn_path(kernel)
+    kept = kept_of(PreparedKernel(path))
+    assert kept is not None, "libdnnl.so.3 is a dependency: the kept path must be used"
+    for rows in (1, 5, 130, 5):
+        x = torch.randn(rows, 24)
+        _close(path(x), REFERENCE[activation](F.linear(x, weight, bias)))
+    direct = kept
+    assert len(direct.primitives) == 3
+    # one packed copy per weight layout the primitives ask for (oneDNN may want another for one
+    # row than for many: it does with AVX-512), none twice, and no plain copy kept beside them
+    assert 1 <= len(direct.packs) <= len(direct.primitives)
+    for index, (layout, packed) in enumerate(direct.packs):
+        assert packed.dim() == 1
+        assert not any(direct.dnnl.same(layout, other) for other, _ in direct.packs[:index])
+
+
+def test_kept_inner_product_adds_the_residual_without_writing_it() -> None:
+    torch.manual_seed(1)
+    weight, bias = torch.randn(16, 32), torch.randn(16)
+    kernel = prepare(
+        linear_kernel, {"weight": weight, "bias": bias, "activation": "none"}, ["input", "residual"]
+    )
+    path = _onednn_path(kernel)
+    x = torch.randn(32, 9).t()  # [9, 32], not contiguous
+    residual = torch.randn(16, 9).t()
+    kept = residual.clone()
+    _close(path(x, residual), F.linear(x, weight, bias) + residual)
+    assert torch.equal(residual, kept)
+
+
+def test_row_counts_past_the_cache_take_aten(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kept_primitives, "MAX_SHAPES", 1)
+    torch.manual_seed(2)
+    weight = torch.randn(12, 8)
+    kernel = prepare(
+        linear_kernel, {"weight": weight, "bias": None, "activation": "relu"}, ["input"]
+    )
+    path = _onednn_path(kernel)
+    for rows in (3, 4, 3):
+        x = torch.randn(rows, 8)
+        _close(path(x), F.relu(F.linear(x, weight)))
+    kept = kept_of(PreparedKernel(path))
+    assert kept is not None and len(kept.primitives) == 1
+
+
+def test_switched_off_the_path_is_atens(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUVIL_DNNL", "off")
+    dnnl_module.load.cache_clear()
+    try:
+        weight = torch.randn(6, 4)
+        kernel = prepare(
+            linear_kernel, {"weight": weight, "bias": None, "activation": "none"}, ["input"]
+        )
+        path = _onednn_path(kernel)
+        assert kept_of(PreparedKernel(path)) is None
+        x = torch.randn(3, 4)
+        _close(path(x), F.linear(x, weight))
+    finally:
+        monkeypatch.delenv("CUVIL_DNNL")
+        dnnl_module.load.cache_clear()

@@ -1,0 +1,74 @@
+"""``cuvil compile SPEC.yaml`` runs the worker's per-target pipeline: the spec's gates and
+validation hold, the result goes where ``spec.output`` (or ``-o``) says, with an index over its
+targets, and the model is named as the operator's compile names it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from cuvil_cli.main import main
+
+import cuvil
+
+SPEC = """\
+apiVersion: cuvil.dev/v1alpha1
+kind: ModelCompilation
+metadata: {{name: mlp-local}}
+spec:
+  source: {{builtin: {{name: mlp}}}}
+  targets: [cpu-x86_64]
+  precision: fp32
+  output: {{repository: "oci:{layout}", tag: v1}}
+{extra}"""
+
+
+def _spec(tmp_path: Path, extra: str = "") -> Path:
+    path = tmp_path / "mlp.yaml"
+    path.write_text(SPEC.format(layout=tmp_path / "layout", extra=extra))
+    return path
+
+
+def test_a_failed_gate_exits_1_with_its_value_and_threshold(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec = _spec(tmp_path, "  gates: {minSpeedup: 100}\n")
+    assert main(["compile", str(spec), "--bench-iterations", "5"]) == 1
+    error = capsys.readouterr().err
+    assert "GateFailed" in error and "minSpeedup" in error and "100" in error
+    assert not (tmp_path / "layout").exists()  # nothing pushed
+
+
+def test_validation_bounds_of_the_spec_hold(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec = _spec(tmp_path, "  validation: {samples: 2, rtol: 0, atol: 1.0e-30}\n")
+    assert main(["compile", str(spec), "--bench-iterations", "2"]) == 1
+    assert "VerificationFailed" in capsys.readouterr().err
+
+
+def test_the_spec_output_gets_an_index_and_the_operator_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec = _spec(tmp_path, "  gates: {maxAbsError: 1.0e-3}\n")
+    assert main(["compile", str(spec), "--bench-iterations", "5", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    report = printed["report"]["cpu-x86_64"]
+    assert report["gates"]["maxAbsError"]["limit"] == 1e-3
+    assert printed["artifact"].startswith(f"oci:{tmp_path / 'layout'}:v1@sha256:")
+    compiled = cuvil.load(f"oci:{tmp_path / 'layout'}:v1", cache_dir=tmp_path / "cache")
+    assert compiled.name == "mlp"  # what the worker names it: the source's name
+    x = torch.randn(3, 784)
+    torch.testing.assert_close(compiled(x), compiled(x))
+
+
+def test_a_path_takes_one_target(tmp_path: Path) -> None:
+    spec = _spec(tmp_path)
+    path = tmp_path / "mlp.cuvil"
+    assert main(["compile", str(spec), "-o", str(path), "--bench-iterations", "2"]) == 0
+    assert cuvil.load(path).config["target"] == "cpu-x86_64"
+    two = ["compile", str(spec), "-o", str(path), "--target", "cpu"]
+    assert main([*two, "--bench-iterations", "2"]) == 0
+    assert cuvil.load(path).config["target"] == "cpu"
