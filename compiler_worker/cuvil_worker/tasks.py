@@ -167,6 +167,17 @@ def _require_device(target: str, worker: str) -> None:
         )
 
 
+def benchmark_caveat(target: str, here: list[str]) -> str | None:
+    """What the report must say when this worker's machine is not one the target is for
+    (``here``: its own targets, best first): the figures were measured off-target."""
+    if target in here:
+        return None
+    return (
+        f"this worker is not a {target} machine (it is {', '.join(here) or 'unknown'}):"
+        " the benchmark ran here, so its latency and speedup are not the target's"
+    )
+
+
 def _planned_ref(files: dict[str, bytes], repository: str, annotations: dict[str, str]) -> str:
     """The ref ``push_artifact`` will give these files (manifests are deterministic), known
     before the push so that the ledger records it first."""
@@ -195,6 +206,11 @@ def _compile_and_push(
         confine_source(spec)
         try:
             packaged = build_cached(spec, target, config, on_stage, task_id, _fetcher(task_id))
+            from cuvil.artifact import probe_targets
+
+            caveat = benchmark_caveat(target, probe_targets())
+            if caveat:
+                packaged.report.setdefault("notes", []).append(caveat)
             annotations = _annotations(request, telemetry.trace_id_of(span))
             repository = str((spec.get("output") or {}).get("repository") or "")
             with shielded():

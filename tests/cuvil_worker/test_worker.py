@@ -21,7 +21,7 @@ from celery import Celery
 from celery.result import AsyncResult
 from cuvil_worker import contract
 
-from cuvil.artifact import fetch_referrer, list_referrers
+from cuvil.artifact import fetch_referrer, list_referrers, probe_targets
 from cuvil.otlp_receiver import OtlpReceiver
 from tests.cuvil_worker.workers import (
     WorkerProcess,
@@ -159,6 +159,8 @@ def test_two_targets_give_an_index_report_referrers_and_one_trace(
         assert report["validation"]["min_top1_agreement"] == 1.0
         assert set(report["gates"]) == set(gates)
         assert all(g["passed"] for g in report["gates"].values())
+        off_target = artifact["target"] not in probe_targets()
+        assert any("not the target's" in n for n in report.get("notes", [])) == off_target
 
     wanted = {"cuvil.compile_target", "cuvil.load", "cuvil.export", "cuvil.verify",
               "cuvil.validate", "cuvil.benchmark", "cuvil.package", "cuvil.push",
