@@ -9,6 +9,7 @@ killed attempt made it: the same push, recorded in the ledger first."""
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -85,3 +86,33 @@ def test_a_killed_attempts_manifest_is_deleted_once_the_index_is_up(
     assert registry.manifests(repository) == kept, "the killed attempt's manifest is still there"
     assert app.backend.client.hkeys(ledger_key) != [], "the ledger keeps what it kept"
     assert leftover.ref.encode() not in app.backend.client.hkeys(ledger_key)
+
+
+def test_duplicate_tasks_of_one_generation_give_one_tagged_index(
+    app: Celery, worker: WorkerProcess, registry: RunningRegistry
+) -> None:
+    """A submitter that died between marker and "published" has its tasks published again:
+    every task arrives twice under the same id. One index is tagged, nothing else pushed."""
+    spec = mlp_spec(registry, queue="cuvil.test.orphans")
+    repository = spec["output"]["repository"]
+    request = compilation_request(spec)
+    contract.submit_compilation(app, request)
+    marker = contract.SUBMITTED_KEY.format(chord_id=contract.chord_task_id(request))
+    app.backend.client.set(marker, contract.PUBLISHING)
+    contract.submit_compilation(app, request)  # publishes the same task ids again
+    progress = wait_done(app, request, timeout=120, workers=[worker])
+    assert progress.phase == contract.PHASE_SUCCEEDED, progress.error
+    target_id = contract.target_task_id(request, "cpu-x86_64")
+    deadline = time.monotonic() + 60
+    while worker.log.count(f"cuvil.compile[{target_id}] received") < 2:
+        assert time.monotonic() < deadline, "the duplicate never arrived"
+        time.sleep(0.2)
+    while worker.log.count(f"cuvil.compile[{target_id}] succeeded") < 2:
+        assert time.monotonic() < deadline, "the duplicate never ended"
+        time.sleep(0.2)
+    assert progress.result is not None
+    (artifact,) = progress.result["artifacts"]
+    index = progress.result["index"]["digest"]
+    kept = {index, artifact["digest"]} | _referrers(registry, repository, artifact["digest"])
+    assert registry.manifests(repository) == kept
+    assert registry.tags(repository)["v1"] == index
