@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from tests.cuvil_operator.compilations import app, apply, mlp_compilation, phase_of, workers
 from tests.cuvil_operator.conftest import Operator, events_for, get_mc, wait_for
@@ -65,6 +66,7 @@ def test_two_failing_gates_show_on_validated_with_values_and_a_retry_runs_again(
     assert "Retried" in reasons, reasons
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a worker that has no GPU")
 def test_missing_gpu_is_not_an_invalid_spec(
     kube_api: KubeApi,
     registry: RunningRegistry,
