@@ -11,8 +11,9 @@
          annotates the artifact's manifest with it (dev.cuvil.trace-id); the sidecar's serving
          spans continue the client's traceparent and carry a span link to that compile trace.
 
-The operator exports no spans of its own: its part of the trace is the W3C traceparent it puts
-in the request (trace id and parent span id derived from uid and generation), which is checked.
+The operator's part of the trace is its root: the W3C traceparent it puts in the request (trace
+id and parent span id derived from uid and generation), and the ``cuvil.compilation`` span with
+those ids it exports when the compile ends; both are checked.
 
 The example names its registry as 127.0.0.1:5000: the test runs its registry there and applies
 the example file as it is; when port 5000 is taken, it applies a copy pointed at a free port.
@@ -361,14 +362,21 @@ def test_apply_example_compile_serve_and_one_trace(
             serving = spans_named(
                 [s for s in spans if s.trace_id == serving_trace], SERVING_SPANS | {"ModelInfer"}
             )
-            return compile_names >= COMPILE_SPANS and len(serving) == len(SERVING_SPANS) + 1
+            wanted = COMPILE_SPANS | {"cuvil.compilation"}
+            return compile_names >= wanted and len(serving) == len(SERVING_SPANS) + 1
 
         spans = otlp_receiver.wait_for(linked, 20)
         mark("spans received")
     compile_spans = [s for s in spans if s.trace_id == compile_trace]
     names = {s.name for s in compile_spans}
     assert names >= COMPILE_SPANS, f"compile trace has {sorted(names)}"
-    assert {s.service for s in compile_spans} == {"cuvil-worker"}
+    assert {s.service for s in compile_spans} == {"cuvil-worker", "cuvil-operator"}
+    (root,) = [s for s in compile_spans if s.name == "cuvil.compilation"]
+    assert (root.service, root.span_id, root.parent_span_id) == (
+        "cuvil-operator",
+        operator_span,
+        "",
+    )
     by_id = {s.span_id: s for s in compile_spans}
     (target_span,) = [s for s in compile_spans if s.name == "cuvil.compile_target"]
     (index_span,) = [s for s in compile_spans if s.name == "cuvil.push_index"]
@@ -378,7 +386,7 @@ def test_apply_example_compile_serve_and_one_trace(
     for stage in COMPILE_SPANS - {"cuvil.compile_target", "cuvil.push_index"}:
         (span,) = [s for s in compile_spans if s.name == stage]
         ancestor = span
-        while ancestor.parent_span_id in by_id:
+        while ancestor.parent_span_id in by_id and ancestor is not target_span:
             ancestor = by_id[ancestor.parent_span_id]
         assert ancestor is target_span, f"{stage} is not under cuvil.compile_target"
 
@@ -399,6 +407,6 @@ def test_apply_example_compile_serve_and_one_trace(
         s for s in spans if s.trace_id in {x.trace_id for x in spans if compile_trace in x.links}
     ]
     services = {s.service for s in joined}
-    assert services == {"cuvil-worker", "cuvil-sidecar"}, services
+    assert services == {"cuvil-operator", "cuvil-worker", "cuvil-sidecar"}, services
     mark("done")
     print("timings (s since the test began):", timings)
