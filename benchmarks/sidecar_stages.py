@@ -96,7 +96,7 @@ def serve() -> int:
         setattr(owner, attribute, _timed(record, name, getattr(owner, attribute)))
     frontend._parse = staticmethod(_timed(record, "parse", frontend._parse))  # type: ignore[method-assign]
     atexit.register(lambda: Path(os.environ[MARKS_FILE]).write_text(json.dumps(marks)))
-    return main.main()
+    return main.main([])  # its own argv (--serve) is not the sidecar's
 
 
 def stages_of(calls: list[tuple[int, int]], marks: list[tuple[str, int]]) -> list[dict]:
