@@ -10,7 +10,10 @@ credential: the chart's ``operator.pushPolicy``, handed over as JSON in
 ending in ``/`` admits what lies under it, any other names one repository. No entry for a
 namespace and none for ``*``: that namespace may push anywhere. ``sharedCredentials``: the
 namespaces (``*``: all) whose compilations may push without ``spec.output.pushSecretRef``,
-with the workers' own credential; absent, every namespace may.
+with the workers' own credential; absent, every namespace may. ``sources``: namespace (or
+``*``) -> the prefixes ``spec.source.oci.ref`` may start with (workers pull those with their
+own credential); no entry: any. URL sources are refused by the spec checks (workers download
+nothing), whatever this says.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ class Refusal:
 class PushPolicy:
     repositories: Mapping[str, Sequence[str]] = field(default_factory=dict)
     shared_credentials: Sequence[str] | None = None
+    sources: Mapping[str, Sequence[str]] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, text: str | None) -> PushPolicy:
@@ -43,21 +47,31 @@ class PushPolicy:
         data = json.loads(text)
         if not isinstance(data, Mapping):
             raise ValueError("CUVIL_OPERATOR_PUSH_POLICY must be a JSON object")
-        repositories = {
-            str(k): [str(p) for p in v] for k, v in (data.get("repositories") or {}).items()
-        }
         shared = data.get("sharedCredentials")
-        return cls(repositories, None if shared is None else [str(n) for n in shared])
+        shared_list = None if shared is None else [str(n) for n in shared]
+        return cls(_prefixes(data.get("repositories")), shared_list, _prefixes(data.get("sources")))
 
     def allowed_prefixes(self, namespace: str) -> list[str] | None:
         """The prefixes ``namespace`` may push to; None: anywhere."""
-        if namespace not in self.repositories and "*" not in self.repositories:
-            return None
-        return [*self.repositories.get(namespace, []), *self.repositories.get("*", [])]
+        return _for(self.repositories, namespace)
+
+    def allowed_sources(self, namespace: str) -> list[str] | None:
+        """The prefixes ``namespace``'s OCI sources may come from; None: anywhere."""
+        return _for(self.sources, namespace)
 
     def may_use_shared_credential(self, namespace: str) -> bool:
         shared = self.shared_credentials
         return shared is None or "*" in shared or namespace in shared
+
+
+def _prefixes(value: Any) -> dict[str, list[str]]:
+    return {str(k): [str(p) for p in v] for k, v in (value or {}).items()}
+
+
+def _for(table: Mapping[str, Sequence[str]], namespace: str) -> list[str] | None:
+    if namespace not in table and "*" not in table:
+        return None
+    return [*table.get(namespace, []), *table.get("*", [])]
 
 
 def _admits(prefix: str, repository: str) -> bool:
@@ -75,6 +89,12 @@ def check_push(policy: PushPolicy, namespace: str, spec: Mapping[str, Any]) -> l
         refusals.append(Refusal("RepositoryNotAllowed", "spec.output.repository",
                                 f"namespace {namespace} may not push to {repository}"
                                 f" (allowed: {allowed})"))  # fmt: skip
+    source = str(((spec.get("source") or {}).get("oci") or {}).get("ref") or "")
+    sources = policy.allowed_sources(namespace)
+    if source and sources is not None and not any(source.startswith(p) for p in sources):
+        refusals.append(Refusal("SourceNotAllowed", "spec.source.oci.ref",
+                                f"namespace {namespace} may not compile from {source}"
+                                f" (allowed: {', '.join(sources) or 'none'})"))  # fmt: skip
     if not output.get("pushSecretRef") and not policy.may_use_shared_credential(namespace):
         refusals.append(Refusal("PushSecretRequired", "spec.output.pushSecretRef",
                                 f"namespace {namespace} must name its own push secret"

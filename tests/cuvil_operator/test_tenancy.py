@@ -40,6 +40,16 @@ def test_repositories_per_namespace_and_the_shared_credential() -> None:
     assert check_push(PushPolicy(), "anyone", _spec("anywhere:1/x")) == []
 
 
+def test_oci_sources_per_namespace() -> None:
+    policy = PushPolicy.from_json(json.dumps({"sources": {"team-a": ["reg:5000/team-a/"]}}))
+    mine = {**_spec("r:1/x"), "source": {"oci": {"ref": "reg:5000/team-a/src@sha256:ab"}}}
+    theirs = {**_spec("r:1/x"), "source": {"oci": {"ref": "reg:5000/team-b/src:v1"}}}
+    assert check_push(policy, "team-a", mine) == []
+    (refused,) = check_push(policy, "team-a", theirs)
+    assert refused.reason == "SourceNotAllowed" and "reg:5000/team-b/src:v1" in refused.message
+    assert check_push(policy, "team-b", theirs) == []  # no entry for team-b and none for *
+
+
 def test_the_operator_refuses_a_repository_outside_the_namespace_set(
     kube_api: KubeApi, redis_server: RedisServer, tmp_path: Path
 ) -> None:
