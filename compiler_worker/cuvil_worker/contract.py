@@ -36,6 +36,7 @@ from cuvil_worker import errors  # noqa: F401
 
 TASK_COMPILE = "cuvil.compile"
 TASK_INDEX = "cuvil.push_index"
+TASK_CLEANUP = "cuvil.cleanup"  # sent by a cancel: deletes what the cancelled request pushed
 
 # Custom task states; their meta is {"stage": <pipeline stage>, "target": <target>,
 # "worker": <worker hostname>}.
@@ -313,11 +314,15 @@ def cancel_compilation(app: Celery, request: Mapping[str, Any]) -> None:
     tasks, now or after a redelivery, ends it without pushing), and its tasks are revoked
     (running ones are terminated at once; a push in flight finishes and is undone)."""
     release_current(app, request)
-    ids = [target_task_id(request, t) for t in targets_of(request)] + [chord_task_id(request)]
+    targets = targets_of(request)
+    ids = [target_task_id(request, t) for t in targets] + [chord_task_id(request)]
     app.control.revoke(ids, terminate=True, signal="SIGTERM")
     for task_id in ids:
         if app.backend.get_task_meta(task_id).get("status") not in ("SUCCESS", "FAILURE"):
             app.backend.mark_as_revoked(task_id, reason="cancelled")
+    override = request["spec"].get("queue") or None
+    app.send_task(TASK_CLEANUP, args=(dict(request),), queue=queue_for_target(targets[0], override),
+                  priority=PRIORITY_INDEX)  # fmt: skip
 
 
 # Reading progress lives in its own module; its names stay importable from here.

@@ -35,10 +35,12 @@ from cuvil_worker.cancellation import (
     undo_recorded,
 )
 from cuvil_worker.contract import (
+    TASK_CLEANUP,
     TASK_COMPILE,
     TASK_INDEX,
     check_request,
     chord_task_id,
+    not_current,
     target_task_id,
     targets_of,
 )
@@ -154,6 +156,18 @@ def confine_source(spec: dict[str, Any]) -> None:
         raise InvalidSpec(f"spec.source.pvc.claimName {pvc.get('claimName')!r} is not a PVC name")
 
 
+def _undo_unless_current(
+    guard: Guard, ledger: PushLedger, target: str | None, credentials: Any, where: str
+) -> None:
+    """The re-check after a push, inside its shield: a cancel that came meanwhile has what
+    was pushed deleted before a held terminate may end the process."""
+    try:
+        guard.check(where, push=True)
+    except Cancelled:
+        undo_recorded(ledger, target, credentials)
+        raise
+
+
 def _require_device(target: str, worker: str) -> None:
     """A CUDA target reaching a worker without a GPU is a routing problem, not a bad spec."""
     import torch
@@ -220,7 +234,7 @@ def _compile_and_push(
                 credentials = registry_config_for(app, request, config.work_dir)
                 result = publish(packaged, spec, target, on_stage, annotations, credentials)
                 ledger.record(result["ref"], target)
-                guard.check("after its push", push=True)
+                _undo_unless_current(guard, ledger, target, credentials, "after its push")
         except RegistryError as error:
             if not error.retryable:
                 raise PushRefused(f"registry refused the push: {error}") from None
@@ -293,7 +307,7 @@ def _push_index(
                     f"{repository}:{tag}", results, annotations, registry_config=credentials
                 )
                 ledger.record(index.ref, "index")
-                guard.check("after its index was tagged", push=True)
+                _undo_unless_current(guard, ledger, None, credentials, "after its index")
         except RegistryError as error:
             if not error.retryable:
                 raise PushRefused(f"registry refused the index: {error}") from None
@@ -329,3 +343,27 @@ def _delete_orphans(ledger: PushLedger, kept: set[str], registry_config: Any = N
         log.warning("could not delete orphaned manifests %s: %s", orphans, error)
         return
     ledger.drop(orphans)
+
+
+@app.task(bind=True, name=TASK_CLEANUP, acks_late=True)
+def cleanup_task(self: Task, request: dict[str, Any]) -> dict[str, Any]:
+    """Sent by a cancel: deletes what the cancelled request pushed, for the case no task of
+    it runs again to do so (a compile that finished its push before the cancel, whose index
+    task the revoke then discards). A request that succeeded, or is current again, keeps
+    everything."""
+    check_request(request)
+    if not_current(app, request) is None:
+        return {"kept": "the request is current"}
+    finished = AsyncResult(chord_task_id(request), app=app)
+    if finished.state == "SUCCESS" and "cancelled" not in (finished.result or {}):
+        return {"kept": "the compilation succeeded"}
+    ledger = PushLedger(app, request)
+    refs = ledger.refs()
+    try:
+        credentials = registry_config_for(app, request, config.work_dir)
+    except CompileFailed:
+        credentials = None
+    undo_recorded(ledger, None, credentials)
+    log.info("%s: deleted %d manifest(s) of cancelled %s", self.name, len(refs),
+             chord_task_id(request))  # fmt: skip
+    return {"deleted": refs}

@@ -82,3 +82,9 @@ def push_index(self: Any, request: dict[str, Any]) -> dict[str, Any]:
         "artifacts": [{k: r[k] for k in ("target", "ref", "digest", "size")} for r in results],
         "report": {r["target"]: r["report"] for r in results},
     }
+
+
+@app.task(name=contract.TASK_CLEANUP)
+def cleanup(request: dict[str, Any]) -> dict[str, Any]:
+    """A cancel's clean-up: the stub pushes nothing, so there is nothing to delete."""
+    return {"deleted": []}

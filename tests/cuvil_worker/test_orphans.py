@@ -9,6 +9,7 @@ killed attempt made it: the same push, recorded in the ledger first."""
 from __future__ import annotations
 
 import json
+import re
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -116,3 +117,26 @@ def test_duplicate_tasks_of_one_generation_give_one_tagged_index(
     kept = {index, artifact["digest"]} | _referrers(registry, repository, artifact["digest"])
     assert registry.manifests(repository) == kept
     assert registry.tags(repository)["v1"] == index
+
+
+def test_a_cancel_while_the_artifact_is_pushed_leaves_nothing(
+    app: Celery, worker: WorkerProcess, registry: RunningRegistry
+) -> None:
+    """The cancel lands as the manifest arrives: the push's own re-check, the index task or
+    the cancel's clean-up deletes it, whichever the timing leaves to do it."""
+    spec = mlp_spec(registry, queue="cuvil.test.orphans")
+    repository = spec["output"]["repository"]
+    path = repository.split("/", 1)[1]
+    request = compilation_request(spec)
+    contract.submit_compilation(app, request)
+    deadline = time.monotonic() + 90
+    while not registry.requests(rf'"PUT /v2/{path}/manifests/sha256:'):
+        assert time.monotonic() < deadline, worker.log[-3000:]
+        time.sleep(0.002)
+    contract.cancel_compilation(app, request)
+    while not re.search(r"cuvil\.cleanup\[[^\]]+\] succeeded", worker.log[-20000:]):
+        assert time.monotonic() < deadline, worker.log[-3000:]
+        time.sleep(0.1)
+    time.sleep(1.0)  # a push still in flight re-checks and undoes itself
+    assert registry.manifests(repository) == set()
+    assert registry.tags(repository) == {}
