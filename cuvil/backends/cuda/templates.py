@@ -1,0 +1,134 @@
+"""Cuvil's Triton kernel templates for the fused ops the CUDA backend runs as its own kernels.
+
+Each template is a plain Python function in Triton's language, not decorated here: the compile
+worker wraps it in ``triton.jit`` for ``triton.compile`` (compile_worker.py), the CPU executor
+in Triton's interpreter (interpreter.py), so both run the same source. A template is specialised
+per node (specs.py): the row width ``N`` and the block that covers it are constexprs from the
+node's static last dim, so every row is one program and every load is one masked vector.
+
+Math is fp32 whatever the storage type (the loads widen, the store rounds once). A template
+calls no other template, so one function is all either wrapper needs. This module imports
+Triton: only the compile worker and the CPU executor import it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from hashlib import sha256
+
+import triton.language as tl
+from triton.language.extra import libdevice
+
+
+def rms_norm_rows(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    stride_x,
+    stride_out,
+    eps,
+    N: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """out[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * w, one program per row."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    inside = cols < N
+    x = tl.load(x_ptr + row * stride_x + cols, mask=inside, other=0.0).to(tl.float32)
+    inverse = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
+    w = tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+    y = x * inverse * w
+    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+def layer_norm_rows(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    out_ptr,
+    stride_x,
+    stride_out,
+    eps,
+    N: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    """out[r] = (x[r] - mean) * rsqrt(var + eps) * w + b (biased variance), one program per row.
+    Without a weight or bias their pointers are never read (the caller passes any tensor)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    inside = cols < N
+    x = tl.load(x_ptr + row * stride_x + cols, mask=inside, other=0.0).to(tl.float32)
+    mean = tl.sum(x, axis=0) / N
+    centred = tl.where(inside, x - mean, 0.0)
+    inverse = tl.rsqrt(tl.sum(centred * centred, axis=0) / N + eps)
+    y = centred * inverse
+    if HAS_WEIGHT:
+        y = y * tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        y = y + tl.load(b_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+def bias_act_residual(
+    y_ptr,
+    bias_ptr,
+    res_ptr,
+    out_ptr,
+    n_elements,
+    N: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ACT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    ACT_AFTER_RES: tl.constexpr,
+):
+    """The epilogue of a GEMM that ATen ran (cuBLAS on a GPU): out = act(y + bias) + residual,
+    or act(y + bias + residual) with ACT_AFTER_RES, over contiguous rows of width N. ACT is the
+    activation's code in specs.ACTIVATION_CODES."""
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    offsets = start + tl.arange(0, BLOCK)
+    inside = offsets < n_elements
+    y = tl.load(y_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        y = y + tl.load(bias_ptr + offsets % N, mask=inside, other=0.0).to(tl.float32)
+    if HAS_RES and ACT_AFTER_RES:
+        y = y + tl.load(res_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+    if ACT == 1:  # relu
+        y = tl.maximum(y, 0.0)
+    elif ACT == 2:  # relu6
+        y = tl.minimum(tl.maximum(y, 0.0), 6.0)
+    elif ACT == 3:  # silu
+        y = y * tl.sigmoid(y)
+    elif ACT == 4:  # gelu (erf)
+        y = 0.5 * y * (1.0 + tl.erf(y * 0.7071067811865476))
+    elif ACT == 5:  # gelu (tanh approximation): libdevice's tanh
+        y = 0.5 * y * (1.0 + libdevice.tanh(0.7978845608028654 * (y + 0.044715 * y * y * y)))
+    elif ACT == 6:  # hardswish
+        y = y * tl.minimum(tl.maximum(y + 3.0, 0.0), 6.0) / 6.0
+    elif ACT == 7:  # tanh
+        y = libdevice.tanh(y)
+    elif ACT == 8:  # sigmoid
+        y = tl.sigmoid(y)
+    if HAS_RES and not ACT_AFTER_RES:
+        y = y + tl.load(res_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+TEMPLATES: dict[str, Callable[..., None]] = {
+    "rms_norm_rows": rms_norm_rows,
+    "layer_norm_rows": layer_norm_rows,
+    "bias_act_residual": bias_act_residual,
+}
+
+
+def template_source(name: str) -> str:
+    """The template's source text, as the kernels layer stores it beside each cubin."""
+    return inspect.getsource(TEMPLATES[name])
+
+
+def template_digest(name: str) -> str:
+    """sha256 of the source: a loaded artifact interprets only the template it was built from."""
+    return sha256(template_source(name).encode()).hexdigest()
