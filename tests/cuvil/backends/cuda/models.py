@@ -1,0 +1,54 @@
+"""Small models for the CUDA backend's tests: one block with every templated op."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class RMSNorm(torch.nn.Module):
+    """Llama's RMSNorm, as the fusion rules see it (torch.nn.RMSNorm exports as one aten op)."""
+
+    def __init__(self, width: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(width))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        variance = x.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(variance + self.eps))
+
+
+class NormBlock(torch.nn.Module):
+    """linear -> GELU(tanh) -> LayerNorm -> RMSNorm -> linear + residual: a linear with an
+    activation epilogue, one with a residual epilogue, and both row norms."""
+
+    def __init__(self, width: int = 48, hidden: int = 64) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(width, hidden)
+        self.norm = torch.nn.LayerNorm(hidden)
+        self.rms = RMSNorm(hidden)
+        self.down = torch.nn.Linear(hidden, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.up(x), approximate="tanh")
+        return self.down(self.rms(self.norm(h))) + x
+
+
+class NormMLP(torch.nn.Module):
+    """An MLP with LayerNorm between its layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.Sequential(
+            torch.nn.Linear(32, 64),
+            torch.nn.LayerNorm(64),
+            torch.nn.ReLU(),
+            torch.nn.Linear(64, 64),
+            torch.nn.SiLU(),
+            torch.nn.LayerNorm(64),
+            torch.nn.Linear(64, 10),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
