@@ -45,6 +45,7 @@ class Backend(Protocol):
     kernels: Mapping[str, KernelFactory]  # fused op -> factory
     fallbacks: Mapping[str, str]  # fused op it does not implement -> why (it is left unfused)
     lowering: Lowering
+    verified_by: str  # how the compiler's verify stage ran this target's plan (for the report)
 
     def check_compile(self) -> None:
         """Raise ``TargetUnavailableError`` when this machine cannot compile for the target."""

@@ -58,6 +58,10 @@ class CudaBackend:
     kernels: Mapping[str, KernelFactory] = {op: _needs_layer for op in TEMPLATED}
     fallbacks: Mapping[str, str] = FALLBACKS
     lowering = LOWERING
+    verified_by = (
+        "verified on CPU by interpretation: Cuvil's kernels through Triton's interpreter, the "
+        "other ops through ATen on the CPU, against eager fp32; speed not measured (no GPU)"
+    )
 
     def __init__(self, target: Target) -> None:
         self.target = target
@@ -111,7 +115,7 @@ class CudaBackend:
             "backend": "cuda",
             "arch": manifest.get("arch"),
             "executor": EXECUTOR,
-            "verified_by": "interpretation on the CPU (speed not measured)",
+            "verified_by": self.verified_by,
             "kernels": manifest.get("kernels", []),
             "nodes": manifest.get("nodes", {}),
             "fallbacks": dict(FALLBACKS),
