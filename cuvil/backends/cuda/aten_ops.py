@@ -1,8 +1,9 @@
 """The CUDA backend's fused ops that run through ATen on the plan's device: the ops that have no
-Cuvil template yet (convolution, SwiGLU, RoPE, attention: cuDNN, cuBLAS and torch's own
-kernels on a GPU), and the nodes of templated ops that a template does not take (a dynamic row
-width, a linear without an epilogue). Each factory computes in the weight's dtype and returns
-the input's, as the precision pass means (bf16 weights, fp32 values between ops).
+Cuvil template yet (convolution, SwiGLU, attention: cuDNN, cuBLAS and torch's own kernels on a
+GPU), and the nodes of templated ops that a template does not take (a dynamic row width, a
+linear without an epilogue, a RoPE that broadcasts its input). Each factory computes in the
+weight's dtype and returns the input's, as the precision pass means (bf16 weights, fp32 values
+between ops).
 """
 
 from __future__ import annotations

@@ -38,6 +38,7 @@ from cuvil.backends.cuda.specs import (
     layer_norm_spec,
     linear_epilogue_spec,
     rms_norm_spec,
+    rope_spec,
 )
 from cuvil.dtypes import dtype_name
 from cuvil.ir import Graph, Node, Value
@@ -82,6 +83,8 @@ def _spec_for(
         return rms_norm_spec(graph, node, dtype("weight") or "f32")
     if node.op == fused.LAYER_NORM:
         return layer_norm_spec(graph, node, dtype("weight"), dtype("bias"))
+    if node.op == fused.ROPE:
+        return rope_spec(graph, node)
     if node.op == fused.LINEAR:
         return linear_epilogue_spec(graph, node, dtype("weight") or "f32", dtype("bias"))
     return None

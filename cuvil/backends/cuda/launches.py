@@ -119,9 +119,56 @@ def linear_epilogue(
     return PreparedKernel(run)
 
 
+def _reach(tensor: torch.Tensor) -> int:
+    """Elements from a view's first to its last one: what indexing it by its strides reaches."""
+    return (
+        sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
+        + 1
+    )
+
+
+def rope(call: FusedCall, manifest: Mapping[str, Any], launcher: Launcher) -> PreparedKernel:
+    """``cuvil.rope``: x made contiguous [outer, middle, inner, D]; cos and sin keep their own
+    storage and are read through the strides of their broadcast to x (0 where they repeat)."""
+    width = int(manifest["constexprs"]["D"])
+    dtypes = _dtypes(manifest)
+
+    def broadcast(value: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        return value.reshape((1,) * (4 - value.dim()) + tuple(value.shape)).expand(shape)
+
+    def run(x: torch.Tensor, *given: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != width or x.dim() > 4:
+            raise ValueError(f"{manifest['name']}: input {tuple(x.shape)}, compiled for D={width}")
+        values = iter(given)
+        cos = next(values) if call.is_runtime("cos") else call.arg("cos")
+        sin = next(values) if call.is_runtime("sin") else call.arg("sin")
+        source = _aligned(x, dtypes["x_ptr"])
+        shape = torch.Size((1,) * (4 - x.dim()) + tuple(x.shape))
+        cos, sin = _aligned(cos, dtypes["cos_ptr"]), _aligned(sin, dtypes["sin_ptr"])
+        cos4, sin4 = broadcast(cos, shape), broadcast(sin, shape)
+        out = torch.empty(x.shape, dtype=dtypes["out_ptr"])
+        rows = x.numel() // width
+        args: dict[str, Any] = {
+            "x_ptr": source,
+            "out_ptr": out,
+            "inner": shape[2],
+            "middle": shape[1],
+        }
+        args |= {"cos_ptr": cos, "sin_ptr": sin}
+        args |= {f"cos_{dim}": cos4.stride(dim) for dim in range(3)}
+        args |= {f"sin_{dim}": sin4.stride(dim) for dim in range(3)}
+        reach = {"x_ptr": rows * width, "out_ptr": rows * width}
+        reach |= {"cos_ptr": _reach(cos4), "sin_ptr": _reach(sin4)}
+        launcher.launch((rows, 1, 1), args, reach)
+        return out.to(x.dtype)
+
+    return PreparedKernel(run)
+
+
 # template -> how its kernel becomes the plan's function
 LAUNCHES: dict[str, Callable[[FusedCall, Mapping[str, Any], Launcher], PreparedKernel]] = {
     "rms_norm_rows": norm_rows,
     "layer_norm_rows": norm_rows,
     "bias_act_residual": linear_epilogue,
+    "rope_rows": rope,
 }

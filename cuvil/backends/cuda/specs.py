@@ -243,3 +243,39 @@ def linear_epilogue_spec(
         num_warps=4,
         grid="(cdiv(n_elements, BLOCK), 1, 1), n_elements = numel(output)",
     )
+
+
+def rope_spec(graph: Graph, node: Node) -> KernelSpec | str:
+    """RoPE over rows of the head dim: x up to 4-D, the output x's shape, cos and sin any
+    shape that broadcasts to it with a full last dim."""
+    x, cos, sin = (node.arg(key) for key in ("input", "cos", "sin"))
+    assert isinstance(x, Value) and isinstance(cos, Value) and isinstance(sin, Value)
+    x_type = graph.type_of(x)
+    width, pointer = _static_width(graph, x), _pointer(graph, x)
+    if x_type.rank > 4 or node.types[0].shape != x_type.shape:
+        return "the rotation broadcasts x, or x has more than 4 dims"
+    if width is None or width % 2 or pointer is None:
+        return "the head dim is dynamic or odd, or its dtype has no kernel variant"
+    angles = [_pointer(graph, value) for value in (cos, sin)]
+    if any(_static_width(graph, value) != width for value in (cos, sin)) or None in angles:
+        return "cos and sin do not span the head dim"
+    half = width // 2
+    return _spec(
+        f"rope_{x_type.dtype}_d{width}",
+        template="rope_rows",
+        params=(
+            ("x_ptr", pointer),
+            ("cos_ptr", str(angles[0])),
+            ("sin_ptr", str(angles[1])),
+            ("out_ptr", POINTER_TYPES[node.types[0].dtype]),
+            *((name, "i32") for name in ("inner", "middle", "cos_0", "cos_1", "cos_2")),
+            *((name, "i32") for name in ("sin_0", "sin_1", "sin_2")),
+            ("D", "constexpr"),
+            ("HALF", "constexpr"),
+            ("BLOCK_HALF", "constexpr"),
+        ),
+        constexprs={"D": width, "HALF": half, "BLOCK_HALF": 1 << (half - 1).bit_length()},
+        div16=("x_ptr", "cos_ptr", "sin_ptr", "out_ptr"),
+        num_warps=1 if width <= 256 else 4,
+        grid="(rows, 1, 1): one program per row of D, rows = numel(input) / D",
+    )

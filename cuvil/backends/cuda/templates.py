@@ -117,10 +117,52 @@ def bias_act_residual(
     tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=inside)
 
 
+def rope_rows(
+    x_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    inner,
+    middle,
+    cos_0,
+    cos_1,
+    cos_2,
+    sin_0,
+    sin_1,
+    sin_2,
+    D: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    """out = x * cos + rotate_half(x) * sin over rows of width D, rotate_half(x) being
+    cat(-x[D/2:], x[:D/2]). x and out are contiguous [outer, middle, inner, D]; cos and sin are
+    indexed by their own strides over the first three dims (0 where they broadcast)."""
+    row = tl.program_id(0).to(tl.int64)
+    i2 = row % inner
+    i1 = (row // inner) % middle
+    i0 = row // (inner * middle)
+    cols = tl.arange(0, BLOCK_HALF)
+    inside = cols < HALF
+    x_row = x_ptr + row * D + cols
+    x1 = tl.load(x_row, mask=inside, other=0.0).to(tl.float32)
+    x2 = tl.load(x_row + HALF, mask=inside, other=0.0).to(tl.float32)
+    cos_row = cos_ptr + i0 * cos_0 + i1 * cos_1 + i2 * cos_2 + cols
+    sin_row = sin_ptr + i0 * sin_0 + i1 * sin_1 + i2 * sin_2 + cols
+    c1 = tl.load(cos_row, mask=inside, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_row + HALF, mask=inside, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_row, mask=inside, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_row + HALF, mask=inside, other=0.0).to(tl.float32)
+    out_row = out_ptr + row * D + cols
+    kind = out_ptr.dtype.element_ty
+    tl.store(out_row, (x1 * c1 - x2 * s1).to(kind), mask=inside)
+    tl.store(out_row + HALF, (x2 * c2 + x1 * s2).to(kind), mask=inside)
+
+
 TEMPLATES: dict[str, Callable[..., None]] = {
     "rms_norm_rows": rms_norm_rows,
     "layer_norm_rows": layer_norm_rows,
     "bias_act_residual": bias_act_residual,
+    "rope_rows": rope_rows,
 }
 
 

@@ -20,19 +20,27 @@ class RMSNorm(torch.nn.Module):
 
 
 class NormBlock(torch.nn.Module):
-    """linear -> GELU(tanh) -> LayerNorm -> RMSNorm -> linear + residual: a linear with an
-    activation epilogue, one with a residual epilogue, and both row norms."""
+    """linear -> GELU(tanh) -> LayerNorm -> RoPE over 4 heads -> RMSNorm -> linear + residual:
+    a linear with an activation epilogue, one with a residual epilogue, both row norms and a
+    rotation by constant angles, for sequences of ``seq``."""
 
-    def __init__(self, width: int = 48, hidden: int = 64) -> None:
+    def __init__(self, width: int = 48, hidden: int = 64, seq: int = 5) -> None:
         super().__init__()
         self.up = torch.nn.Linear(width, hidden)
         self.norm = torch.nn.LayerNorm(hidden)
         self.rms = RMSNorm(hidden)
         self.down = torch.nn.Linear(hidden, width)
+        angles = torch.arange(seq)[:, None] * torch.linspace(0.1, 1.0, 16)[None, :]
+        self.register_buffer("cos", angles.cos())
+        self.register_buffer("sin", angles.sin())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.gelu(self.up(x), approximate="tanh")
-        return self.down(self.rms(self.norm(h))) + x
+        h = self.norm(F.gelu(self.up(x), approximate="tanh"))
+        batch, seq, hidden = h.shape
+        q = h.view(batch, seq, 4, hidden // 4).transpose(1, 2)
+        q = q * self.cos + torch.cat((-q[..., 8:], q[..., :8]), dim=-1) * self.sin
+        h = q.transpose(1, 2).reshape(batch, seq, hidden)
+        return self.down(self.rms(h)) + x
 
 
 class NormMLP(torch.nn.Module):

@@ -15,7 +15,7 @@ from triton.runtime.jit import JITFunction
 
 from cuvil.backends.cuda.aten_ops import ACTIVATIONS
 from cuvil.backends.cuda.interpreter import GuardError, Interpreted, interpreter_patches
-from cuvil.fused_ops import LAYER_NORM, LINEAR, RMS_NORM
+from cuvil.fused_ops import LAYER_NORM, LINEAR, RMS_NORM, ROPE
 from cuvil.precisions import PRECISIONS
 from tests.cuvil.backends.cuda.nodes import manifest_for, one_node, only_spec, relative_to_scale
 from tests.cuvil.backends.cuda.nodes import run_kernel as run
@@ -81,6 +81,44 @@ def test_the_linear_epilogue_matches_torch(activation: str, residual: bool) -> N
     expected = ACTIVATIONS[activation](y + inputs["residual"] if residual else y)
     assert relative_to_scale(out, expected) <= FP32_TOLERANCE
     assert spec.constexprs["ACT_AFTER_RES"] is (residual and activation != "none")
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+# (x, cos/sin) shapes: Llama's (cos per position, broadcast over heads), per head, 3-D, and a
+# head dim whose half is no power of two
+ROPE_SHAPES = [
+    ((2, 4, 5, 32), (2, 1, 5, 32)),
+    ((1, 3, 6, 16), (1, 3, 6, 16)),
+    ((3, 7, 64), (7, 64)),
+    ((1, 2, 4, 24), (1, 1, 4, 24)),
+]
+
+
+@pytest.mark.parametrize(("x_shape", "angle_shape"), ROPE_SHAPES)
+def test_rope_matches_torch(x_shape: tuple[int, ...], angle_shape: tuple[int, ...]) -> None:
+    x = torch.randn(x_shape)
+    if x.dim() == 4:  # a strided view [batch, heads, seq, dim] of [batch, seq, heads, dim]
+        x = torch.randn(x_shape[0], x_shape[2], x_shape[1], x_shape[3]).transpose(1, 2)
+    angles = torch.randn(angle_shape)
+    cos, sin = angles.cos(), angles.sin()
+    inputs = {"input": x, "cos": cos, "sin": sin}
+    out, spec = run(ROPE, inputs, {}, x_shape)
+    assert relative_to_scale(out, _rope(inputs["input"], cos, sin)) <= FP32_TOLERANCE
+    assert spec.constexprs["D"] == x_shape[-1] and spec.constexprs["HALF"] == x_shape[-1] // 2
+
+
+def test_a_rope_that_broadcasts_its_input_runs_in_aten() -> None:
+    from cuvil.backends.cuda.codegen import plan_kernels
+
+    runtime = {"input": torch.randn(1, 1, 4, 8), "cos": torch.randn(2, 1, 4, 8)}
+    runtime["sin"] = runtime["cos"]
+    graph, weights, _ = one_node(ROPE, runtime, {}, (2, 1, 4, 8))
+    plan = plan_kernels(graph, weights, {})
+    assert not plan.kernels and "broadcasts x" in plan.nodes["fused"]["aten"]
 
 
 def test_a_plain_linear_runs_in_aten() -> None:
