@@ -43,7 +43,7 @@ class Backend(Protocol):
     target: Target
     device: torch.device
     kernels: Mapping[str, KernelFactory]  # fused op -> factory
-    fallbacks: Mapping[str, str]  # fused op it does not implement -> why (it is left unfused)
+    fallbacks: Mapping[str, str]  # fused op without a kernel of its own -> why, and what runs it
     lowering: Lowering
     verified_by: str  # how the compiler's verify stage ran this target's plan (for the report)
 

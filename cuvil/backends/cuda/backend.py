@@ -67,7 +67,6 @@ class CudaBackend:
         major, minor = target.compute_capability or (0, 0)
         self.compute_capability = 10 * major + minor  # 0 for the bare family name
         self.device = torch.device("cpu")  # the executor: see the module docstring
-        self.compile_seconds: dict[str, float] = {}  # kernel -> seconds, of the last codegen
 
     def check_compile(self) -> None:
         """Compiling needs an architecture Cuvil builds for and Triton (the ``cuda`` extra),
@@ -86,7 +85,7 @@ class CudaBackend:
     def codegen(self, graph: Graph, weights: Mapping[str, torch.Tensor]) -> dict[str, bytes]:
         from cuvil.backends.cuda.codegen import generate_layer
 
-        files, self.compile_seconds = generate_layer(
+        files, _ = generate_layer(
             graph, weights, self.compute_capability, FALLBACKS, self.target.name
         )
         return files
