@@ -12,7 +12,9 @@ The layer holds, per kernel, ``<name>.<arch>.cubin``, ``<name>.py`` (the templat
 and ``<name>.json`` (its manifest), plus ``manifest.json`` naming what runs each fused node.
 Before anything is written, every cubin is read back (cubin.py): its ELF architecture must be
 the target's, its kernel symbol present, its parameter table the spec's parameters plus
-Triton's two trailing scratch pointers, and its shared memory within the architecture's limit.
+Triton's two trailing scratch pointers, its shared memory within the architecture's limit, and
+no registers spilled to local memory (``cuobjdump -res-usage``: a spilling kernel is slow enough
+to be a bug in its specialisation).
 """
 
 from __future__ import annotations
@@ -143,6 +145,14 @@ def run_compiler(
     return versions, results
 
 
+def check_resources(spec: KernelSpec, resources: dict[str, int]) -> None:
+    if resources["stack"] or resources["local"]:
+        raise CodegenError(
+            f"{spec.name}: spills registers ({resources['local']} B local, "
+            f"{resources['stack']} B stack per thread at {resources['registers']} registers)"
+        )
+
+
 def check_cubin(
     spec: KernelSpec, cubin: bytes, symbol: str, arch: str, shared: int, cc: int
 ) -> dict[str, Any]:
@@ -200,6 +210,7 @@ def kernel_manifest(
         "num_warps": launch["num_warps"],
         "num_stages": launch["num_stages"],
         "shared": launch["shared"],
+        "resources": result["resources"],
         "launch": launch,
         "cubin": f"{spec.name}.{arch}.cubin",
         "cubin_sha256": sha256(cubin).hexdigest(),
@@ -245,6 +256,7 @@ def generate_layer(
                     int(result["launch"]["shared"]),
                     compute_capability,
                 )
+                check_resources(spec, result["resources"])
                 manifest = kernel_manifest(spec, result, checked, arch, versions, cubin, source)
                 files[manifest["cubin"]] = cubin
                 files[manifest["source"]] = source.encode()

@@ -1,7 +1,8 @@
 """The compile subprocess: ``python -m cuvil.backends.cuda.compile_worker OUT_DIR`` reads a JSON
 request on stdin (``arch``, ``options``, ``kernels``: KernelSpec JSON), compiles each kernel with
 ``triton.compile`` for that architecture, writes ``OUT_DIR/<name>.cubin``, and prints one JSON
-line per kernel (its symbol, launch metadata, template source, compile seconds) or a failure.
+line per kernel (its symbol, launch metadata, registers and spills, template source, compile
+seconds) or a failure.
 
 It runs apart from the compiler because LLVM aborts the whole process on some bad options (a
 PTX version the target does not take), and Triton never needs a driver here: the target is
@@ -12,6 +13,7 @@ line info, the cache folder) is set by the parent (codegen.py).
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -19,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import triton
+from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia import compiler as nvidia
 from triton.compiler import ASTSource
@@ -52,6 +55,21 @@ def ptxas_version(arch: int) -> str:
     return release.split(",", 1)[0].strip()
 
 
+def resource_usage(cubin: Path, symbol: str) -> dict[str, int]:
+    """Registers, stack and local memory (spills) per thread, from ``cuobjdump -res-usage``
+    (bundled with Triton, runs without a GPU)."""
+    text = subprocess.check_output(
+        [knobs.nvidia.cuobjdump.path, "-res-usage", str(cubin)], text=True
+    )
+    found = re.search(
+        rf"Function {re.escape(symbol)}:\s*REG:(\d+) STACK:(\d+) \S+ LOCAL:(\d+)", text
+    )
+    if found is None:
+        raise RuntimeError(f"cuobjdump reports no resources for {symbol}: {text[-500:]}")
+    registers, stack, local = (int(group) for group in found.groups())
+    return {"registers": registers, "stack": stack, "local": local}
+
+
 def compile_one(spec: KernelSpec, arch: int, options: dict[str, Any], out: Path) -> dict[str, Any]:
     function = triton.jit(TEMPLATES[spec.template])
     names = [name for name, _ in spec.params]
@@ -65,11 +83,13 @@ def compile_one(spec: KernelSpec, arch: int, options: dict[str, Any], out: Path)
         options={**options, "num_warps": spec.num_warps, "num_stages": spec.num_stages},
     )
     seconds = time.perf_counter() - start
-    (out / f"{spec.name}.cubin").write_bytes(compiled.asm["cubin"])
+    path = out / f"{spec.name}.cubin"
+    path.write_bytes(compiled.asm["cubin"])
     metadata = compiled.metadata._asdict()
     return {
         "name": spec.name,
         "symbol": compiled.name,
+        "resources": resource_usage(path, compiled.name),
         "launch": {key: metadata.get(key) for key in LAUNCH_FIELDS},
         "source": template_source(spec.template),
         "compile_seconds": round(seconds, 4),

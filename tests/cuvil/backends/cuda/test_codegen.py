@@ -18,6 +18,7 @@ from cuvil.backends.cuda.backend import FALLBACKS
 from cuvil.backends.cuda.codegen import (
     CodegenError,
     check_cubin,
+    check_resources,
     generate_layer,
     plan_kernels,
     run_compiler,
@@ -68,6 +69,7 @@ def test_every_cubin_is_built_for_the_target_architecture(arch: str) -> None:
         assert len(params) == len(values) + 2  # Triton's global and profile scratch pointers
         assert [p["name"] for p in manifest["params"][-2:]] == ["global_scratch", "profile_scratch"]
         assert [param.size for param in params[-2:]] == [8, 8]
+        assert manifest["resources"]["local"] == manifest["resources"]["stack"] == 0
         assert manifest["launch"]["ptx_version"] == codegen.PTX_VERSIONS[int(arch[3:])]
         assert files[manifest["source"]].decode().startswith(f"def {manifest['template']}(")
 
@@ -123,3 +125,16 @@ def test_an_aborting_compiler_fails_the_codegen_not_the_process(
     monkeypatch.setitem(codegen.PTX_VERSIONS, 90, 78)  # PTX 7.8 has no sm_90a: LLVM aborts
     with pytest.raises(CodegenError, match=r"exited [1-9][0-9]*: LLVM ERROR: PTX version 7\.8"):
         run_compiler([spec], 90, tmp_path)
+
+
+def test_a_kernel_that_spills_registers_is_refused(tmp_path: Path) -> None:
+    graph, weights = _rms_norm_graph()
+    (spec,) = plan_kernels(graph, weights, FALLBACKS).kernels.values()  # type: ignore[arg-type]
+    # 16384 fp32 values a row on one warp: 512 per thread, more than the registers hold
+    wide = KernelSpec(**{**spec.__dict__, "constexprs": {"N": 16384, "BLOCK_N": 16384}})
+    _, results = run_compiler([wide], 80, tmp_path)
+    resources = results[wide.name]["resources"]
+    assert resources["stack"] > 0  # ptxas spills to the stack frame
+    with pytest.raises(CodegenError, match="spills registers"):
+        check_resources(wide, resources)
+    check_resources(spec, {"registers": 18, "stack": 0, "local": 0})
