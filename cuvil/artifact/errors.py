@@ -1,11 +1,16 @@
-"""Errors of the OCI side of artifacts, shared by registry, layout, cache and resolver.
+"""Errors of artifacts: ``ArtifactError`` for their content, and those of the OCI side, shared by
+registry, layout, cache and resolver.
 
-Every error is an ``OSError`` (so the CLI prints it as one line) and says whether retrying the
-same call later can help (``retryable``): the worker retries those with backoff, the sidecar keeps
-polling, everything else fails at once.
+Every OCI error is an ``OSError`` (so the CLI prints it as one line) and says whether retrying
+the same call later can help (``retryable``): the worker retries those with backoff, the sidecar
+keeps polling, everything else fails at once.
 """
 
 from __future__ import annotations
+
+
+class ArtifactError(ValueError):
+    """The artifact is malformed, incomplete or fails a digest check."""
 
 
 class RegistryError(OSError):

@@ -10,9 +10,7 @@ unpickled, imported or evaluated.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
-import tarfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,16 +21,14 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from cuvil.artifact import media_types as mt
+from cuvil.artifact.errors import ArtifactError
+from cuvil.artifact.plain_tar import read_plain_tar, write_plain_tar
 from cuvil.ir import Graph
 from cuvil.ir_json import graph_from_json, graph_to_json
 from cuvil.ir_verify import verify_graph
 
 CONFIG_FORMAT = "cuvil.config.v1"
 MAX_MEMBER_BYTES = 64 * 2**30
-
-
-class ArtifactError(ValueError):
-    """The artifact is malformed, incomplete or fails a digest check."""
 
 
 @dataclass
@@ -99,11 +95,9 @@ def write_artifact(
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(path.name + ".partial")
-    with tarfile.open(temporary, "w", format=tarfile.PAX_FORMAT) as tar:
-        for name in [mt.CONFIG_FILE, *sorted(n for n in files if n != mt.CONFIG_FILE)]:
-            info = tarfile.TarInfo(name)
-            info.size, info.mtime, info.mode = len(files[name]), 0, 0o644
-            tar.addfile(info, io.BytesIO(files[name]))
+    order = [mt.CONFIG_FILE, *sorted(n for n in files if n != mt.CONFIG_FILE)]
+    with temporary.open("wb") as target:
+        write_plain_tar(target, [(name, files[name]) for name in order])
     temporary.replace(path)
     return path
 
@@ -116,20 +110,10 @@ def read_files(path: str | Path) -> dict[str, bytes]:
         return {name: (path / name).read_bytes() for name in known if (path / name).is_file()}
     if not path.is_file():
         raise ArtifactError(f"no artifact at {path}")
-    files: dict[str, bytes] = {}
-    try:
-        with tarfile.open(path, "r:") as tar:
-            for member in tar:
-                if member.name not in known:
-                    raise ArtifactError(f"{path}: unexpected member {member.name!r}")
-                if not member.isfile() or member.size > MAX_MEMBER_BYTES:
-                    raise ArtifactError(f"{path}: member {member.name!r} is not a plain file")
-                extracted = tar.extractfile(member)
-                assert extracted is not None
-                files[member.name] = extracted.read()
-    except tarfile.TarError as error:
-        raise ArtifactError(f"{path} is not a Cuvil artifact: {error}") from None
-    return files
+    with path.open("rb") as source:
+        return read_plain_tar(
+            source, origin=str(path), is_expected=known.__contains__, max_bytes=MAX_MEMBER_BYTES
+        )
 
 
 def decode_files(files: Mapping[str, bytes], origin: str = "artifact") -> ArtifactContents:

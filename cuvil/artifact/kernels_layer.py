@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import io
 import re
-import tarfile
 from collections.abc import Mapping
 
-from cuvil.artifact.files import ArtifactError
+from cuvil.artifact.errors import ArtifactError
+from cuvil.artifact.plain_tar import read_plain_tar, write_plain_tar
 
 MEMBER_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,200}")
 MAX_KERNEL_BYTES = 2**30
@@ -23,14 +23,11 @@ def pack_kernels(files: Mapping[str, bytes]) -> bytes | None:
     """The layer's bytes, or None when the backend wrote no files (the artifact has no layer)."""
     if not files:
         return None
+    bad = [name for name in files if not MEMBER_NAME.fullmatch(name)]
+    if bad:
+        raise ArtifactError(f"kernels layer: {bad[0]!r} is not a plain file name")
     buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for name in sorted(files):
-            if not MEMBER_NAME.fullmatch(name):
-                raise ArtifactError(f"kernels layer: {name!r} is not a plain file name")
-            info = tarfile.TarInfo(name)
-            info.size, info.mtime, info.mode = len(files[name]), 0, 0o644
-            tar.addfile(info, io.BytesIO(files[name]))
+    write_plain_tar(buffer, [(name, files[name]) for name in sorted(files)])
     return buffer.getvalue()
 
 
@@ -38,17 +35,9 @@ def unpack_kernels(data: bytes | None) -> dict[str, bytes]:
     """The layer's files by name (empty for an artifact without one)."""
     if data is None:
         return {}
-    files: dict[str, bytes] = {}
-    try:
-        with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
-            for member in tar:
-                if not member.isfile() or not MEMBER_NAME.fullmatch(member.name):
-                    raise ArtifactError(f"kernels layer: refusing member {member.name!r}")
-                if member.size > MAX_KERNEL_BYTES or member.name in files:
-                    raise ArtifactError(f"kernels layer: member {member.name!r} is too large")
-                extracted = tar.extractfile(member)
-                assert extracted is not None
-                files[member.name] = extracted.read()
-    except tarfile.TarError as error:
-        raise ArtifactError(f"kernels layer is not a tar: {error}") from None
-    return files
+    return read_plain_tar(
+        io.BytesIO(data),
+        origin="kernels layer",
+        is_expected=lambda name: MEMBER_NAME.fullmatch(name) is not None,
+        max_bytes=MAX_KERNEL_BYTES,
+    )

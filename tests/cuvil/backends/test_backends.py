@@ -151,5 +151,5 @@ def test_a_kernels_layer_holds_plain_files_only() -> None:
         link = tarfile.TarInfo("kernel.cubin")
         link.type, link.linkname = tarfile.SYMTYPE, "/etc/passwd"
         tar.addfile(link)
-    with pytest.raises(ArtifactError, match="refusing member"):
+    with pytest.raises(ArtifactError, match="not a plain file"):
         unpack_kernels(buffer.getvalue())
