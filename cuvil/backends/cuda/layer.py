@@ -10,6 +10,7 @@ and a manifest whose template source digest differs is refused (interpreter.py).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from collections.abc import Mapping
 from hashlib import sha256
@@ -49,10 +50,15 @@ def read_manifests(
 
 def layer_factories(files: Mapping[str, bytes], target: str) -> dict[str, KernelFactory]:
     """Factories for every fused op, each looking its node up in the layer."""
+    top, kernels = read_manifests(files, target)
+    if kernels and importlib.util.find_spec("triton") is None:
+        raise LayerError(
+            f"this {target} artifact runs its kernels by Triton's interpreter on the CPU, and "
+            "Triton is not installed (pip install 'cuvil[cuda]')"
+        )
     from cuvil.backends.cuda.interpreter import Interpreted
     from cuvil.backends.cuda.launches import LAUNCHES
 
-    top, kernels = read_manifests(files, target)
     nodes: dict[str, dict[str, str]] = top["nodes"]
     executors = {name: Interpreted(manifest) for name, manifest in kernels.items()}
 

@@ -90,6 +90,21 @@ def test_a_tampered_or_foreign_kernels_layer_is_refused(
         )
 
 
+def test_a_machine_without_triton_says_what_a_cuda_artifact_needs(
+    mlp: tuple[torch.nn.Module, CompiledModel], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a)
+    )
+    with pytest.raises(
+        LayerError, match=r"Triton is not installed \(pip install 'cuvil\[cuda\]'\)"
+    ):
+        CompiledModel(mlp[1].contents)
+
+
 def test_bf16_stays_within_its_budget() -> None:
     torch.manual_seed(1)
     model, x = NormMLP().eval(), torch.randn(4, 32)
