@@ -46,6 +46,7 @@ class Backend(Protocol):
     fallbacks: Mapping[str, str]  # fused op without a kernel of its own -> why, and what runs it
     lowering: Lowering
     verified_by: str  # how the compiler's verify stage ran this target's plan (for the report)
+    speed_measured: bool  # whether timing its plan here measures the target's own speed
 
     def check_compile(self) -> None:
         """Raise ``TargetUnavailableError`` when this machine cannot compile for the target."""

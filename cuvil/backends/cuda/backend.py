@@ -61,6 +61,7 @@ class CudaBackend:
         "verified on CPU by interpretation: Cuvil's kernels through Triton's interpreter, the "
         "other ops through ATen on the CPU, against eager fp32; speed not measured (no GPU)"
     )
+    speed_measured = False  # the interpreter's time says nothing of a GPU's
 
     def __init__(self, target: Target) -> None:
         self.target = target
