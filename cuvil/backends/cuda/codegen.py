@@ -37,6 +37,7 @@ from cuvil.backends.cuda.cubin import CubinError, read_cubin
 from cuvil.backends.cuda.layer import LAYER_FORMAT
 from cuvil.backends.cuda.specs import (
     KernelSpec,
+    attention_spec,
     layer_norm_spec,
     linear_epilogue_spec,
     rms_norm_spec,
@@ -85,6 +86,8 @@ def _spec_for(
         return rms_norm_spec(graph, node, dtype("weight") or "f32")
     if node.op == fused.LAYER_NORM:
         return layer_norm_spec(graph, node, dtype("weight"), dtype("bias"))
+    if node.op == fused.ATTENTION:
+        return attention_spec(graph, node)
     if node.op == fused.ROPE:
         return rope_spec(graph, node)
     if node.op == fused.LINEAR:

@@ -15,10 +15,10 @@ compiled functions for interpreted twins of the same source, as ``TRITON_INTERPR
 have made them, and swaps them back after.
 
 The interpreter runs in this process: an out-of-bounds access there can corrupt memory or
-crash the process rather than fail, so every launch is guarded. Callers pass contiguous rows
-(launches.py makes them so), and ``Interpreted.launch`` checks the guards the cubin was
-compiled under (16-divisible pointers and sizes) and that every tensor the kernel indexes
-holds the elements its grid reaches before anything runs.
+crash the process rather than fail, so every launch is guarded. Callers pass tensors whose
+rows are contiguous (launches.py makes them so), and ``Interpreted.launch`` checks the guards
+the cubin was compiled under (16-divisible pointers and sizes) and that the storage of every
+tensor the kernel indexes holds the elements its grid reaches from it, before anything runs.
 """
 
 from __future__ import annotations
@@ -161,14 +161,12 @@ class Interpreted:
                 raise GuardError(f"{self.name}: {name} = {number} is not divisible by 16")
         for name, elements in reach.items():
             tensor = args[name]
-            if (
-                not tensor.is_contiguous()
-                or tensor.numel() < elements
-                or tensor.device.type != "cpu"
-            ):
+            end = (tensor.storage_offset() + elements) * tensor.element_size()
+            if tensor.device.type != "cpu" or end > tensor.untyped_storage().nbytes():
                 raise GuardError(
-                    f"{self.name}: {name} must be a contiguous CPU tensor of at least "
-                    f"{elements} elements, not {tuple(tensor.shape)} on {tensor.device}"
+                    f"{self.name}: {name} must be a CPU tensor whose storage holds at least "
+                    f"{elements} elements from its first, not {tuple(tensor.shape)} on "
+                    f"{tensor.device}"
                 )
 
     def launch(

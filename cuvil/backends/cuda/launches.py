@@ -165,10 +165,68 @@ def rope(call: FusedCall, manifest: Mapping[str, Any], launcher: Launcher) -> Pr
     return PreparedKernel(run)
 
 
+def _rows_contiguous(tensor: torch.Tensor, dtype: torch.dtype, hinted: bool) -> torch.Tensor:
+    """A view the kernel may index by its strides: last dim contiguous, 16-byte aligned, and
+    (where the kernel was compiled with stride hints) every stride a multiple of 16."""
+    tensor = tensor.to(dtype)
+    fits = tensor.stride(-1) == 1 and tensor.data_ptr() % 16 == 0
+    if hinted:
+        fits = fits and all(stride % 16 == 0 for stride in tensor.stride()[:-1])
+    return tensor if fits else tensor.contiguous().clone()
+
+
+def attention(call: FusedCall, manifest: Mapping[str, Any], launcher: Launcher) -> PreparedKernel:
+    """``cuvil.attention``: query, key and value read through their strides ([batch, heads,
+    seq, dim] views, as the model's transposes leave them); the mask broadcast to [batch, heads,
+    queries, keys] by its strides."""
+    constexprs = manifest["constexprs"]
+    dtypes = _dtypes(manifest)
+    width, block_m = int(constexprs["D"]), int(constexprs["BLOCK_M"])
+    hinted = "q_b" in manifest["guards"]["div16"]
+    scale = call.arg("scale")
+    scale = float(scale) if scale is not None else width**-0.5
+    runtime_mask = call.is_runtime("mask")
+    constant_mask = None if runtime_mask else call.arg("mask")
+
+    def run(*given: torch.Tensor) -> torch.Tensor:
+        q, k, v = (
+            _rows_contiguous(x, dtypes[f"{key}_ptr"], hinted)
+            for x, key in zip(given[:3], "qkv", strict=True)
+        )
+        mask = given[3] if runtime_mask else constant_mask
+        batch, heads, seq_q, _ = q.shape
+        seq_k = k.shape[2]
+        if q.shape[-1] != width or heads % k.shape[1]:
+            raise ValueError(f"{manifest['name']}: query {tuple(q.shape)}, key {tuple(k.shape)}")
+        out = torch.empty(q.shape, dtype=dtypes["o_ptr"], device=q.device)
+        args: dict[str, Any] = {"q_ptr": q, "k_ptr": k, "v_ptr": v, "o_ptr": out, "scale": scale}
+        args |= {"seq_q": seq_q, "seq_k": seq_k, "heads": heads, "group": heads // k.shape[1]}
+        for key, tensor in (("q", q), ("k", k), ("v", v), ("o", out)):
+            third = "m" if key in "qo" else "n"
+            args |= dict(
+                zip((f"{key}_b", f"{key}_h", f"{key}_{third}"), tensor.stride()[:3], strict=True)
+            )
+        reach = {name: _reach(args[name]) for name in ("q_ptr", "k_ptr", "v_ptr", "o_ptr")}
+        if mask is None:
+            args |= {"mask_ptr": q, "mask_b": 0, "mask_h": 0, "mask_m": 0}  # never read
+        else:
+            base = _rows_contiguous(mask, dtypes["mask_ptr"], False)
+            full = base.reshape((1,) * (4 - base.dim()) + tuple(base.shape))
+            full = full.expand(batch, heads, seq_q, seq_k)
+            args |= {"mask_ptr": base, "mask_b": full.stride(0), "mask_h": full.stride(1)}
+            args["mask_m"] = full.stride(2)
+            reach["mask_ptr"] = _reach(full)
+        launcher.launch((-(-seq_q // block_m), batch * heads, 1), args, reach)
+        return out.to(given[0].dtype)
+
+    return PreparedKernel(run)
+
+
 # template -> how its kernel becomes the plan's function
 LAUNCHES: dict[str, Callable[[FusedCall, Mapping[str, Any], Launcher], PreparedKernel]] = {
     "rms_norm_rows": norm_rows,
     "layer_norm_rows": norm_rows,
     "bias_act_residual": linear_epilogue,
     "rope_rows": rope,
+    "attention_blocks": attention,
 }

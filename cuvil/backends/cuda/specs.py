@@ -279,3 +279,68 @@ def rope_spec(graph: Graph, node: Node) -> KernelSpec | str:
         num_warps=1 if width <= 256 else 4,
         grid="(rows, 1, 1): one program per row of D, rows = numel(input) / D",
     )
+
+
+MAX_HEAD_DIM = 128  # wider heads need smaller tiles than these to stay in registers
+
+
+def attention_blocks(width: int) -> tuple[int, int]:
+    """Queries and keys per block: fp32 tiles that stay in registers on sm_80 and sm_90 with
+    four warps (cuobjdump: no spills up to a head dim of 128)."""
+    return (32, 32) if width <= 64 else (32, 16)
+
+
+def attention_spec(graph: Graph, node: Node) -> KernelSpec | str:
+    """Flash attention over [batch, heads, seq, head dim] with an additive float mask or none,
+    causal or not, grouped-query or not."""
+    q, k, v, mask = (node.arg(key) for key in ("query", "key", "value", "mask"))
+    assert isinstance(q, Value) and isinstance(k, Value) and isinstance(v, Value)
+    types = [graph.type_of(value) for value in (q, k, v)]
+    width = _static_width(graph, q)
+    if any(t.rank != 4 for t in types) or node.types[0].shape != types[0].shape:
+        return "query, key and value are not [batch, heads, seq, head dim] alike"
+    if (
+        width is None
+        or width > MAX_HEAD_DIM
+        or any(_static_width(graph, x) != width for x in (k, v))
+    ):
+        return f"the head dim is dynamic, differs, or is wider than {MAX_HEAD_DIM}"
+    pointers = [_pointer(graph, value) for value in (q, k, v)]
+    mask_pointer = _pointer(graph, mask) if isinstance(mask, Value) else pointers[0]
+    if None in pointers or mask_pointer is None:
+        return "a dtype has no kernel variant (a boolean mask, or not fp32/bf16/fp16)"
+    strides = [
+        f"{x}_{d}" for x in ("q", "k", "v", "o") for d in ("b", "h", "m" if x in "qo" else "n")
+    ]
+    block_m, block_n = attention_blocks(width)
+    return _spec(
+        f"attention_{types[0].dtype}_d{width}",
+        template="attention_blocks",
+        params=(
+            ("q_ptr", str(pointers[0])),
+            ("k_ptr", str(pointers[1])),
+            ("v_ptr", str(pointers[2])),
+            ("mask_ptr", mask_pointer),
+            ("o_ptr", POINTER_TYPES[node.types[0].dtype]),
+            *((name, "i32") for name in ("seq_q", "seq_k", "heads", "group")),
+            *((name, "i32") for name in strides),
+            *((name, "i32") for name in ("mask_b", "mask_h", "mask_m")),
+            ("scale", "fp32"),
+            *((name, "constexpr") for name in ("D", "BLOCK_D", "BLOCK_M", "BLOCK_N")),
+            ("HAS_MASK", "constexpr"),
+            ("IS_CAUSAL", "constexpr"),
+        ),
+        constexprs={
+            "D": width,
+            "BLOCK_D": max(16, 1 << (width - 1).bit_length()),
+            "BLOCK_M": block_m,
+            "BLOCK_N": block_n,
+            "HAS_MASK": isinstance(mask, Value),
+            "IS_CAUSAL": bool(node.arg("causal")),
+        },
+        # strides of [batch, heads, seq, dim] views are multiples of the head dim
+        div16=("q_ptr", "k_ptr", "v_ptr", "o_ptr", *(strides if width % 16 == 0 else ())),
+        num_warps=4,
+        num_stages=2,
+        grid="(cdiv(seq_q, BLOCK_M), batch * heads, 1)",
+    )

@@ -158,11 +158,91 @@ def rope_rows(
     tl.store(out_row + HALF, (x2 * c2 + x1 * s2).to(kind), mask=inside)
 
 
+def attention_blocks(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    mask_ptr,
+    o_ptr,
+    seq_q,
+    seq_k,
+    heads,
+    group,
+    q_b,
+    q_h,
+    q_m,
+    k_b,
+    k_h,
+    k_n,
+    v_b,
+    v_h,
+    v_n,
+    o_b,
+    o_h,
+    o_m,
+    mask_b,
+    mask_h,
+    mask_m,
+    scale,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+):
+    """softmax(q k^T * scale + mask) v for one block of BLOCK_M queries of one (batch, head),
+    over key blocks of BLOCK_N with a running max and sum (flash attention, forward). Heads
+    share key/value heads in groups of ``group`` (GQA); the mask is additive and broadcast by
+    its strides (0 where it repeats); causal keeps keys at or before each query (top-left)."""
+    block = tl.program_id(0)
+    batch_head = tl.program_id(1)
+    b = batch_head // heads
+    h = batch_head % heads
+    kv = h // group
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    row_in = rows < seq_q
+    dim_in = dims < D
+    q_rows = q_ptr + b * q_b + h * q_h + rows[:, None] * q_m + dims[None, :]
+    q = tl.load(q_rows, mask=row_in[:, None] & dim_in[None, :], other=0.0).to(tl.float32)
+    best = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start in range(0, seq_k, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        col_in = cols < seq_k
+        k_cols = k_ptr + b * k_b + kv * k_h + cols[None, :] * k_n + dims[:, None]
+        k = tl.load(k_cols, mask=dim_in[:, None] & col_in[None, :], other=0.0).to(tl.float32)
+        scores = tl.dot(q, k, input_precision="ieee") * scale
+        valid = row_in[:, None] & col_in[None, :]
+        if HAS_MASK:
+            bias = mask_ptr + b * mask_b + h * mask_h + rows[:, None] * mask_m + cols[None, :]
+            scores += tl.load(bias, mask=valid, other=0.0).to(tl.float32)
+        if IS_CAUSAL:
+            valid = valid & (cols[None, :] <= rows[:, None])
+        scores = tl.where(valid, scores, float("-inf"))
+        new_best = tl.maximum(best, tl.max(scores, axis=1))
+        safe = tl.where(new_best == float("-inf"), 0.0, new_best)  # rows with no key yet
+        p = tl.exp(scores - safe[:, None])
+        alpha = tl.exp(best - safe)
+        total = total * alpha + tl.sum(p, axis=1)
+        v_rows = v_ptr + b * v_b + kv * v_h + cols[:, None] * v_n + dims[None, :]
+        v = tl.load(v_rows, mask=col_in[:, None] & dim_in[None, :], other=0.0).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        best = new_best
+    out = acc / tl.where(row_in, total, 1.0)[:, None]  # rows past seq_q are never stored
+    o_rows = o_ptr + b * o_b + h * o_h + rows[:, None] * o_m + dims[None, :]
+    kind = o_ptr.dtype.element_ty
+    tl.store(o_rows, out.to(kind), mask=row_in[:, None] & dim_in[None, :])
+
+
 TEMPLATES: dict[str, Callable[..., None]] = {
     "rms_norm_rows": rms_norm_rows,
     "layer_norm_rows": layer_norm_rows,
     "bias_act_residual": bias_act_residual,
     "rope_rows": rope_rows,
+    "attention_blocks": attention_blocks,
 }
 
 

@@ -20,9 +20,9 @@ class RMSNorm(torch.nn.Module):
 
 
 class NormBlock(torch.nn.Module):
-    """linear -> GELU(tanh) -> LayerNorm -> RoPE over 4 heads -> RMSNorm -> linear + residual:
-    a linear with an activation epilogue, one with a residual epilogue, both row norms and a
-    rotation by constant angles, for sequences of ``seq``."""
+    """linear -> GELU(tanh) -> LayerNorm -> RoPE over 4 heads -> causal self-attention ->
+    RMSNorm -> linear + residual: a linear with an activation epilogue, one with a residual
+    epilogue, both row norms, a rotation by constant angles and attention, for ``seq`` tokens."""
 
     def __init__(self, width: int = 48, hidden: int = 64, seq: int = 5) -> None:
         super().__init__()
@@ -39,6 +39,7 @@ class NormBlock(torch.nn.Module):
         batch, seq, hidden = h.shape
         q = h.view(batch, seq, 4, hidden // 4).transpose(1, 2)
         q = q * self.cos + torch.cat((-q[..., 8:], q[..., :8]), dim=-1) * self.sin
+        q = F.scaled_dot_product_attention(q, q, q, is_causal=True)
         h = q.transpose(1, 2).reshape(batch, seq, hidden)
         return self.down(self.rms(h)) + x
 

@@ -32,6 +32,7 @@ from tests.cuvil.backends.cuda.nodes import one_node
 
 GOLDEN = Path(__file__).parent / "golden" / "rms_norm_f32_n64.sm_90.json"
 TEMPLATES = {"rms_norm_rows", "layer_norm_rows", "bias_act_residual", "rope_rows"}
+TEMPLATES |= {"attention_blocks"}
 
 
 def _rms_norm_graph() -> tuple[object, dict[str, torch.Tensor]]:

@@ -15,7 +15,7 @@ from triton.runtime.jit import JITFunction
 
 from cuvil.backends.cuda.aten_ops import ACTIVATIONS
 from cuvil.backends.cuda.interpreter import GuardError, Interpreted, interpreter_patches
-from cuvil.fused_ops import LAYER_NORM, LINEAR, RMS_NORM, ROPE
+from cuvil.fused_ops import ATTENTION, LAYER_NORM, LINEAR, RMS_NORM, ROPE
 from cuvil.precisions import PRECISIONS
 from tests.cuvil.backends.cuda.nodes import manifest_for, one_node, only_spec, relative_to_scale
 from tests.cuvil.backends.cuda.nodes import run_kernel as run
@@ -119,6 +119,60 @@ def test_a_rope_that_broadcasts_its_input_runs_in_aten() -> None:
     graph, weights, _ = one_node(ROPE, runtime, {}, (2, 1, 4, 8))
     plan = plan_kernels(graph, weights, {})
     assert not plan.kernels and "broadcasts x" in plan.nodes["fused"]["aten"]
+
+
+# (batch, heads, kv heads, queries, keys, head dim), mask shape or None, causal
+ATTENTION_CASES = [
+    ((1, 8, 2, 16, 16, 32), (1, 1, 16, 16), False),  # Llama: GQA, the padding mask's bias
+    ((2, 4, 4, 40, 40, 64), None, True),  # causal, over several key blocks
+    ((1, 2, 2, 5, 37, 24), (2, 5, 37), False),  # more keys than queries, a per-head mask
+    ((1, 2, 1, 9, 9, 128), None, False),  # one key head for all, the widest head dim
+]
+
+
+@pytest.mark.parametrize(("shape", "mask_shape", "causal"), ATTENTION_CASES)
+def test_attention_matches_torch(
+    shape: tuple[int, ...], mask_shape: tuple[int, ...] | None, causal: bool
+) -> None:
+    batch, heads, kv_heads, queries, keys, width = shape
+    q = torch.randn(batch, queries, heads, width).transpose(1, 2)  # strided, as models leave it
+    k, v = torch.randn(batch, kv_heads, keys, width), torch.randn(batch, kv_heads, keys, width)
+    inputs = {"query": q, "key": k, "value": v}
+    mask = torch.randn(mask_shape) if mask_shape else None
+    if mask is not None:
+        inputs["mask"] = mask
+    gqa = heads != kv_heads
+    constants = {"scale": None, "causal": causal, "gqa": gqa}
+    out, spec = run(ATTENTION, inputs, constants, tuple(q.shape))
+    expected = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa
+    )
+    assert relative_to_scale(out, expected) <= FP32_TOLERANCE
+    assert spec.constexprs["IS_CAUSAL"] is causal and spec.constexprs["HAS_MASK"] is bool(
+        mask_shape
+    )
+
+
+def test_bf16_attention_stays_within_the_bf16_budget() -> None:
+    q, k, v = (torch.randn(1, 2, 20, 32).bfloat16() for _ in range(3))
+    constants = {"scale": 0.2, "causal": False, "gqa": False}
+    out, _ = run(ATTENTION, {"query": q, "key": k, "value": v}, constants, tuple(q.shape))
+    expected = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), scale=0.2)
+    assert out.dtype == torch.bfloat16
+    assert relative_to_scale(out, expected) <= BF16_BUDGET
+
+
+def test_attention_the_template_does_not_take_runs_in_aten() -> None:
+    from cuvil.backends.cuda.codegen import plan_kernels
+
+    q, wide = torch.randn(1, 2, 4, 64), torch.randn(1, 2, 4, 256)
+    boolean = {"query": q, "key": q, "value": q, "mask": torch.ones(1, 1, 4, 4, dtype=torch.bool)}
+    constants = {"scale": None, "causal": False, "gqa": False}
+    cases = ((boolean, "boolean mask"), ({"query": wide, "key": wide, "value": wide}, "128"))
+    for runtime, reason in cases:
+        graph, weights, _ = one_node(ATTENTION, runtime, constants, tuple(runtime["query"].shape))
+        plan = plan_kernels(graph, weights, {})
+        assert not plan.kernels and reason in plan.nodes["fused"]["aten"]
 
 
 def test_a_plain_linear_runs_in_aten() -> None:
