@@ -17,7 +17,7 @@ from torch.export import Dim
 import cuvil
 from cuvil.artifact.kernels_layer import pack_kernels, unpack_kernels
 from cuvil.backends.cuda.layer import LayerError
-from cuvil.models import tiny_llama
+from cuvil.models import catalog, tiny_llama
 from cuvil.precisions import PRECISIONS
 from cuvil.runtime.model import CompiledModel
 from tests.cuvil.backends.cuda.models import NormMLP
@@ -132,6 +132,26 @@ def test_the_tiny_llama_is_verified_by_interpretation() -> None:
         want = spec.model(input_ids=ids).logits
     got = next(iter(compiled.run({"input_ids": ids}).values()))
     assert relative_to_scale(got, want) <= TOLERANCE
+
+
+# bundled model -> the fused ops its CUDA plan must run as Cuvil kernels
+BUNDLED = {
+    "minilm": {"cuvil.layer_norm", "cuvil.attention", "cuvil.linear"},
+    "resnet18": set(),  # convolutions and their epilogues: cuDNN through ATen
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(BUNDLED))
+def test_bundled_models_are_verified_by_interpretation(name: str) -> None:
+    spec = getattr(catalog, name)()
+    compiled = cuvil.jit(
+        spec.model, spec.example_inputs, dynamic_shapes=spec.dynamic_shapes, target="cuda-sm_90"
+    )
+    assert compiled.report["verification"]["max_relative_to_scale"] <= TOLERANCE
+    assert compiled.report["bisection"] is None
+    nodes = compiled.execution()["nodes"].values()
+    assert {entry["op"] for entry in nodes if "kernel" in entry} == BUNDLED[name]
 
 
 def test_cuvil_inspect_lists_the_kernels_per_architecture(
