@@ -1,7 +1,7 @@
-"""The CUDA backend's fused ops that run through ATen on the plan's device: the ops that have no
-Cuvil template yet (convolution, SwiGLU, attention: cuDNN, cuBLAS and torch's own kernels on a
-GPU), and the nodes of templated ops that a template does not take (a dynamic row width, a
-linear without an epilogue, a RoPE that broadcasts its input). Each factory computes in the
+"""The CUDA backend's fused ops that run through ATen on the plan's device: the op that has no
+Cuvil template yet (convolution: cuDNN on a GPU), and the nodes of templated ops that a template
+does not take (a dynamic row width, a linear without an epilogue, a RoPE that broadcasts its
+input, attention with a boolean mask). Each factory computes in the
 weight's dtype and returns the input's, as the precision pass means (bf16 weights, fp32 values
 between ops).
 """

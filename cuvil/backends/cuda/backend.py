@@ -1,7 +1,8 @@
 """The CUDA backend: Cuvil's own Triton kernels for the fused row-wise ops (RMSNorm, LayerNorm,
-RoPE), attention (flash attention with masks, causal, GQA) and GEMM epilogues, compiled ahead of
-time for one GPU architecture on any machine (no GPU, no driver), with the heavy ops (GEMMs,
-convolutions) through ATen.
+RoPE), attention (flash attention with masks, causal, GQA) and the epilogues of GEMMs (a
+linear's bias, activation and residual; SwiGLU's gate), compiled ahead of time for one GPU
+architecture on any machine (no GPU, no driver), with the heavy ops (GEMMs, convolutions)
+through ATen.
 
 ``codegen`` writes the kernels layer (codegen.py): a cubin, the template's source and a JSON
 manifest per kernel, and ``manifest.json`` saying what runs each fused node — a kernel, or ATen
@@ -41,10 +42,16 @@ LOWERING = Lowering(
     sibling_linears=False,  # a merged GEMM's outputs are strided slices the templates copy
     precisions=("fp32", "bf16"),
 )
-TEMPLATED = (fused.RMS_NORM, fused.LAYER_NORM, fused.LINEAR, fused.ROPE, fused.ATTENTION)
+TEMPLATED = (
+    fused.RMS_NORM,
+    fused.LAYER_NORM,
+    fused.LINEAR,
+    fused.SWIGLU,
+    fused.ROPE,
+    fused.ATTENTION,
+)
 FALLBACKS: dict[str, str] = {
     fused.CONV2D: "no Cuvil template yet: F.conv2d (cuDNN) and the epilogue in ATen",
-    fused.SWIGLU: "no Cuvil template yet: one GEMM and silu(gate) * up in ATen",
 }
 EXECUTOR = "interpreter: Triton's interpreter on CPU tensors, ATen on the CPU for the rest"
 

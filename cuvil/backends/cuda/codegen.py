@@ -42,6 +42,7 @@ from cuvil.backends.cuda.specs import (
     linear_epilogue_spec,
     rms_norm_spec,
     rope_spec,
+    swiglu_spec,
 )
 from cuvil.dtypes import dtype_name
 from cuvil.ir import Graph, Node, Value
@@ -88,6 +89,8 @@ def _spec_for(
         return layer_norm_spec(graph, node, dtype("weight"), dtype("bias"))
     if node.op == fused.ATTENTION:
         return attention_spec(graph, node)
+    if node.op == fused.SWIGLU:
+        return swiglu_spec(graph, node, dtype("gate_up_weight") or "f32")
     if node.op == fused.ROPE:
         return rope_spec(graph, node)
     if node.op == fused.LINEAR:

@@ -119,6 +119,28 @@ def linear_epilogue(
     return PreparedKernel(run)
 
 
+def swiglu(call: FusedCall, manifest: Mapping[str, Any], launcher: Launcher) -> PreparedKernel:
+    """``cuvil.swiglu``: ATen's one GEMM over the packed weights (``input @ gate_up.T`` in their
+    dtype; cuBLAS on a GPU), then the template's silu(gate) * up."""
+    call.check_runtime(("input",))
+    weight: torch.Tensor = call.arg("gate_up_weight")
+    constexprs, dtypes = manifest["constexprs"], _dtypes(manifest)
+    hidden, block = int(constexprs["HIDDEN"]), int(constexprs["BLOCK"])
+    if weight.shape[0] != 2 * hidden or weight.dtype != dtypes["y_ptr"]:
+        raise ValueError(f"{manifest['name']}: compiled for 2 x {hidden} rows in {dtypes['y_ptr']}")
+    transposed = weight.t()
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        y = _aligned(torch.matmul(x.to(weight.dtype), transposed), dtypes["y_ptr"])
+        out = torch.empty((*y.shape[:-1], hidden), dtype=dtypes["out_ptr"], device=y.device)
+        count = out.numel()
+        args = {"y_ptr": y, "out_ptr": out, "n_elements": count}
+        launcher.launch((-(-count // block), 1, 1), args, {"y_ptr": 2 * count, "out_ptr": count})
+        return out.to(x.dtype)
+
+    return PreparedKernel(run)
+
+
 def _reach(tensor: torch.Tensor) -> int:
     """Elements from a view's first to its last one: what indexing it by its strides reaches."""
     return (
@@ -228,5 +250,6 @@ LAUNCHES: dict[str, Callable[[FusedCall, Mapping[str, Any], Launcher], PreparedK
     "layer_norm_rows": norm_rows,
     "bias_act_residual": linear_epilogue,
     "rope_rows": rope,
+    "swiglu_rows": swiglu,
     "attention_blocks": attention,
 }

@@ -344,3 +344,26 @@ def attention_spec(graph: Graph, node: Node) -> KernelSpec | str:
         num_stages=2,
         grid="(cdiv(seq_q, BLOCK_M), batch * heads, 1)",
     )
+
+
+def swiglu_spec(graph: Graph, node: Node, weight_dtype: str) -> KernelSpec | str:
+    """SwiGLU's epilogue after ATen's one GEMM over the packed gate and up weights."""
+    hidden = int(node.arg("hidden"))  # type: ignore[arg-type]
+    y_pointer, out_pointer = POINTER_TYPES.get(weight_dtype), POINTER_TYPES.get(node.types[0].dtype)
+    if y_pointer is None or out_pointer is None:
+        return "the dtype has no kernel variant (fp32, bf16, fp16)"
+    return _spec(
+        f"swiglu_{weight_dtype}_h{hidden}",
+        template="swiglu_rows",
+        params=(
+            ("y_ptr", y_pointer),
+            ("out_ptr", out_pointer),
+            ("n_elements", "i32"),
+            ("HIDDEN", "constexpr"),
+            ("BLOCK", "constexpr"),
+        ),
+        constexprs={"HIDDEN": hidden, "BLOCK": EPILOGUE_BLOCK},
+        div16=("y_ptr", "out_ptr"),
+        num_warps=4,
+        grid="(cdiv(n_elements, BLOCK), 1, 1), n_elements = numel(output)",
+    )

@@ -117,6 +117,24 @@ def bias_act_residual(
     tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=inside)
 
 
+def swiglu_rows(
+    y_ptr,
+    out_ptr,
+    n_elements,
+    HIDDEN: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """The epilogue of SwiGLU's one GEMM that ATen ran: y holds rows of [gate, up] (2 * HIDDEN
+    wide), out = silu(gate) * up (HIDDEN wide)."""
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = offsets < n_elements
+    source = y_ptr + (offsets // HIDDEN) * (2 * HIDDEN) + offsets % HIDDEN
+    gate = tl.load(source, mask=inside, other=0.0).to(tl.float32)
+    up = tl.load(source + HIDDEN, mask=inside, other=0.0).to(tl.float32)
+    out = gate * tl.sigmoid(gate) * up
+    tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=inside)
+
+
 def rope_rows(
     x_ptr,
     cos_ptr,
@@ -242,6 +260,7 @@ TEMPLATES: dict[str, Callable[..., None]] = {
     "layer_norm_rows": layer_norm_rows,
     "bias_act_residual": bias_act_residual,
     "rope_rows": rope_rows,
+    "swiglu_rows": swiglu_rows,
     "attention_blocks": attention_blocks,
 }
 

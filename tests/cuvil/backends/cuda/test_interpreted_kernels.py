@@ -15,12 +15,13 @@ from triton.runtime.jit import JITFunction
 
 from cuvil.backends.cuda.aten_ops import ACTIVATIONS
 from cuvil.backends.cuda.interpreter import GuardError, Interpreted, interpreter_patches
-from cuvil.fused_ops import ATTENTION, LAYER_NORM, LINEAR, RMS_NORM, ROPE
+from cuvil.fused_ops import ATTENTION, LAYER_NORM, LINEAR, RMS_NORM, ROPE, SWIGLU
 from cuvil.precisions import PRECISIONS
 from tests.cuvil.backends.cuda.nodes import manifest_for, one_node, only_spec, relative_to_scale
 from tests.cuvil.backends.cuda.nodes import run_kernel as run
 
 FP32_TOLERANCE = 1e-5
+POINTERS = {torch.float32: "*fp32", torch.bfloat16: "*bf16"}
 BF16_BUDGET = PRECISIONS["bf16"].budget
 
 
@@ -173,6 +174,17 @@ def test_attention_the_template_does_not_take_runs_in_aten() -> None:
         graph, weights, _ = one_node(ATTENTION, runtime, constants, tuple(runtime["query"].shape))
         plan = plan_kernels(graph, weights, {})
         assert not plan.kernels and reason in plan.nodes["fused"]["aten"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_matches_torch(dtype: torch.dtype) -> None:
+    x, weight = torch.randn(3, 5, 24), torch.randn(2 * 40, 24).to(dtype)
+    constants = {"gate_up_weight": weight, "hidden": 40}
+    out, spec = run(SWIGLU, {"input": x}, constants, (3, 5, 40))
+    gate, up = F.linear(x.to(dtype).float(), weight.float()).split(40, dim=-1)
+    budget = FP32_TOLERANCE if dtype == torch.float32 else BF16_BUDGET
+    assert relative_to_scale(out, F.silu(gate) * up) <= budget
+    assert out.dtype == torch.float32 and dict(spec.params)["y_ptr"] == POINTERS[dtype]
 
 
 def test_a_plain_linear_runs_in_aten() -> None:
