@@ -1,9 +1,8 @@
-"""The CUDA backend's fused ops that run through ATen on the plan's device: the op that has no
-Cuvil template yet (convolution: cuDNN on a GPU), and the nodes of templated ops that a template
-does not take (a dynamic row width, a linear without an epilogue, a RoPE that broadcasts its
-input, attention with a boolean mask). Each factory computes in the
-weight's dtype and returns the input's, as the precision pass means (bf16 weights, fp32 values
-between ops).
+"""The CUDA backend's fused nodes that run through ATen on the plan's device: those a template
+does not take (a dynamic row width, a linear or convolution without an epilogue, where cuBLAS or
+cuDNN adds the bias, a RoPE that broadcasts its input, attention with a boolean mask). Each
+factory computes in the weight's dtype and returns the input's, as the precision pass means
+(bf16 weights, fp32 values between ops).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The CUDA backend: Cuvil's own Triton kernels for the fused row-wise ops (RMSNorm, LayerNorm,
-RoPE), attention (flash attention with masks, causal, GQA) and the epilogues of GEMMs (a
-linear's bias, activation and residual; SwiGLU's gate), compiled ahead of time for one GPU
+RoPE), attention (flash attention with masks, causal, GQA) and the epilogues of GEMMs and
+convolutions (bias, activation, residual; SwiGLU's gate), compiled ahead of time for one GPU
 architecture on any machine (no GPU, no driver), with the heavy ops (GEMMs, convolutions)
 through ATen.
 
@@ -49,10 +49,10 @@ TEMPLATED = (
     fused.SWIGLU,
     fused.ROPE,
     fused.ATTENTION,
+    fused.CONV2D,
 )
-FALLBACKS: dict[str, str] = {
-    fused.CONV2D: "no Cuvil template yet: F.conv2d (cuDNN) and the epilogue in ATen",
-}
+# Every fused op has a template; what a template does not take runs through ATen (aten_ops.py).
+FALLBACKS: dict[str, str] = {}
 EXECUTOR = "interpreter: Triton's interpreter on CPU tensors, ATen on the CPU for the rest"
 
 

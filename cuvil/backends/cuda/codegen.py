@@ -38,8 +38,8 @@ from cuvil.backends.cuda.layer import LAYER_FORMAT
 from cuvil.backends.cuda.specs import (
     KernelSpec,
     attention_spec,
+    epilogue_spec,
     layer_norm_spec,
-    linear_epilogue_spec,
     rms_norm_spec,
     rope_spec,
     swiglu_spec,
@@ -93,8 +93,8 @@ def _spec_for(
         return swiglu_spec(graph, node, dtype("gate_up_weight") or "f32")
     if node.op == fused.ROPE:
         return rope_spec(graph, node)
-    if node.op == fused.LINEAR:
-        return linear_epilogue_spec(graph, node, dtype("weight") or "f32", dtype("bias"))
+    if node.op in (fused.LINEAR, fused.CONV2D):
+        return epilogue_spec(graph, node, dtype("weight") or "f32", dtype("bias"))
     return None
 
 

@@ -13,7 +13,9 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import torch
+import torch.nn.functional as F
 
+from cuvil import fused_ops as fused
 from cuvil.runtime.kernels import FusedCall, PreparedKernel
 
 POINTER_DTYPES = {"*fp32": torch.float32, "*bf16": torch.bfloat16, "*fp16": torch.float16}
@@ -84,11 +86,22 @@ def norm_rows(call: FusedCall, manifest: Mapping[str, Any], launcher: Launcher) 
     return PreparedKernel(run)
 
 
-def linear_epilogue(
-    call: FusedCall, manifest: Mapping[str, Any], launcher: Launcher
-) -> PreparedKernel:
-    """``cuvil.linear`` with an activation or residual: ATen's GEMM (``input @ weight.T`` in the
-    weight's dtype; cuBLAS on a GPU), then the template's bias/activation/residual pass."""
+def _producer(call: FusedCall, weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The op before the epilogue, in the weight's dtype with no bias: a linear's GEMM or a
+    convolution (cuBLAS, cuDNN through ATen on a GPU)."""
+    if call.op == fused.CONV2D:
+        stride, padding, dilation = (
+            list(call.arg(key)) for key in ("stride", "padding", "dilation")
+        )
+        groups = int(call.arg("groups"))
+        return lambda x: F.conv2d(x, weight, None, stride, padding, dilation, groups)
+    transposed = weight.t()
+    return lambda x: torch.matmul(x, transposed)
+
+
+def epilogue(call: FusedCall, manifest: Mapping[str, Any], launcher: Launcher) -> PreparedKernel:
+    """``cuvil.linear`` or ``cuvil.conv2d`` with an activation or residual: ATen's GEMM or
+    convolution, then the template's bias/activation/residual pass over its output."""
     call.check_runtime(("input", "residual"))
     weight: torch.Tensor = call.arg("weight")
     constexprs = manifest["constexprs"]
@@ -96,12 +109,12 @@ def linear_epilogue(
     dtypes = _dtypes(manifest)
     if weight.shape[0] != width or weight.dtype != dtypes["y_ptr"]:
         raise ValueError(f"{manifest['name']}: compiled for {width} outputs in {dtypes['y_ptr']}")
-    transposed = weight.t()
+    produce = _producer(call, weight)
     bias = _constant(call, "bias", dtypes["bias_ptr"], width) if constexprs["HAS_BIAS"] else None
 
     def run(x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        y = _aligned(torch.matmul(x.to(weight.dtype), transposed), dtypes["y_ptr"])
-        out = torch.empty(y.shape, dtype=dtypes["out_ptr"])
+        y = _aligned(produce(x.to(weight.dtype)), dtypes["y_ptr"])
+        out = torch.empty(y.shape, dtype=dtypes["out_ptr"], device=y.device)
         count = out.numel()
         args: dict[str, Any] = {"y_ptr": y, "out_ptr": out, "n_elements": count}
         reach = {"y_ptr": count, "out_ptr": count}
@@ -248,7 +261,7 @@ def attention(call: FusedCall, manifest: Mapping[str, Any], launcher: Launcher) 
 LAUNCHES: dict[str, Callable[[FusedCall, Mapping[str, Any], Launcher], PreparedKernel]] = {
     "rms_norm_rows": norm_rows,
     "layer_norm_rows": norm_rows,
-    "bias_act_residual": linear_epilogue,
+    "bias_act_residual": epilogue,
     "rope_rows": rope,
     "swiglu_rows": swiglu,
     "attention_blocks": attention,

@@ -20,6 +20,7 @@ import json
 from dataclasses import asdict, dataclass
 from hashlib import sha256
 
+from cuvil import fused_ops as fused
 from cuvil.ir import Graph, Node, Value
 
 MAX_ROW = 16384  # widest row one program normalises (registers: BLOCK_N fp32 values per row)
@@ -196,26 +197,32 @@ def layer_norm_spec(
     )
 
 
-def linear_epilogue_spec(
+def epilogue_spec(
     graph: Graph, node: Node, weight_dtype: str, bias_dtype: str | None
 ) -> KernelSpec | str:
-    """The epilogue after ATen's GEMM (``input @ weight.T`` in the weight's dtype): bias,
-    activation and residual in one pass over the GEMM's output."""
+    """The epilogue after ATen's GEMM or convolution (in the weight's dtype): bias, activation
+    and residual in one pass over its output. The bias runs along the last dim of a linear's
+    output and along the channels of a convolution's NCHW one (``INNER`` = H * W apart)."""
     activation = str(node.arg("activation"))
     residual = node.arg("residual")
     if activation == "none" and residual is None:
-        return "no epilogue: the GEMM adds the bias itself (cuBLAS through ATen)"
-    width = int(node.types[0].shape[-1]) if node.types[0].shape[-1].is_Integer else None
+        return "no epilogue: cuBLAS or cuDNN adds the bias itself (through ATen)"
+    shape = node.types[0].shape
+    is_conv = node.op == fused.CONV2D
+    dims = shape[1:] if is_conv else shape[-1:]
+    if not all(dim.is_Integer for dim in dims):
+        return "the output's channels or spatial size are dynamic"
+    width, inner = int(dims[0]), int(dims[1] * dims[2]) if is_conv else 1
     out_pointer = POINTER_TYPES.get(node.types[0].dtype)
     y_pointer = POINTER_TYPES.get(weight_dtype)
-    if width is None or out_pointer is None or y_pointer is None:
-        return "the output width is dynamic or its dtype has no kernel variant"
+    if out_pointer is None or y_pointer is None:
+        return "the dtype has no kernel variant (fp32, bf16, fp16)"
     res_pointer = _pointer(graph, residual) if isinstance(residual, Value) else out_pointer
     hints = ["y_ptr", "out_ptr"]
     hints += ["bias_ptr"] if bias_dtype else []
     hints += ["res_ptr"] if isinstance(residual, Value) else []
     return _spec(
-        f"linear_epilogue_{activation}_n{width}",
+        f"{'conv' if is_conv else 'linear'}_epilogue_{activation}_n{width}",
         template="bias_act_residual",
         params=(
             ("y_ptr", y_pointer),
@@ -224,6 +231,7 @@ def linear_epilogue_spec(
             ("out_ptr", out_pointer),
             ("n_elements", "i32"),
             ("N", "constexpr"),
+            ("INNER", "constexpr"),
             ("BLOCK", "constexpr"),
             ("ACT", "constexpr"),
             ("HAS_BIAS", "constexpr"),
@@ -232,6 +240,7 @@ def linear_epilogue_spec(
         ),
         constexprs={
             "N": width,
+            "INNER": inner,
             "BLOCK": EPILOGUE_BLOCK,
             "ACT": ACTIVATION_CODES[activation],
             "HAS_BIAS": bias_dtype is not None,

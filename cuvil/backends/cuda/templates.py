@@ -79,21 +79,24 @@ def bias_act_residual(
     out_ptr,
     n_elements,
     N: tl.constexpr,
+    INNER: tl.constexpr,
     BLOCK: tl.constexpr,
     ACT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_RES: tl.constexpr,
     ACT_AFTER_RES: tl.constexpr,
 ):
-    """The epilogue of a GEMM that ATen ran (cuBLAS on a GPU): out = act(y + bias) + residual,
-    or act(y + bias + residual) with ACT_AFTER_RES, over contiguous rows of width N. ACT is the
-    activation's code in specs.ACTIVATION_CODES."""
+    """The epilogue of a GEMM or convolution that ATen ran (cuBLAS, cuDNN on a GPU): out =
+    act(y + bias) + residual, or act(y + bias + residual) with ACT_AFTER_RES, over contiguous
+    y whose bias index is (offset // INNER) % N (a linear's rows: INNER 1; NCHW: INNER = H * W).
+    ACT is the activation's code in specs.ACTIVATION_CODES."""
     start = tl.program_id(0).to(tl.int64) * BLOCK
     offsets = start + tl.arange(0, BLOCK)
     inside = offsets < n_elements
     y = tl.load(y_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
     if HAS_BIAS:
-        y = y + tl.load(bias_ptr + offsets % N, mask=inside, other=0.0).to(tl.float32)
+        channel = (offsets // INNER) % N
+        y = y + tl.load(bias_ptr + channel, mask=inside, other=0.0).to(tl.float32)
     if HAS_RES and ACT_AFTER_RES:
         y = y + tl.load(res_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
     if ACT == 1:  # relu

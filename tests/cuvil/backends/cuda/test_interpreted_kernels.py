@@ -15,7 +15,7 @@ from triton.runtime.jit import JITFunction
 
 from cuvil.backends.cuda.aten_ops import ACTIVATIONS
 from cuvil.backends.cuda.interpreter import GuardError, Interpreted, interpreter_patches
-from cuvil.fused_ops import ATTENTION, LAYER_NORM, LINEAR, RMS_NORM, ROPE, SWIGLU
+from cuvil.fused_ops import ATTENTION, CONV2D, LAYER_NORM, LINEAR, RMS_NORM, ROPE, SWIGLU
 from cuvil.precisions import PRECISIONS
 from tests.cuvil.backends.cuda.nodes import manifest_for, one_node, only_spec, relative_to_scale
 from tests.cuvil.backends.cuda.nodes import run_kernel as run
@@ -185,6 +185,21 @@ def test_swiglu_matches_torch(dtype: torch.dtype) -> None:
     budget = FP32_TOLERANCE if dtype == torch.float32 else BF16_BUDGET
     assert relative_to_scale(out, F.silu(gate) * up) <= budget
     assert out.dtype == torch.float32 and dict(spec.params)["y_ptr"] == POINTERS[dtype]
+
+
+@pytest.mark.parametrize(
+    ("activation", "residual"), [("relu", True), ("none", True), ("silu", False)]
+)
+def test_the_convolution_epilogue_matches_torch(activation: str, residual: bool) -> None:
+    x, weight, bias = torch.randn(2, 6, 9, 7), torch.randn(8, 3, 3, 3), torch.randn(8)
+    inputs = {"input": x} | ({"residual": torch.randn(2, 8, 5, 4)} if residual else {})
+    geometry = {"stride": (2, 2), "padding": (1, 1), "dilation": (1, 1), "groups": 2}
+    constants = {"weight": weight, "bias": bias, "activation": activation, **geometry}
+    out, spec = run(CONV2D, inputs, constants, (2, 8, 5, 4))
+    y = F.conv2d(x, weight, bias, (2, 2), (1, 1), (1, 1), 2)
+    expected = ACTIVATIONS[activation](y + inputs["residual"] if residual else y)
+    assert relative_to_scale(out, expected) <= FP32_TOLERANCE
+    assert spec.constexprs["N"] == 8 and spec.constexprs["INNER"] == 20  # bias per channel
 
 
 def test_a_plain_linear_runs_in_aten() -> None:
