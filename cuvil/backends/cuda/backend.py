@@ -9,15 +9,16 @@ manifest per kernel, and ``manifest.json`` saying what runs each fused node — 
 and why. ``load_kernels`` reads it back into the plan's factories. What runs the kernels is the
 CPU executor: Triton's interpreter on CPU tensors (interpreter.py) with ATen on the CPU for the
 rest, so a CUDA artifact is verified against eager on the machine that compiled it; that
-proves its numbers, not its speed. Running the cubins on a GPU (a driver-API launcher, CUDA
-graphs per shape bucket) is not part of this backend yet: its plan runs on the CPU even where
-a GPU is present, and ``describe`` says so.
+proves its numbers, not its speed. The driver-API launcher for the cubins (driver.py) is not
+wired into the plan yet, nor are CUDA graphs per shape bucket: the plan runs on the CPU even
+where a GPU is present, and ``describe`` and a warning say so.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +54,7 @@ TEMPLATED = (
 )
 # Every fused op has a template; what a template does not take runs through ATen (aten_ops.py).
 FALLBACKS: dict[str, str] = {}
+log = logging.getLogger("cuvil.backends.cuda")
 EXECUTOR = "interpreter: Triton's interpreter on CPU tensors, ATen on the CPU for the rest"
 
 
@@ -103,6 +105,12 @@ class CudaBackend:
             return {}
         from cuvil.backends.cuda.layer import layer_factories
 
+        if torch.cuda.is_available():
+            log.warning(
+                "%s: the plan runs by interpretation on the CPU; launching its cubins on this "
+                "machine's GPU is not built yet",
+                self.target.name,
+            )
         return layer_factories(files, self.target.name)
 
     def prepare(self, model: CompiledModel, inputs: Mapping[str, torch.Tensor]) -> int:
@@ -124,5 +132,4 @@ class CudaBackend:
             "verified_by": self.verified_by,
             "kernels": manifest.get("kernels", []),
             "nodes": manifest.get("nodes", {}),
-            "fallbacks": dict(FALLBACKS),
         }

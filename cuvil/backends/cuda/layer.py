@@ -40,6 +40,8 @@ def read_manifests(
         raise LayerError(f"the kernels layer is for {top.get('target')}, not {target}")
     kernels: dict[str, Any] = {}
     for name in top["kernels"]:
+        if f"{name}.json" not in files:
+            raise LayerError(f"kernel {name}: the layer has no manifest {name}.json")
         manifest = json.loads(files[f"{name}.json"])
         cubin = files.get(manifest["cubin"])
         if cubin is None or sha256(cubin).hexdigest() != manifest["cubin_sha256"]:

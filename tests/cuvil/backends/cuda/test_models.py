@@ -83,6 +83,14 @@ def test_a_tampered_or_foreign_kernels_layer_is_refused(
                 contents.config, contents.graph, contents.weights, kernels=pack_kernels(tampered)
             )
         )
+    manifest = next(name for name in files if name.endswith(".json") and name != "manifest.json")
+    missing = {name: data for name, data in files.items() if name != manifest}
+    with pytest.raises(LayerError, match=f"no manifest {manifest}"):
+        CompiledModel(
+            type(contents)(
+                contents.config, contents.graph, contents.weights, kernels=pack_kernels(missing)
+            )
+        )
     foreign = contents.config | {"target": "cuda-sm_80"}
     with pytest.raises(LayerError, match="is for cuda-sm_90, not cuda-sm_80"):
         CompiledModel(
