@@ -15,13 +15,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
-
-from cuvil.runtime.kernels import KernelFactory
 from cuvil.targets import Target
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # annotations only: the seam itself imports no torch (compile_worker.py)
+    import torch
+
     from cuvil.ir import Graph
+    from cuvil.runtime.kernels import KernelFactory
     from cuvil.runtime.model import CompiledModel
 
 

@@ -6,8 +6,9 @@ seconds) or a failure.
 
 It runs apart from the compiler because LLVM aborts the whole process on some bad options (a
 PTX version the target does not take), and Triton never needs a driver here: the target is
-given, so nothing asks for a GPU. The environment that pins numerics and output (fp-fusion,
-line info, the cache folder) is set by the parent (codegen.py).
+given, so nothing asks for a GPU. It imports Triton, the templates and the specs, never torch:
+its start-up is most of what a compile's codegen stage costs. The environment that pins
+numerics and output (fp-fusion, line info, the cache folder) is set by the parent (codegen.py).
 """
 
 from __future__ import annotations

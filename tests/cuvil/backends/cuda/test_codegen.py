@@ -6,6 +6,8 @@ golden, and a bad cubin, a failed compile or an aborting compiler fail the codeg
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -139,3 +141,10 @@ def test_a_kernel_that_spills_registers_is_refused(tmp_path: Path) -> None:
     with pytest.raises(CodegenError, match="spills registers"):
         check_resources(wide, resources)
     check_resources(spec, {"registers": 18, "stack": 0, "local": 0})
+
+
+def test_the_compile_subprocess_imports_no_torch() -> None:
+    """Its start-up is most of a compile's codegen time: Triton and the templates only."""
+    probe = "import sys, cuvil.backends.cuda.compile_worker; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False"
