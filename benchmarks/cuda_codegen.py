@@ -2,7 +2,7 @@
 the compile's stage seconds, each kernel's compile seconds and cubin size, and the verification
 error of the CPU interpretation against eager. Prints one JSON document.
 
-    .venv/bin/python benchmarks/cuda_codegen.py [--archs sm_80,sm_90] [--models mlp,tiny_llama]
+    .venv/bin/python benchmarks/cuda_codegen.py [--archs sm_80,sm_90] [--models mlp,minilm,...]
 
 Speed on a GPU is not measured here: there is none.
 """
@@ -59,7 +59,7 @@ def measure(name: str, arch: str) -> dict[str, Any]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--archs", default="sm_80,sm_90")
-    parser.add_argument("--models", default="mlp,tiny_llama")
+    parser.add_argument("--models", default="mlp,tiny_llama,minilm,resnet18")
     args = parser.parse_args()
     runs = []
     for name in args.models.split(","):
