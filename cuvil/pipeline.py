@@ -321,6 +321,7 @@ def compile_model(
             "outputs": [error.to_json() for error in errors],
             "max_relative_to_scale": worst_relative_error(errors),
             "tolerance": options.tolerance,
+            "method": backend.verified_by,
         },
         "bisection": bisection,
         "memory_plan": plan_memory(program.graph, _symbol_values(signature, inputs)).summary(),

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from cuvil.artifact import describe_reference, resolve_model
 from cuvil.artifact.files import read_artifact
+from cuvil.artifact.kernels_layer import unpack_kernels
 from cuvil.artifact.reference import is_artifact_path, is_oci_reference
 from cuvil.ir_dot import graph_to_dot, render_svg
 from cuvil.ir_text import print_graph
@@ -57,6 +58,7 @@ def run_inspect(args: argparse.Namespace) -> int:
         print_report(report)
     for name, entry in sorted(config.get("files", {}).items()):
         print(f"  {name}: {entry['size']} bytes {entry['digest']}")
+    print_kernels(unpack_kernels(contents.kernels))
     if args.ir:
         print(print_graph(graph), end="")
     if args.dot or args.svg:
@@ -69,13 +71,30 @@ def run_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def print_kernels(files: dict[str, bytes]) -> None:
+    """The compiled kernels of the kernels layer, per architecture (``<kernel>.<arch>.cubin``)."""
+    by_arch: dict[str, list[str]] = {}
+    for name, data in sorted(files.items()):
+        kernel, _, arch = name.removesuffix(".cubin").rpartition(".")
+        if name.endswith(".cubin") and kernel:
+            by_arch.setdefault(arch, []).append(f"{kernel} ({len(data)} bytes)")
+    for arch, kernels in sorted(by_arch.items()):
+        print(f"kernels for {arch} ({len(kernels)}):")
+        for kernel in kernels:
+            print(f"  {kernel}")
+
+
 def print_report(report: dict) -> None:
     """Compile time per stage, op counts before and after, and how often each pattern fired."""
     verification = report.get("verification", {}).get("max_relative_to_scale")
     stages = ", ".join(f"{s['name']} {s['seconds']:.2f}s" for s in report.get("stages", []))
     print(f"compile: {report.get('compile_seconds')}s ({stages})")
     print(f"ops: {report.get('ops_before')} before passes, {report.get('ops_after')} after")
-    print(f"verified: max error {verification} of the output scale")
+    method = report.get("verification", {}).get("method")
+    print(
+        f"verified: max error {verification} of the output scale"
+        + (f", {method}" if method else "")
+    )
     fusions = report.get("fusions") or {}
     if fusions:
         print(

@@ -138,9 +138,12 @@ def build(
             compiled, loaded.model, samples, output_names, validation, precision
         )
     with stage_span("benchmark", on_stage, seconds):
-        report["benchmark"] = checks.benchmark(
-            compiled, loaded.model, loaded.example_inputs, config.bench_iterations
-        )
+        if compiled.backend.speed_measured:
+            report["benchmark"] = checks.benchmark(
+                compiled, loaded.model, loaded.example_inputs, config.bench_iterations
+            )
+        else:
+            report["benchmark"] = checks.not_measured(compiled.backend.verified_by)
     with stage_span("gates", on_stage, seconds):
         report["gates"] = checks.check_gates(dict(spec.get("gates") or {}), report)
     with stage_span("package", on_stage, seconds):

@@ -1,11 +1,11 @@
 """Which index entry this machine runs: probe the CPU ISA and the GPU, rank the targets.
 
 Targets are the names of ``cuvil.targets`` (``cpu-x86_64``, ``cpu-x86_64-amx``, ``cuda-sm_90``…)
-plus the generic ``cpu``. A machine's candidates come best first: the exact GPU architecture,
-then older minors of the same major (a cubin for sm_80 runs on sm_86/87/89, not on sm_90), then
-the most specific CPU ISA down to the generic build. An index entry is picked by the first
-candidate it offers; when none matches, the error lists what the index offers and what this
-machine accepts.
+plus the generic ``cpu``. A machine's CPU candidates come best first, the most specific ISA down
+to the generic build; its GPU candidates, the exact architecture, then older minors of the same
+major (a cubin for sm_80 runs on sm_86/87/89, not on sm_90), rank after them (see
+``probe_targets``). An index entry is picked by the first candidate it offers; when none
+matches, the error lists what the index offers and what this machine accepts.
 """
 
 from __future__ import annotations
@@ -97,8 +97,10 @@ def gpu_capabilities() -> list[tuple[int, int]]:
 
 @cache
 def probe_targets() -> list[str]:
-    """This machine's targets, best first (GPU targets before CPU ones when a GPU exists)."""
-    return cuda_targets(gpu_capabilities()) + cpu_targets(platform.machine(), cpu_flags())
+    """This machine's targets, best first. GPU targets rank after the CPU's: the CUDA backend's
+    plan runs its kernels by interpretation (it does not launch them on the device yet), so a
+    node with a GPU serves an index's CPU entry, and a CUDA entry only when nothing else fits."""
+    return cpu_targets(platform.machine(), cpu_flags()) + cuda_targets(gpu_capabilities())
 
 
 def entry_target(entry: Mapping[str, Any]) -> str | None:

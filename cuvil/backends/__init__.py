@@ -16,6 +16,7 @@ from cuvil.targets import Target, parse_target
 # target family -> "module:class" of its backend
 BACKENDS: dict[str, str] = {
     "cpu": "cuvil.backends.cpu.backend:CpuBackend",
+    "cuda": "cuvil.backends.cuda.backend:CudaBackend",
 }
 
 __all__ = ["BACKENDS", "Backend", "Lowering", "TargetUnavailableError", "backend_for"]

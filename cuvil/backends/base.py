@@ -15,13 +15,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
-
-from cuvil.runtime.kernels import KernelFactory
 from cuvil.targets import Target
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # annotations only: the seam itself imports no torch (compile_worker.py)
+    import torch
+
     from cuvil.ir import Graph
+    from cuvil.runtime.kernels import KernelFactory
     from cuvil.runtime.model import CompiledModel
 
 
@@ -43,8 +43,10 @@ class Backend(Protocol):
     target: Target
     device: torch.device
     kernels: Mapping[str, KernelFactory]  # fused op -> factory
-    fallbacks: Mapping[str, str]  # fused op it does not implement -> why (it is left unfused)
+    fallbacks: Mapping[str, str]  # fused op without a kernel of its own -> why, and what runs it
     lowering: Lowering
+    verified_by: str  # how the compiler's verify stage ran this target's plan (for the report)
+    speed_measured: bool  # whether timing its plan here measures the target's own speed
 
     def check_compile(self) -> None:
         """Raise ``TargetUnavailableError`` when this machine cannot compile for the target."""

@@ -72,3 +72,20 @@ def test_a_path_takes_one_target(tmp_path: Path) -> None:
     two = ["compile", str(spec), "-o", str(path), "--target", "cpu"]
     assert main([*two, "--bench-iterations", "2"]) == 0
     assert cuvil.load(path).config["target"] == "cpu"
+
+
+def test_a_cuda_target_compiles_here_with_its_speed_gates_deferred(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec = _spec(tmp_path, "  gates: {maxAbsError: 1.0e-3, minSpeedup: 100}\n")
+    path = tmp_path / "mlp.cuvil"
+    arguments = ["compile", str(spec), "-o", str(path), "--target", "cuda-sm_90", "--json"]
+    assert main([*arguments, "--bench-iterations", "2"]) == 0
+    report = json.loads(capsys.readouterr().out)["report"]["cuda-sm_90"]
+    assert report["benchmark"]["measured"] is False
+    assert "speed not measured" in report["benchmark"]["reason"]
+    assert report["gates"]["minSpeedup"]["measured"] is None
+    assert "deferred" in report["gates"]["minSpeedup"]
+    assert report["gates"]["maxAbsError"]["passed"] is True
+    loaded = cuvil.load(path)
+    assert loaded.config["target"] == "cuda-sm_90" and loaded.execution()["kernels"]

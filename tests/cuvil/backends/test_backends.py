@@ -19,6 +19,7 @@ from cuvil.artifact.kernels_layer import pack_kernels, unpack_kernels
 from cuvil.backends import BACKENDS, TargetUnavailableError, backend_for
 from cuvil.backends.cpu.backend import CpuBackend
 from cuvil.backends.cpu.kernels import linear_kernel
+from cuvil.backends.cuda.backend import CudaBackend
 from cuvil.fused_ops import FUSED_OPS, LINEAR
 from cuvil.ir import Graph
 from cuvil.runtime.kernels import FusedCall, KernelFactory, PreparedKernel
@@ -46,8 +47,27 @@ def test_a_target_picks_its_backend_by_family() -> None:
         backend = backend_for(name)
         assert isinstance(backend, CpuBackend) and backend.target.name == name
         assert backend.device == torch.device("cpu")
-    with pytest.raises(TargetUnavailableError, match="no cuda backend"):
-        backend_for("cuda-sm_90")
+    for name in ("cuda-sm_80", "cuda-sm_87", "cuda-sm_90"):
+        backend = backend_for(name)
+        assert isinstance(backend, CudaBackend) and backend.target.name == name
+        backend.check_compile()  # Triton, no GPU
+    with pytest.raises(TargetUnavailableError, match="one architecture"):
+        backend_for("cuda").check_compile()
+    with pytest.raises(TargetUnavailableError, match="one architecture"):
+        backend_for("cuda-sm_75").check_compile()
+
+
+def test_a_machine_without_triton_cannot_compile_for_cuda(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a)
+    )
+    with pytest.raises(TargetUnavailableError, match=r"needs Triton .*no GPU is needed"):
+        backend_for("cuda-sm_90").check_compile()
 
 
 @pytest.mark.parametrize("name", KNOWN_TARGETS)

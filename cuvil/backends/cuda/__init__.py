@@ -1,0 +1,1 @@
+"""The CUDA backend (backend.py): Triton kernels compiled ahead of time per GPU architecture."""

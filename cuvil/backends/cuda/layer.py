@@ -1,0 +1,76 @@
+"""Reading the CUDA kernels layer back into the plan: for each fused node, the factory that the
+layer's ``manifest.json`` names — a compiled kernel (run by the executor, interpreter.py) or
+the op's ATen implementation.
+
+The layer is checked before it is trusted: its format and target must be this backend's, every
+kernel a node names must have its manifest and cubin, and the cubin's digest must match its
+manifest. Nothing in the layer is executed: the kernels run from the templates of this Cuvil,
+and a manifest whose template source digest differs is refused (interpreter.py).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections.abc import Mapping
+from hashlib import sha256
+from typing import Any
+
+from cuvil import fused_ops as fused
+from cuvil.backends.cuda.aten_ops import ATEN_KERNELS
+from cuvil.runtime.kernels import FusedCall, KernelFactory, PreparedKernel
+
+LAYER_FORMAT = "cuvil.cuda.kernels.v1"
+
+
+class LayerError(ValueError):
+    """A kernels layer this backend cannot run."""
+
+
+def read_manifests(
+    files: Mapping[str, bytes], target: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the layer's manifest, kernel name -> its manifest), checked against the files."""
+    if "manifest.json" not in files:
+        raise LayerError("the kernels layer has no manifest.json")
+    top = json.loads(files["manifest.json"])
+    if top.get("format") != LAYER_FORMAT:
+        raise LayerError(f"kernels layer format {top.get('format')!r}, expected {LAYER_FORMAT!r}")
+    if top.get("target") != target:
+        raise LayerError(f"the kernels layer is for {top.get('target')}, not {target}")
+    kernels: dict[str, Any] = {}
+    for name in top["kernels"]:
+        if f"{name}.json" not in files:
+            raise LayerError(f"kernel {name}: the layer has no manifest {name}.json")
+        manifest = json.loads(files[f"{name}.json"])
+        cubin = files.get(manifest["cubin"])
+        if cubin is None or sha256(cubin).hexdigest() != manifest["cubin_sha256"]:
+            raise LayerError(f"kernel {name}: its cubin is missing or does not match its manifest")
+        kernels[name] = manifest
+    return top, kernels
+
+
+def layer_factories(files: Mapping[str, bytes], target: str) -> dict[str, KernelFactory]:
+    """Factories for every fused op, each looking its node up in the layer."""
+    top, kernels = read_manifests(files, target)
+    if kernels and importlib.util.find_spec("triton") is None:
+        raise LayerError(
+            f"this {target} artifact runs its kernels by Triton's interpreter on the CPU, and "
+            "Triton is not installed (pip install 'cuvil[cuda]')"
+        )
+    from cuvil.backends.cuda.interpreter import Interpreted
+    from cuvil.backends.cuda.launches import LAUNCHES
+
+    nodes: dict[str, dict[str, str]] = top["nodes"]
+    executors = {name: Interpreted(manifest) for name, manifest in kernels.items()}
+
+    def factory(call: FusedCall) -> PreparedKernel:
+        entry = nodes.get(call.node)
+        if entry is None or entry["op"] != call.op:
+            raise LayerError(f"the kernels layer says nothing of %{call.node} ({call.op})")
+        if "kernel" not in entry:
+            return ATEN_KERNELS[call.op](call)
+        manifest = kernels[entry["kernel"]]
+        return LAUNCHES[manifest["template"]](call, manifest, executors[entry["kernel"]])
+
+    return {op: factory for op in fused.FUSED_OPS}

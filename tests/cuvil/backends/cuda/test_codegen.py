@@ -1,0 +1,150 @@
+"""The CUDA codegen stage on a machine without a GPU: every architecture Cuvil targets compiles,
+each cubin's ELF says the target's architecture and its parameter table is the manifest's
+(plus Triton's two scratch pointers), the layer is reproducible and one kernel's manifest is
+golden, and a bad cubin, a failed compile or an aborting compiler fail the codegen only."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import cuvil
+from cuvil.artifact.kernels_layer import unpack_kernels
+from cuvil.backends.cuda import codegen
+from cuvil.backends.cuda.backend import FALLBACKS
+from cuvil.backends.cuda.codegen import (
+    CodegenError,
+    check_cubin,
+    check_resources,
+    generate_layer,
+    plan_kernels,
+    run_compiler,
+)
+from cuvil.backends.cuda.cubin import read_cubin
+from cuvil.backends.cuda.specs import KernelSpec
+from cuvil.fused_ops import RMS_NORM
+from cuvil.targets import CUDA_ARCHES
+from tests.cuvil.backends.cuda.models import NormBlock
+from tests.cuvil.backends.cuda.nodes import one_node
+
+GOLDEN = Path(__file__).parent / "golden" / "rms_norm_f32_n64.sm_90.json"
+TEMPLATES = {"rms_norm_rows", "layer_norm_rows", "bias_act_residual", "rope_rows"}
+TEMPLATES |= {"attention_blocks"}
+
+
+def _rms_norm_graph() -> tuple[object, dict[str, torch.Tensor]]:
+    constants = {"weight": torch.zeros(64), "eps": 1e-6}
+    graph, weights, _ = one_node(RMS_NORM, {"input": torch.zeros(4, 64)}, constants, (4, 64))
+    return graph, weights
+
+
+@pytest.fixture(scope="module")
+def rms_norm_layers() -> dict[int, dict[str, bytes]]:
+    """The one-kernel layer, for sm_80 and sm_90."""
+    graph, weights = _rms_norm_graph()
+    return {
+        cc: generate_layer(graph, weights, cc, FALLBACKS, f"cuda-sm_{cc}")[0] for cc in (80, 90)
+    }  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("arch", CUDA_ARCHES)
+def test_every_cubin_is_built_for_the_target_architecture(arch: str) -> None:
+    model, x = NormBlock().eval(), torch.randn(2, 5, 48)
+    compiled = cuvil.jit(model, (x,), target=f"cuda-{arch}")
+    assert compiled.report["verification"]["max_relative_to_scale"] <= 1e-4
+    files = unpack_kernels(compiled.contents.kernels)
+    top = json.loads(files["manifest.json"])
+    expected_arch = f"{arch}a" if arch == "sm_90" else arch
+    assert top["arch"] == expected_arch and top["target"] == f"cuda-{arch}"
+    manifests = [json.loads(files[f"{name}.json"]) for name in top["kernels"]]
+    assert {manifest["template"] for manifest in manifests} == TEMPLATES
+    for manifest in manifests:
+        info = read_cubin(files[manifest["cubin"]])
+        assert info.arch == expected_arch and manifest["cubin"].endswith(f".{expected_arch}.cubin")
+        params = info.kernels[manifest["symbol"]]
+        assert [param.offset for param in params] == [p["offset"] for p in manifest["params"]]
+        values = [p for p in manifest["spec"]["params"] if p[1] != "constexpr"]
+        assert len(params) == len(values) + 2  # Triton's global and profile scratch pointers
+        assert [p["name"] for p in manifest["params"][-2:]] == ["global_scratch", "profile_scratch"]
+        assert [param.size for param in params[-2:]] == [8, 8]
+        assert manifest["resources"]["local"] == manifest["resources"]["stack"] == 0
+        assert manifest["launch"]["ptx_version"] == codegen.PTX_VERSIONS[int(arch[3:])]
+        assert files[manifest["source"]].decode().startswith(f"def {manifest['template']}(")
+
+
+def test_one_kernel_manifest_is_golden(rms_norm_layers: dict[int, dict[str, bytes]]) -> None:
+    files = rms_norm_layers[90]
+    (name,) = json.loads(files["manifest.json"])["kernels"]
+    assert json.loads(files[f"{name}.json"]) == json.loads(GOLDEN.read_text()), (
+        f"the manifest of {name} changed; if that is meant, write it to {GOLDEN}"
+    )
+
+
+def test_the_kernels_layer_is_reproducible(rms_norm_layers: dict[int, dict[str, bytes]]) -> None:
+    graph, weights = _rms_norm_graph()
+    again, seconds = generate_layer(graph, weights, 90, FALLBACKS, "cuda-sm_90")  # type: ignore[arg-type]
+    assert again == rms_norm_layers[90] and len(seconds) == 1
+
+
+def test_a_cubin_that_is_not_what_its_spec_says_is_refused(
+    rms_norm_layers: dict[int, dict[str, bytes]],
+) -> None:
+    graph, weights = _rms_norm_graph()
+    (spec,) = plan_kernels(graph, weights, FALLBACKS).kernels.values()  # type: ignore[arg-type]
+    cubin = next(data for name, data in rms_norm_layers[80].items() if name.endswith(".cubin"))
+    assert read_cubin(cubin).arch == "sm_80"
+    check_cubin(spec, cubin, "rms_norm_rows", "sm_80", 0, 80)
+    with pytest.raises(CodegenError, match="for sm_80, the target is sm_90a"):
+        check_cubin(spec, cubin, "rms_norm_rows", "sm_90a", 0, 90)
+    fewer = KernelSpec(**{**spec.__dict__, "params": spec.params[1:]})
+    with pytest.raises(CodegenError, match="parameters are"):
+        check_cubin(fewer, cubin, "rms_norm_rows", "sm_80", 0, 80)
+    with pytest.raises(CodegenError, match="no kernel 'other'"):
+        check_cubin(spec, cubin, "other", "sm_80", 0, 80)
+    with pytest.raises(CodegenError, match="shared memory"):
+        check_cubin(spec, cubin, "rms_norm_rows", "sm_80", 200_000, 80)
+    with pytest.raises(CodegenError, match="not an ELF64"):
+        check_cubin(spec, b"#!/bin/sh\n" * 10, "rms_norm_rows", "sm_80", 0, 80)
+
+
+def test_a_kernel_that_fails_to_compile_is_named(tmp_path: Path) -> None:
+    graph, weights = _rms_norm_graph()
+    (spec,) = plan_kernels(graph, weights, FALLBACKS).kernels.values()  # type: ignore[arg-type]
+    bad = KernelSpec(**{**spec.__dict__, "num_warps": 3})  # not a power of two
+    with pytest.raises(CodegenError, match=f"failed to compile for sm_90: .*{bad.name}"):
+        run_compiler([bad], 90, tmp_path)
+
+
+def test_an_aborting_compiler_fails_the_codegen_not_the_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    graph, weights = _rms_norm_graph()
+    (spec,) = plan_kernels(graph, weights, FALLBACKS).kernels.values()  # type: ignore[arg-type]
+    monkeypatch.setitem(codegen.PTX_VERSIONS, 90, 78)  # PTX 7.8 has no sm_90a: LLVM aborts
+    with pytest.raises(CodegenError, match=r"exited [1-9][0-9]*: LLVM ERROR: PTX version 7\.8"):
+        run_compiler([spec], 90, tmp_path)
+
+
+def test_a_kernel_that_spills_registers_is_refused(tmp_path: Path) -> None:
+    graph, weights = _rms_norm_graph()
+    (spec,) = plan_kernels(graph, weights, FALLBACKS).kernels.values()  # type: ignore[arg-type]
+    # 16384 fp32 values a row on one warp: 512 per thread, more than the registers hold
+    wide = KernelSpec(**{**spec.__dict__, "constexprs": {"N": 16384, "BLOCK_N": 16384}})
+    _, results = run_compiler([wide], 80, tmp_path)
+    resources = results[wide.name]["resources"]
+    assert resources["stack"] > 0  # ptxas spills to the stack frame
+    with pytest.raises(CodegenError, match="spills registers"):
+        check_resources(wide, resources)
+    check_resources(spec, {"registers": 18, "stack": 0, "local": 0})
+
+
+def test_the_compile_subprocess_imports_no_torch() -> None:
+    """Its start-up is most of a compile's codegen time: Triton and the templates only."""
+    probe = "import sys, cuvil.backends.cuda.compile_worker; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False"
