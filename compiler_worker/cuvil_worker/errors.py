@@ -46,13 +46,6 @@ class ModelNotCompilable(CompileFailed):
     reason = "ModelNotCompilable"
 
 
-class DeviceUnavailable(CompileFailed):
-    """The target needs a device this worker lacks (a CUDA target on a CPU-only worker): the
-    spec is fine, the task reached the wrong worker (its queue, ``spec.queue``)."""
-
-    reason = "DeviceUnavailable"
-
-
 class VerificationFailed(CompileFailed):
     reason = "VerificationFailed"
     condition = "Validated"

@@ -47,7 +47,6 @@ from cuvil_worker.contract import (
 from cuvil_worker.errors import (
     CompileFailed,
     CompileTimeLimit,
-    DeviceUnavailable,
     IndexIncomplete,
     InvalidSpec,
     PushRefused,
@@ -168,19 +167,6 @@ def _undo_unless_current(
         raise
 
 
-def _require_device(target: str, worker: str) -> None:
-    """A CUDA target reaching a worker without a GPU is a routing problem, not a bad spec."""
-    import torch
-
-    from cuvil.targets import parse_target
-
-    if parse_target(target).family == "cuda" and not torch.cuda.is_available():
-        raise DeviceUnavailable(
-            f"target {target} needs a CUDA device and worker {worker} has none: its queue"
-            " (spec.queue, or the chart's GPU worker pool) must be served by GPU workers"
-        )
-
-
 def benchmark_caveat(target: str, here: list[str]) -> str | None:
     """What the report must say when this worker's machine is not one the target is for
     (``here``: its own targets, best first): the figures were measured off-target."""
@@ -216,13 +202,13 @@ def _compile_and_push(
     ) as span:
         on_stage = StageReporter(task, target, guard)
         spec = request["spec"]
-        _require_device(target, str(task.request.hostname or "this worker"))
         confine_source(spec)
         try:
             packaged = build_cached(spec, target, config, on_stage, task_id, _fetcher(task_id))
             from cuvil.artifact import probe_targets
 
-            caveat = benchmark_caveat(target, probe_targets())
+            measured = packaged.report.get("benchmark", {}).get("measured", True)
+            caveat = benchmark_caveat(target, probe_targets()) if measured else None
             if caveat:
                 packaged.report.setdefault("notes", []).append(caveat)
             annotations = _annotations(request, telemetry.trace_id_of(span))

@@ -67,20 +67,22 @@ def test_two_failing_gates_show_on_validated_with_values_and_a_retry_runs_again(
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a worker that has no GPU")
-def test_missing_gpu_is_not_an_invalid_spec(
+def test_a_cuda_target_on_a_worker_without_a_gpu_is_no_invalid_spec(
     kube_api: KubeApi,
     registry: RunningRegistry,
     running_operator: Operator,
     workers: Any,
     tmp_path: Path,
 ) -> None:
+    """CUDA artifacts are compiled on CPU-only workers (verified by interpretation, speed not
+    measured there): the spec is valid and the compile goes through."""
     obj = mlp_compilation("no-gpu", registry, targets=["cuda-sm_90"], queue="cuvil.cpu")
     workers("cpu-only")
     apply(kube_api, obj, tmp_path)
-    failed = wait_for(lambda: phase_of(kube_api, "no-gpu", "Failed"), 120, "Failed")
-    found = conditions(failed)
-    assert (found["Accepted"]["status"], found["Accepted"]["reason"]) == ("True", "Submitted")
-    compiling = found["Compiling"]
-    assert (compiling["status"], compiling["reason"]) == ("False", "DeviceUnavailable")
-    assert "needs a CUDA device" in compiling["message"] and "queue" in compiling["message"]
+    done = wait_for(lambda: phase_of(kube_api, "no-gpu", "Succeeded", "Failed"), 180, "done")
     assert "InvalidSpec" not in str(get_mc(kube_api, "no-gpu"))
+    found = conditions(done)
+    assert (found["Accepted"]["status"], found["Accepted"]["reason"]) == ("True", "Submitted")
+    assert done["status"]["phase"] == "Succeeded", done["status"].get("message")
+    benchmark = done["status"]["report"]["targets"]["cuda-sm_90"]["benchmark"]
+    assert benchmark["measured"] is False
