@@ -115,6 +115,18 @@ def _row_problem(width: int | None, pointer: str | None) -> str | None:
     return None
 
 
+def _rows(graph: Graph, node: Node) -> tuple[Value, int, str, int] | str:
+    """A row-wise node's input, its static width, pointer type and power-of-two block; or why
+    no row kernel takes it."""
+    x = node.arg("input")
+    assert isinstance(x, Value)
+    width, pointer = _static_width(graph, x), _pointer(graph, x)
+    problem = _row_problem(width, pointer)
+    if problem is not None or width is None or pointer is None:
+        return problem or ""
+    return x, width, pointer, 1 << (width - 1).bit_length()
+
+
 def _row_hints(width: int) -> tuple[str, ...]:
     """Pointers from torch's allocator are 16-byte aligned; row strides are multiples of 16
     only where the width is."""
@@ -123,13 +135,10 @@ def _row_hints(width: int) -> tuple[str, ...]:
 
 
 def rms_norm_spec(graph: Graph, node: Node, weights_dtype: str) -> KernelSpec | str:
-    x = node.arg("input")
-    assert isinstance(x, Value)
-    width, pointer = _static_width(graph, x), _pointer(graph, x)
-    problem = _row_problem(width, pointer)
-    if problem is not None or width is None or pointer is None:
-        return problem or ""
-    block = 1 << (width - 1).bit_length()
+    rows = _rows(graph, node)
+    if isinstance(rows, str):
+        return rows
+    x, width, pointer, block = rows
     weight_pointer = POINTER_TYPES.get(weights_dtype, pointer)
     out_pointer = POINTER_TYPES[node.types[0].dtype]
     return _spec(
@@ -155,13 +164,10 @@ def rms_norm_spec(graph: Graph, node: Node, weights_dtype: str) -> KernelSpec | 
 def layer_norm_spec(
     graph: Graph, node: Node, weight_dtype: str | None, bias_dtype: str | None
 ) -> KernelSpec | str:
-    x = node.arg("input")
-    assert isinstance(x, Value)
-    width, pointer = _static_width(graph, x), _pointer(graph, x)
-    problem = _row_problem(width, pointer)
-    if problem is not None or width is None or pointer is None:
-        return problem or ""
-    block = 1 << (width - 1).bit_length()
+    rows = _rows(graph, node)
+    if isinstance(rows, str):
+        return rows
+    x, width, pointer, block = rows
     # an absent weight or bias is never read: its pointer is the input's
     w_pointer = POINTER_TYPES.get(weight_dtype or "", pointer)
     b_pointer = POINTER_TYPES.get(bias_dtype or "", pointer)
