@@ -84,24 +84,22 @@ def reconcile_submit(
             f"generation {observed} ({status['taskId']}) cancelled:"
             f" generation {generation} replaces it",
         )
-    problems = check_spec(spec)
-    if problems:
-        patch = build_invalid_status(status, generation, problems, now)
-        notify(WARNING, "InvalidSpec", patch["message"])
-        return patch
-    refusals = check_push(policy or PushPolicy(), str(meta.get("namespace") or ""), spec)
-    if refusals:
-        reason = refusals[0].reason
-        patch = build_invalid_status(status, generation, refusals, now, reason=reason)
+    def refuse(problems: list[Any], reason: str) -> dict[str, Any]:
+        patch = build_invalid_status(status, generation, problems, now, reason=reason)
         notify(WARNING, reason, patch["message"])
         return patch
+
+    problems = check_spec(spec)
+    if problems:
+        return refuse(problems, "InvalidSpec")
+    refusals = check_push(policy or PushPolicy(), str(meta.get("namespace") or ""), spec)
+    if refusals:
+        return refuse(refusals, refusals[0].reason)
     request = build_request(meta, spec, generation)
     try:
         hand_over_push_secret(request, queue, read_secret)
     except PushSecretError as error:
-        patch = build_invalid_status(status, generation, [error], now, reason="PushSecretNotFound")
-        notify(WARNING, "PushSecretNotFound", patch["message"])
-        return patch
+        return refuse([error], "PushSecretNotFound")
     task_id = queue.submit(request)
     notify(NORMAL, "Submitted", f"generation {generation} queued as task {task_id}")
     trace_id = trace_id_of(request["traceparent"])
