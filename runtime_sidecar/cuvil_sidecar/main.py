@@ -63,8 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     parser = argparse.ArgumentParser(
         prog="cuvil-sidecar",
-        description="Serves one Cuvil artifact over the Open Inference Protocol v2 (gRPC and"
-        " REST), with Prometheus metrics and health endpoints.",
+        description="Serves one Cuvil artifact over the Open Inference Protocol v2 (gRPC),"
+        " with Prometheus metrics and health endpoints.",
         epilog="settings (environment):\n" + (config.__doc__ or "").split("\n", 2)[2],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
