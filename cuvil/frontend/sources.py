@@ -14,6 +14,7 @@ Everything here is local and offline; nothing runs remote code (no ``trust_remot
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -221,6 +222,42 @@ def load_source_bundle(directory: str | Path, class_name: str | None = None) -> 
     return model.eval()
 
 
+def check_input_names(model: torch.nn.Module, inputs: tuple[InputSpec, ...]) -> None:
+    """Refuse ``spec.inputs`` the model's ``forward`` does not take, or that leave out one it
+    needs, naming the field (rather than a TypeError from inside torch.export). A forward with
+    ``**kwargs`` takes any name, except a transformers model's: its keyword arguments are
+    options, not inputs."""
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    accepted = [name for name, p in parameters.items() if p.kind in named]
+    open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    if open_ended and not _is_transformers_model(model):
+        return
+    for index, spec in enumerate(inputs):
+        if spec.name not in accepted:
+            raise SourceError(
+                f"spec.inputs[{index}].name: {type(model).__name__}.forward takes no input "
+                f"{spec.name!r}; its inputs are {accepted}"
+            )
+    given = {spec.name for spec in inputs}
+    required = [
+        name
+        for name, p in parameters.items()
+        if p.kind in named and p.default is inspect.Parameter.empty and name not in given
+    ]
+    if required:
+        raise SourceError(
+            f"spec.inputs: {type(model).__name__}.forward needs {required}, which are not listed"
+        )
+
+
+def _is_transformers_model(model: torch.nn.Module) -> bool:
+    return any(cls.__module__.startswith("transformers.") for cls in type(model).__mro__)
+
+
 def load_source(
     spec: Mapping[str, Any], *, bundle_fetcher: Callable[[str], Path] | None = None
 ) -> LoadedSource:
@@ -259,6 +296,7 @@ def load_source(
         )
     if not inputs:
         raise SourceError(f"a {kind} source needs spec.inputs (names, dtypes, shapes)")
+    check_input_names(model, inputs)
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     loaded = LoadedSource(name, model, None, dynamic_shapes_for(inputs, dims), inputs, dims, vocab)
     loaded.example_inputs = loaded.make_inputs({d: example_size(*r) for d, r in dims.items()})

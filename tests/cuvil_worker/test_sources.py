@@ -79,10 +79,24 @@ def test_builtin_without_inputs_uses_the_factory_examples() -> None:
             "unknown",
         ),
         ({"source": {"huggingface": {"model": "no-such/model-here"}}, **TEXT_INPUTS}, "locally"),
+        (
+            {"source": {"builtin": {"name": "mlp"}},
+             "inputs": [{"name": "pixels", "dtype": "float32", "shape": [2, 784]}]},
+            r"spec\.inputs\[0\]\.name: MLP\.forward takes no input 'pixels'; its inputs are \['x'\]",
+        ),
     ],
 )  # fmt: skip
 def test_bad_sources_say_what_is_wrong(spec: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
+        load_source(spec)
+
+
+def test_a_transformers_model_is_held_to_its_named_inputs(tiny_bert: Path) -> None:
+    spec = {
+        "source": {"huggingface": {"model": str(tiny_bert)}},
+        "inputs": [{"name": "token_ids", "dtype": "int64", "shape": [2, 8]}],
+    }
+    with pytest.raises(ValueError, match=r"spec\.inputs\[0\]\.name: BertModel\.forward"):
         load_source(spec)
 
 
