@@ -82,7 +82,8 @@ def test_builtin_without_inputs_uses_the_factory_examples() -> None:
         (
             {"source": {"builtin": {"name": "mlp"}},
              "inputs": [{"name": "pixels", "dtype": "float32", "shape": [2, 784]}]},
-            r"spec\.inputs\[0\]\.name: MLP\.forward takes no input 'pixels'; its inputs are \['x'\]",
+            r"spec\.inputs\[0\]\.name: MLP\.forward takes no input 'pixels'; its inputs are"
+            r" \['x'\]",
         ),
     ],
 )  # fmt: skip
