@@ -84,6 +84,7 @@ def reconcile_submit(
             f"generation {observed} ({status['taskId']}) cancelled:"
             f" generation {generation} replaces it",
         )
+
     def refuse(problems: list[Any], reason: str) -> dict[str, Any]:
         patch = build_invalid_status(status, generation, problems, now, reason=reason)
         notify(WARNING, reason, patch["message"])
