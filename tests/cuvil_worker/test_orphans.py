@@ -140,3 +140,44 @@ def test_a_cancel_while_the_artifact_is_pushed_leaves_nothing(
     time.sleep(1.0)  # a push still in flight re-checks and undoes itself
     assert registry.manifests(repository) == set()
     assert registry.tags(repository) == {}
+
+
+def test_a_cancels_cleanup_runs_on_each_queue_that_pushed(
+    redis_server: RedisServer, registry: RunningRegistry, tmp_path: Path
+) -> None:
+    """A two-queue compile (a GPU target first, whose queue no worker consumes yet, and the
+    CPU): what the CPU worker pushed is deleted by the CPU queue's cleanup at once; the GPU
+    target's manifest waits for a worker on its own queue, which deletes it on arrival."""
+    app = contract.create_app(redis_server.url(0), redis_server.url(1))
+    spec = mlp_spec(registry, targets=["cuda-sm_90", "cpu-x86_64"])
+    repository = spec["output"]["repository"]
+    request = compilation_request(spec)
+    model = mlp()
+    compiled = cuvil.jit(model.model, model.example_inputs, dynamic_shapes=model.dynamic_shapes)
+    ledger_key = f"cuvil:pushed:{contract.chord_task_id(request)}"
+    pushed = {}
+    for target in ("cuda-sm_90", "cpu-x86_64"):  # what each queue's worker pushed
+        leftover = push_artifact(compiled.contents, repository, annotations={"t": target})
+        app.backend.client.hset(ledger_key, leftover.ref, target)
+        pushed[target] = leftover.digest
+    contract.mark_current(app, request)
+    env = worker_env(redis_server.url(0), redis_server.url(1), tmp_path / "work")
+    cpu = start_worker(env, tmp_path, queues="cuvil.cpu", name="cpu-cleanup")
+    gpu = None
+    try:
+        cpu.wait_ready()
+        contract.cancel_compilation(app, request)
+        deadline = time.monotonic() + 60
+        while registry.manifests(repository) != {pushed["cuda-sm_90"]}:
+            assert time.monotonic() < deadline, (registry.manifests(repository), cpu.log[-3000:])
+            time.sleep(0.2)
+        gpu = start_worker(env, tmp_path, queues="cuvil.cuda.sm_90", name="gpu-cleanup")
+        gpu.wait_ready()
+        while registry.manifests(repository):
+            assert time.monotonic() < deadline, (registry.manifests(repository), gpu.log[-3000:])
+            time.sleep(0.2)
+    finally:
+        for worker in (cpu, gpu):
+            if worker is not None:
+                worker.stop()
+    assert app.backend.client.hkeys(ledger_key) == []
