@@ -104,12 +104,17 @@ def _annotations(request: dict[str, Any], trace_id: str | None) -> dict[str, str
 
 
 def _fetcher(task_id: str) -> Callable[[str], Path]:
-    """Pulls an ``oci`` source bundle into this task's scratch folder."""
+    """Brings a source bundle into this task's scratch folder: an ``oci`` one pulled from
+    its registry, a ``url`` one downloaded (the operator checked it against the allowlist)."""
 
     def fetch(ref: str) -> Path:
         from cuvil.frontend.source_bundle import fetch_source_bundle
+        from cuvil.frontend.url_bundle import fetch_url_bundle
 
-        return fetch_source_bundle(ref, config.work_dir / "sources" / task_id)
+        folder = config.work_dir / "sources" / task_id
+        if ref.startswith(("http://", "https://")):
+            return fetch_url_bundle(ref, folder)
+        return fetch_source_bundle(ref, folder)
 
     return fetch
 

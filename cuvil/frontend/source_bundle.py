@@ -36,7 +36,9 @@ class SourceBundleError(ValueError):
     """A bundle that is not one (missing config.json, a file that is not plain data)."""
 
 
-def _bundle_files(directory: Path) -> list[Path]:
+def bundle_files(directory: Path) -> list[Path]:
+    """The files of a bundle folder, refused unless they are data only with a config.json
+    and safetensors weights."""
     files = sorted(p for p in directory.iterdir() if p.is_file())
     refused = [p.name for p in files if not p.name.endswith(ALLOWED_SUFFIXES)]
     if refused:
@@ -58,7 +60,7 @@ def push_source_bundle(
 ) -> str:
     """Push the HF directory ``directory`` as a source bundle to ``ref``; returns its digest."""
     directory = Path(directory)
-    files = _bundle_files(directory)
+    files = bundle_files(directory)
     if model_class is None:
         architectures = json.loads((directory / "config.json").read_text()).get("architectures")
         model_class = (architectures or [None])[0]

@@ -5,11 +5,13 @@
                  pvc {claimName, path}           a HF directory on a mounted volume
                  oci {ref}                        a source bundle (fetched by the caller; see
                                                   ``load_source_bundle``)
-                 url                              refused: nothing is downloaded at run time
+                 url                              a source bundle as a tar archive (fetched by
+                                                  the caller; see ``cuvil.frontend.url_bundle``)
     spec.inputs / spec.dynamicDims  ->  example inputs (dynamic dims at sizes >= 2, inside their
                  ranges, so that torch.export keeps them symbolic) and ``torch.export.Dim``s.
 
-Everything here is local and offline; nothing runs remote code (no ``trust_remote_code``).
+Everything here reads local files (a caller's fetcher brings ``oci`` and ``url`` bundles in);
+nothing runs remote code (no ``trust_remote_code``).
 """
 
 from __future__ import annotations
@@ -263,8 +265,9 @@ def load_source(
 ) -> LoadedSource:
     """The model of a ModelCompilation ``spec`` with its example inputs and dynamic shapes.
 
-    ``bundle_fetcher(ref) -> directory`` pulls an ``oci`` source bundle (the worker passes the
-    registry client); without one, ``oci`` sources are refused.
+    ``bundle_fetcher(ref) -> directory`` brings an ``oci`` source bundle (``ref`` its
+    reference) or a ``url`` one (``ref`` the URL) into a folder: the worker passes one that
+    pulls from the registry or downloads; without one, both kinds are refused.
     """
     source = spec.get("source") or {}
     kinds = [key for key in ("builtin", "huggingface", "pvc", "oci", "url") if key in source]
@@ -290,10 +293,13 @@ def load_source(
         bundle = bundle_fetcher(str(body.get("ref", "")))
         name, model = bundle.name, load_source_bundle(bundle, body.get("className"))
     else:
-        raise SourceError(
-            "url sources are refused: nothing is downloaded at run time; "
-            "use huggingface (local cache), pvc or oci"
-        )
+        from cuvil.frontend.url_bundle import bundle_name
+
+        if bundle_fetcher is None:
+            raise SourceError("url sources need a fetcher (run them on a worker)")
+        url = str(body)
+        bundle = bundle_fetcher(url)
+        name, model = bundle_name(url), load_source_bundle(bundle)
     if not inputs:
         raise SourceError(f"a {kind} source needs spec.inputs (names, dtypes, shapes)")
     check_input_names(model, inputs)

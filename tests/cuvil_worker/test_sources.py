@@ -65,7 +65,7 @@ def test_builtin_without_inputs_uses_the_factory_examples() -> None:
     ("spec", "message"),
     [
         ({"source": {"builtin": {"name": "nope"}}}, "no bundled model"),
-        ({"source": {"url": "https://example.com/m"}}, "refused"),
+        ({"source": {"url": "https://example.com/m"}}, "need a fetcher"),
         ({"source": {}}, "exactly one"),
         ({"source": {"builtin": {"name": "mlp"}, "url": "x"}}, "exactly one"),
         (
