@@ -113,6 +113,7 @@ def _fetcher(task_id: str) -> Callable[[str], Path]:
 
         folder = config.work_dir / "sources" / task_id
         if ref.startswith(("http://", "https://")):
+            shutil.rmtree(folder, ignore_errors=True)  # what a killed run of this task left
             return fetch_url_bundle(ref, folder)
         return fetch_source_bundle(ref, folder)
 

@@ -29,7 +29,7 @@ from typing import IO, Any
 from cuvil.frontend.source_bundle import ALLOWED_SUFFIXES, SourceBundleError, bundle_files
 from cuvil.source_urls import pinned_digest, url_problem
 
-MAX_BUNDLE_BYTES = 64 * 2**30  # the archive as downloaded
+MAX_BUNDLE_BYTES = 64 * 2**30  # the archive as downloaded, and again its files unpacked
 TIMEOUT_S = 60.0  # per connect and per read, not for the whole download
 _CHUNK = 1 << 20
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
@@ -84,14 +84,20 @@ def _member_name(member: tarfile.TarInfo, url: str) -> str | None:
     return name
 
 
-def _unpack(archive: Path, destination: Path, url: str) -> None:
+def _unpack(archive: Path, destination: Path, url: str, max_bytes: int) -> None:
+    """The archive's files into ``destination``; their total size is bounded like the
+    download's (a compressed archive must not unpack into more than that)."""
     try:
         with tarfile.open(archive, "r:*") as tar:
             folders: set[str] = set()
+            unpacked = 0
             for member in tar:
                 name = _member_name(member, url)
                 if name is None:
                     continue
+                unpacked += member.size
+                if unpacked > max_bytes:
+                    raise SourceBundleError(f"{url}: unpacks into more than {max_bytes} bytes")
                 parts = [p for p in PurePosixPath(member.name).parts if p != "."]
                 folders.add(parts[0] if len(parts) == 2 else "")
                 if len(folders) > 1:
@@ -128,7 +134,7 @@ def fetch_url_bundle(
             archive.flush()
             if pinned is not None and got != pinned:
                 raise SourceBundleError(f"{url}: the archive's digest is {got}, not {pinned}")
-            _unpack(Path(archive.name), destination, url)
+            _unpack(Path(archive.name), destination, url, max_bytes)
         bundle_files(destination)  # config.json and weights are there, data only
     except SourceBundleError as error:
         shutil.rmtree(destination, ignore_errors=True)  # nothing half-unpacked stays

@@ -84,6 +84,7 @@ def test_downloads_that_go_wrong_say_why(served: tuple[str, Path], tmp_path: Pat
         (f"{base}/not-a-tar.tar", {}, "not a tar archive"),
         (f"{base}/moved/m.tar.gz", {}, "redirects are not followed"),
         (f"{base}/m.tar.gz", {"max_bytes": 100}, "larger than 100 bytes"),
+        (f"{base}/m.tar.gz", {"max_bytes": 1500}, "unpacks into more than 1500 bytes"),
         ("ftp://127.0.0.1/m.tar.gz", {}, "not an http\\(s\\) URL"),
         (f"{base}/x/../m.tar.gz", {}, "path segments"),
         (f"http://127.0.0.1:{free_port()}/m.tar.gz", {"timeout": 2.0}, "download failed"),
