@@ -187,9 +187,10 @@ def test_a_worker_sigkilled_after_its_artifact_push_leaves_one_manifest(
     app: Celery, redis_session: RedisServer, registry: RunningRegistry, tmp_path: Path
 ) -> None:
     """A real kill -9 between the artifact's manifest PUT and the task's result: the compile
-    is redelivered to a worker on another node, which pushes its own manifest (other benchmark figures,
-    another digest); the index task then deletes the killed attempt's. Should a try miss that
-    window (the task stored its result before the kill landed) it is run again, up to 3 times."""
+    is redelivered to a worker on another node, which pushes its own manifest (other benchmark
+    figures, another digest); the index task then deletes the killed attempt's. Should a try
+    miss that window (the task stored its result before the kill landed) it runs again, up to
+    3 times."""
     from celery.result import AsyncResult
 
     env = worker_env(redis_session.url(0), redis_session.url(1), tmp_path / "work",
