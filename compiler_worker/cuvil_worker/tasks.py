@@ -108,14 +108,11 @@ def _fetcher(task_id: str) -> Callable[[str], Path]:
     its registry, a ``url`` one downloaded (the operator checked it against the allowlist)."""
 
     def fetch(ref: str) -> Path:
-        from cuvil.frontend.source_bundle import fetch_source_bundle
-        from cuvil.frontend.url_bundle import fetch_url_bundle
+        from cuvil.frontend.sources import fetch_bundle
 
         folder = config.work_dir / "sources" / task_id
-        if ref.startswith(("http://", "https://")):
-            shutil.rmtree(folder, ignore_errors=True)  # what a killed run of this task left
-            return fetch_url_bundle(ref, folder)
-        return fetch_source_bundle(ref, folder)
+        shutil.rmtree(folder, ignore_errors=True)  # what a killed run of this task left
+        return fetch_bundle(ref, folder)
 
     return fetch
 

@@ -260,6 +260,18 @@ def _is_transformers_model(model: torch.nn.Module) -> bool:
     return any(cls.__module__.startswith("transformers.") for cls in type(model).__mro__)
 
 
+def fetch_bundle(ref: str, folder: Path) -> Path:
+    """A source bundle into ``folder``: a URL (``http(s)://``) downloaded as a tar archive,
+    anything else pulled as an OCI reference; the fetcher workers and ``cuvil compile`` pass
+    to ``load_source``."""
+    from cuvil.frontend.source_bundle import fetch_source_bundle
+    from cuvil.frontend.url_bundle import fetch_url_bundle
+
+    if ref.startswith(("http://", "https://")):
+        return fetch_url_bundle(ref, folder)
+    return fetch_source_bundle(ref, folder)
+
+
 def load_source(
     spec: Mapping[str, Any], *, bundle_fetcher: Callable[[str], Path] | None = None
 ) -> LoadedSource:

@@ -122,3 +122,23 @@ def test_a_worker_compiles_and_pushes_a_url_source(
     assert not (tmp_path / "work" / "sources").exists() or not any(
         (tmp_path / "work" / "sources").iterdir()
     ), "the download is not left in the work dir"
+
+
+def test_cuvil_compile_fetches_a_url_source_as_the_worker_does(
+    tiny_bert: Path, served: tuple[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from cuvil_cli.main import main
+
+    base, www = served
+    write_tar(www / "tiny-bert.tar.gz", bundle_members(tiny_bert))
+    spec = tmp_path / "bert.yaml"
+    spec.write_text(
+        "apiVersion: cuvil.dev/v1alpha1\nkind: ModelCompilation\nmetadata: {name: bert-url}\n"
+        f"spec:\n  source: {{url: '{base}/tiny-bert.tar.gz'}}\n"
+        "  inputs:\n    - {name: input_ids, dtype: int64, shape: [batch, seq]}\n"
+        "    - {name: attention_mask, dtype: int64, shape: [batch, seq]}\n"
+        "  dynamicDims: {batch: {min: 1, max: 4}, seq: {min: 4, max: 32}}\n"
+        f"  targets: [cpu-x86_64]\n  output: {{repository: 'oci:{tmp_path / 'layout'}', tag: v1}}\n"
+    )
+    assert main(["compile", str(spec), "--bench-iterations", "2"]) == 0, capsys.readouterr().err
+    assert f"oci:{tmp_path / 'layout'}:v1@sha256:" in capsys.readouterr().err
