@@ -41,7 +41,7 @@ LOWERING = Lowering(
     # NCHW: cuDNN takes either layout, and the transposes at the borders would be extra kernels
     channels_last=False,
     sibling_linears=False,  # a merged GEMM's outputs are strided slices the templates copy
-    precisions=("fp32", "bf16"),
+    precisions=("fp32", "bf16", "fp16"),
 )
 TEMPLATED = (
     fused.RMS_NORM,
