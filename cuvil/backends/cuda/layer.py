@@ -3,7 +3,7 @@ layer's ``manifest.json`` names — a compiled kernel (run by the executor, inte
 the op's ATen implementation.
 
 The layer is checked before it is trusted: its format and target must be this backend's, every
-kernel a node names must have its manifest and cubin, and the cubin's digest must match its
+kernel a node names must have its manifest, cubin and PTX, and their digests must match the
 manifest. Nothing in the layer is executed: the kernels run from the templates of this Cuvil,
 and a manifest whose template source digest differs is refused (interpreter.py).
 """
@@ -46,6 +46,9 @@ def read_manifests(
         cubin = files.get(manifest["cubin"])
         if cubin is None or sha256(cubin).hexdigest() != manifest["cubin_sha256"]:
             raise LayerError(f"kernel {name}: its cubin is missing or does not match its manifest")
+        ptx = files.get(manifest.get("ptx", ""))
+        if ptx is None or sha256(ptx).hexdigest() != manifest.get("ptx_sha256"):
+            raise LayerError(f"kernel {name}: its PTX is missing or does not match its manifest")
         kernels[name] = manifest
     return top, kernels
 
