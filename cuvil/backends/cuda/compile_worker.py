@@ -15,6 +15,7 @@ numerics and output (fp-fusion, line info, the cache folder) is set by the paren
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import subprocess
@@ -50,6 +51,29 @@ LAUNCH_FIELDS = (
 )
 
 
+# ptxas release -> the newest PTX ISA it assembles (CUDA's release notes)
+PTXAS_PTX = {
+    (12, 0): 80, (12, 1): 81, (12, 2): 82, (12, 3): 83, (12, 4): 84, (12, 5): 85, (12, 6): 85,
+    (12, 8): 87, (12, 9): 88,
+}  # fmt: skip
+
+
+def ptx_cap(ptxas: str) -> int:
+    """The newest PTX version this ptxas takes: a Triton whose bundled ptxas is older than the
+    one Cuvil pins options for (Triton 3.6 ships ptxas 12.8, PTX 8.7) gets its newest."""
+    major, minor = (int(part) for part in ptxas.split(".")[:2])
+    if major >= 13:
+        return 90
+    return PTXAS_PTX.get((major, minor), 80)
+
+
+def capped(options: dict[str, Any], ptxas: str) -> dict[str, Any]:
+    if "ptx_version" not in options:
+        return options
+    return {**options, "ptx_version": min(int(options["ptx_version"]), ptx_cap(ptxas))}
+
+
+@functools.cache
 def ptxas_version(arch: int) -> str:
     """``13.4`` for the ptxas Triton runs for this architecture."""
     tool = nvidia.get_ptxas(arch).path
@@ -89,10 +113,10 @@ def _compile(spec: KernelSpec, arch: int, options: dict[str, Any]) -> Any:
 def compile_one(spec: KernelSpec, request: dict[str, Any], out: Path) -> dict[str, Any]:
     arch, ptx_arch = int(request["arch"]), int(request["ptx_arch"])
     start = time.perf_counter()
-    compiled = _compile(spec, arch, dict(request["options"]))
-    fallback = (
-        compiled if ptx_arch == arch else _compile(spec, ptx_arch, dict(request["ptx_options"]))
-    )
+    compiled = _compile(spec, arch, capped(request["options"], ptxas_version(arch)))
+    fallback = compiled
+    if ptx_arch != arch:
+        fallback = _compile(spec, ptx_arch, capped(request["ptx_options"], ptxas_version(ptx_arch)))
     seconds = time.perf_counter() - start
     path = out / f"{spec.name}.cubin"
     path.write_bytes(compiled.asm["cubin"])

@@ -195,3 +195,16 @@ def test_the_compile_subprocess_imports_no_torch() -> None:
     probe = "import sys, cuvil.backends.cuda.compile_worker; print('torch' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize(
+    ("ptxas", "asked", "given"),
+    [("13.4", 90, 90), ("12.9", 88, 88), ("12.8", 90, 87), ("12.8", 88, 87), ("12.4", 88, 84)],
+)
+def test_the_ptx_version_is_capped_at_what_the_bundled_ptxas_takes(
+    ptxas: str, asked: int, given: int
+) -> None:
+    """Triton 3.6 (the H200 image's) bundles ptxas 12.8, which refuses PTX 9.0 and 8.8."""
+    from cuvil.backends.cuda.compile_worker import capped
+
+    assert capped({"ptx_version": asked, "x": 1}, ptxas) == {"ptx_version": given, "x": 1}
