@@ -194,9 +194,11 @@ def _current_key(request: Mapping[str, Any]) -> str:
     return CURRENT_KEY.format(uid=request["uid"])
 
 
-# Cancel: the current-key becomes a tombstone, but only while it names this request (a newer
-# one may own it) or names none (Redis lost it; the tombstone then speaks for the operator).
-_RELEASE = """
+# The current-key is written (ARGV[2], for ARGV[3] seconds) only while it names this request
+# (ARGV[1]) or names none: a newer request's key, or a tombstone, is left as it is. A cancel
+# writes the tombstone (where Redis lost the key, it then speaks for the operator); the
+# operator's keep writes the request's own id again, refreshing its TTL.
+_SET_IF_OURS = """
 local now = redis.call('get', KEYS[1])
 if now == false or now == ARGV[1] then
   return redis.call('set', KEYS[1], ARGV[2], 'EX', ARGV[3])
@@ -204,16 +206,6 @@ end
 return 0
 """
 TOMBSTONE = "cancelled"
-
-# Keep: the current-key names this request for another ARGV[2] seconds, written again if it
-# expired; a tombstone or a newer request's key is left as it is.
-_KEEP = """
-local now = redis.call('get', KEYS[1])
-if now == false or now == ARGV[1] then
-  return redis.call('set', KEYS[1], ARGV[1], 'EX', ARGV[2])
-end
-return 0
-"""
 
 
 def mark_current(app: Celery, request: Mapping[str, Any], ttl: float = CURRENT_TTL_S) -> None:
@@ -223,15 +215,13 @@ def mark_current(app: Celery, request: Mapping[str, Any], ttl: float = CURRENT_T
 def keep_current(app: Celery, request: Mapping[str, Any], ttl: float = CURRENT_TTL_S) -> bool:
     """The operator still follows this request: its current-key lives ``ttl`` seconds more.
     False when another request (or a cancel) owns the key."""
-    kept = app.backend.client.eval(
-        _KEEP, 1, _current_key(request), chord_task_id(request), int(ttl)
-    )
-    return bool(kept)
+    own = chord_task_id(request)
+    return bool(app.backend.client.eval(_SET_IF_OURS, 1, _current_key(request), own, own, int(ttl)))
 
 
 def release_current(app: Celery, request: Mapping[str, Any]) -> None:
     app.backend.client.eval(
-        _RELEASE, 1, _current_key(request), chord_task_id(request), TOMBSTONE, SUBMITTED_TTL_S
+        _SET_IF_OURS, 1, _current_key(request), chord_task_id(request), TOMBSTONE, SUBMITTED_TTL_S
     )
 
 
