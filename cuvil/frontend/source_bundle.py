@@ -27,7 +27,7 @@ SOURCE_CONFIG = "application/vnd.cuvil.source.config.v1+json"
 SOURCE_FILE = "application/vnd.cuvil.source.file.v1"
 SOURCE_META_FILE = "cuvil-source.json"  # written next to the fetched files: the config blob
 ALLOWED_SUFFIXES = (".json", ".safetensors", ".txt")
-_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
+SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")  # a bundle file name: no paths
 
 ConfigArg = RegistryConfig | str | Path | None
 
@@ -101,7 +101,7 @@ def fetch_source_bundle(
     store.fetch_blob(manifest["config"]["digest"], destination / SOURCE_META_FILE)
     for layer in manifest.get("layers", []):
         name = (layer.get("annotations") or {}).get(mt.ANNOTATION_TITLE, "")
-        if not _SAFE_NAME.match(name) or not name.endswith(ALLOWED_SUFFIXES):
+        if not SAFE_NAME.match(name) or not name.endswith(ALLOWED_SUFFIXES):
             raise SourceBundleError(f"{ref}: layer file name {name!r} refused")
         store.fetch_blob(layer["digest"], destination / name)
     return destination

@@ -16,7 +16,6 @@ The operator checks the URL against the namespace's allowlist; here redirects ar
 from __future__ import annotations
 
 import hashlib
-import re
 import shutil
 import tarfile
 import tempfile
@@ -26,13 +25,17 @@ import urllib.request
 from pathlib import Path, PurePosixPath
 from typing import IO, Any
 
-from cuvil.frontend.source_bundle import ALLOWED_SUFFIXES, SourceBundleError, bundle_files
+from cuvil.frontend.source_bundle import (
+    ALLOWED_SUFFIXES,
+    SAFE_NAME,
+    SourceBundleError,
+    bundle_files,
+)
 from cuvil.source_urls import pinned_digest, url_problem
 
 MAX_BUNDLE_BYTES = 64 * 2**30  # the archive as downloaded, and again its files unpacked
 TIMEOUT_S = 60.0  # per connect and per read, not for the whole download
 _CHUNK = 1 << 20
-_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
 
 
 class _NoRedirects(urllib.request.HTTPRedirectHandler):
@@ -76,7 +79,7 @@ def _member_name(member: tarfile.TarInfo, url: str) -> str | None:
             " or in one folder)"
         )
     name = parts[-1]
-    if not _SAFE_NAME.match(name) or not name.endswith(ALLOWED_SUFFIXES):
+    if not SAFE_NAME.match(name) or not name.endswith(ALLOWED_SUFFIXES):
         raise SourceBundleError(
             f"{url}: archive member {member.name!r} refused: a bundle carries data only"
             f" ({', '.join(ALLOWED_SUFFIXES)})"
