@@ -94,17 +94,19 @@ class CudaBackend:
     kernels: Mapping[str, KernelFactory] = {op: _needs_layer for op in TEMPLATED}
     fallbacks: Mapping[str, str] = FALLBACKS
     lowering = LOWERING
-    # Speed is measured on the GPU that serves it (benchmarks/gpu_models.py, the sidecar's
-    # warm-up), not by the compiler: the compiling machine's GPU, if any, is not the target's.
-    speed_measured = False
 
     def __init__(self, target: Target) -> None:
         self.target = target
         major, minor = target.compute_capability or (0, 0)
         self.compute_capability = 10 * major + minor  # 0 for the bare family name
         self.executor = machine_executor()
+        # Speed means something only on a GPU of the target's own architecture: the worker
+        # then times the plan there against eager; elsewhere its speed gates are deferred.
+        self.speed_measured = False
         if self.executor == "gpu":
             self.device = torch.device("cuda", torch.cuda.current_device())
+            major, minor = torch.cuda.get_device_capability(self.device)
+            self.speed_measured = 10 * major + minor == self.compute_capability
             self.verified_by = (
                 f"verified on the GPU ({torch.cuda.get_device_name(self.device)}): Cuvil's "
                 "kernels and cuBLAS/cuDNN, against eager fp32 on the CPU"
