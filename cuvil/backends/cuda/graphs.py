@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from cuvil.backends.cuda.gpu import fp32_math
+from cuvil.backends.cuda.gpu import gpu_math
 from cuvil.runtime.plan import ExecutionPlan
 
 CAPACITY = 32
@@ -59,8 +59,9 @@ class Captured:
 class GraphedPlan:
     """``ExecutionPlan.run`` through CUDA graphs (see the module docstring)."""
 
-    def __init__(self, plan: ExecutionPlan) -> None:
+    def __init__(self, plan: ExecutionPlan, *, allow_tf32: bool = False) -> None:
         self.plan = plan
+        self.allow_tf32 = allow_tf32
         self.device = plan.device
         self._graphs: OrderedDict[ShapeKey, Captured] = OrderedDict()
         self._calls: Counter[ShapeKey] = Counter()
@@ -83,7 +84,7 @@ class GraphedPlan:
             if self._calls[key] >= CAPTURE_AFTER and key not in self.uncaptured:
                 captured = self.try_capture(inputs, symbols)
             if captured is None:
-                with fp32_math():
+                with gpu_math(self.allow_tf32):
                     return self.plan.run(inputs, symbols)
         return captured.replay(inputs)
 
@@ -111,7 +112,7 @@ class GraphedPlan:
         current = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(current)
-        with fp32_math(), torch.inference_mode():
+        with gpu_math(self.allow_tf32), torch.inference_mode():
             with torch.cuda.stream(side):
                 for _ in range(WARMUP_RUNS):
                     self.plan.run(static, symbols)
