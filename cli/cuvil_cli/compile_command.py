@@ -40,7 +40,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--bench-iterations", type=int, default=20, help="a YAML's benchmark: timed runs each"
     )
-    parser.add_argument("--precision", help="fp32 or bf16 (default: the YAML's, else fp32)")
+    parser.add_argument(
+        "--precision",
+        help="fp32, bf16, fp16 or tf32 (last two: CUDA; default: the YAML's, else fp32)",
+    )
     parser.add_argument("--dir", action="store_true", help="write the directory form, not one file")
     parser.add_argument(
         "--dump-ir", type=Path, help="dump the IR after each stage into this folder"

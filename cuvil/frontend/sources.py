@@ -71,17 +71,22 @@ class LoadedSource:
         generator = torch.Generator().manual_seed(seed)
         return {spec.name: _tensor(spec, sizes, self.vocab_size, generator) for spec in self.inputs}
 
-    def sample_inputs(self, count: int, seed: int = 1) -> list[Any]:
-        """``count`` golden input sets: the example first, then sizes drawn inside the ranges."""
+    def sample_inputs(self, count: int, seed: int = 1, largest: int | None = None) -> list[Any]:
+        """``count`` golden input sets: the example first, then sizes drawn inside the ranges
+        (each dynamic dim at most ``largest`` where given, but never under its minimum)."""
         samples: list[Any] = [self.example_inputs]
         generator = torch.Generator().manual_seed(seed)
         for index in range(1, count):
             if not self.inputs:
                 samples.append(_perturbed(self.example_inputs, generator))
                 continue
+            bounded = {
+                name: (low, high if largest is None else max(low, min(high, largest)))
+                for name, (low, high) in self.dims.items()
+            }
             sizes = {
                 name: int(torch.randint(low, high + 1, (1,), generator=generator))
-                for name, (low, high) in self.dims.items()
+                for name, (low, high) in bounded.items()
             }
             samples.append(self.make_inputs(sizes, seed=seed + index))
         return samples
