@@ -98,12 +98,19 @@ def _summary(compiled: Compiled, stored: str) -> list[str]:
     for target in compiled.packaged:
         report: dict[str, Any] = compiled.report(target)
         validation, bench = report.get("validation") or {}, report.get("benchmark") or {}
+        p50 = bench.get("compiled_p50_ms", 0.0)
+        speed = (
+            f"{bench.get('speedup', 0.0):.2f}x eager (p50 {p50:.3f} ms)"
+            if bench.get("measured", True)
+            else "speed not measured here"
+        )
         lines.append(
             f"[green]compiled[/] {compiled.name} for {target}: max error "
             f"{validation.get('max_relative_to_scale', 0.0):.2e} of output scale over "
-            f"{validation.get('samples', 0)} samples, {bench.get('speedup', 0.0):.2f}x eager "
-            f"(p50 {bench.get('compiled_p50_ms', 0.0):.3f} ms), {report.get('size', 0)} bytes"
+            f"{validation.get('samples', 0)} samples, {speed}, {report.get('size', 0)} bytes"
         )
+        if not bench.get("measured", True):
+            lines.append(f"  {bench.get('reason', '')}")
         lines += [f"  gate {line}" for line in gate_lines(report)]
     lines.append(f"-> {stored}")
     return lines
