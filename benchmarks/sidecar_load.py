@@ -183,6 +183,7 @@ def start_sidecar(
         "CUVIL_GRPC_HOST": "127.0.0.1",
         "CUVIL_GRPC_PORT": str(port),
         "CUVIL_METRICS_PORT": str(metrics_port),
+        "CUVIL_HTTP_PORT": "0",
         "CUVIL_MAX_BATCH_SIZE": str(batch),
         "CUVIL_MAX_QUEUE_DELAY_US": str(delay_us),
         "CUVIL_TORCH_THREADS": str(threads),

@@ -1,6 +1,8 @@
-"""Domain errors of the sidecar and the one table that maps them to gRPC status codes.
+"""Domain errors of the sidecar and the tables that map them to gRPC status codes and HTTP
+statuses.
 
-The data plane raises these; the servicer turns them into a status with ``grpc_status``.
+The data plane raises these; the servicer turns them into a status with ``grpc_status``, the
+REST front end into an HTTP status with ``http_status``.
 Anything else escaping a handler is a bug: it is logged and answered INTERNAL, never a crash.
 """
 
@@ -49,6 +51,18 @@ class NotSupported(SidecarError):
     """A protocol extension this sidecar does not offer, or was configured without."""
 
 
+class QueueFull(SidecarError):
+    """The model holds as many requests as ``CUVIL_MAX_QUEUE_SIZE`` allows."""
+
+
+class QueueTimeout(SidecarError):
+    """The request waited longer than ``CUVIL_QUEUE_TIMEOUT_US`` before it could run."""
+
+
+class DeadlinePassed(SidecarError):
+    """The client's deadline passed before the request ran; it was dropped unrun."""
+
+
 STATUS_CODES: dict[type[SidecarError], grpc.StatusCode] = {
     InvalidInput: grpc.StatusCode.INVALID_ARGUMENT,
     RequestTooLarge: grpc.StatusCode.INVALID_ARGUMENT,
@@ -59,6 +73,24 @@ STATUS_CODES: dict[type[SidecarError], grpc.StatusCode] = {
     RegionNotFound: grpc.StatusCode.NOT_FOUND,
     TooManyRegions: grpc.StatusCode.RESOURCE_EXHAUSTED,
     NotSupported: grpc.StatusCode.UNIMPLEMENTED,
+    QueueFull: grpc.StatusCode.UNAVAILABLE,
+    QueueTimeout: grpc.StatusCode.UNAVAILABLE,
+    DeadlinePassed: grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+
+HTTP_STATUS: dict[type[SidecarError], int] = {
+    InvalidInput: 400,
+    RequestTooLarge: 413,
+    ModelNotFound: 404,
+    ModelNotReady: 503,
+    ShuttingDown: 503,
+    AlreadyExists: 409,
+    RegionNotFound: 404,
+    TooManyRegions: 429,
+    NotSupported: 501,
+    QueueFull: 503,
+    QueueTimeout: 503,
+    DeadlinePassed: 504,
 }
 
 
@@ -67,3 +99,10 @@ def grpc_status(error: SidecarError) -> grpc.StatusCode:
         if kind in STATUS_CODES:
             return STATUS_CODES[kind]
     return grpc.StatusCode.INTERNAL
+
+
+def http_status(error: SidecarError) -> int:
+    for kind in type(error).__mro__:
+        if kind in HTTP_STATUS:
+            return HTTP_STATUS[kind]
+    return 500

@@ -17,8 +17,10 @@ from cuvil_sidecar import tracing
 from cuvil_sidecar.config import SidecarConfig
 from cuvil_sidecar.dataplane import DataPlane
 from cuvil_sidecar.frontend import open_frontend
+from cuvil_sidecar.http_server import HttpLimits, HttpServer
 from cuvil_sidecar.manager import ModelManager
-from cuvil_sidecar.metrics import Metrics, serve_http
+from cuvil_sidecar.metrics import Metrics, metrics_handler
+from cuvil_sidecar.rest import RestApi
 from cuvil_sidecar.servicer import SERVICE_NAME, InferenceServicer
 from cuvil_sidecar.source import ModelSource
 
@@ -40,17 +42,26 @@ async def serve(config: SidecarConfig) -> None:
     server = open_frontend(InferenceServicer(dataplane), config, provider)
     port = await server.start(f"{config.host}:{config.grpc_port}")
     await on_ready(False)
-    http = (
-        serve_http(config.host, config.metrics_port, metrics, manager.readiness)
-        if config.metrics_port
-        else None
+    limits = HttpLimits(
+        config.http_max_connections, config.http_timeout_s, config.max_message_bytes
     )
+    http_servers = {
+        "REST": (HttpServer(RestApi(dataplane), limits, "REST"), config.http_port),
+        "metrics": (
+            HttpServer(metrics_handler(metrics, manager.readiness), limits, "metrics"),
+            config.metrics_port,
+        ),
+    }
+    listening = []
+    for name, (http, http_port) in http_servers.items():
+        bound = await http.start(config.host, http_port) if http_port else 0
+        listening.append(f"{name} {config.host}:{bound}" if bound else f"{name} off")
     log.info(
-        "cuvil-sidecar listening: gRPC %s:%d (%s), metrics %s; loading %s",
+        "cuvil-sidecar listening: gRPC %s:%d (%s), %s; loading %s",
         config.host,
         port,
         server.name,
-        f"{config.host}:{config.metrics_port}" if http else "off",
+        ", ".join(listening),
         config.model,
     )
     stop = asyncio.Event()
@@ -77,7 +88,7 @@ async def serve(config: SidecarConfig) -> None:
     await asyncio.gather(*tasks, return_exceptions=True)
     await manager.close()
     dataplane.close()
-    if http is not None:
-        http.shutdown()
+    for http, _ in http_servers.values():
+        await http.stop()
     if provider is not None:
         provider.shutdown()
