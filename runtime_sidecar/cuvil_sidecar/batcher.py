@@ -17,10 +17,12 @@ straight on the worker threads, whose queue is then the request queue, or, when 
 executing and the model's recent runs took under ``INLINE_RUN_S``, on the event loop itself.
 
 Bounds (Triton's ``default_queue_policy``): with ``max_queue`` a request that finds that many
-held already (waiting or running) is refused at once (``QueueFull``); a request carries an
+waiting already (``pending``: queued, held back, or handed to a worker without batching) is
+refused at once (``QueueFull``); a request carries an
 expiry, the sooner of ``queue_timeout_s`` after it arrived and its client's deadline, and one
 whose expiry passed before its run starts is dropped unrun (``QueueTimeout`` or
-``DeadlinePassed``): a client that gave up costs no model run. ``on_reject`` counts each.
+``DeadlinePassed``): a client that gave up costs no model run, nor does a request whose call
+was cancelled while it waited. ``on_reject`` counts each, by reason.
 Handing a run to a worker thread and waking the loop when it is done costs a thread wake-up each
 way, more than a tiny model's whole run; a long run stays on the worker so that the loop keeps
 answering health checks and decoding the next request meanwhile.
@@ -209,7 +211,9 @@ class Batcher:
 
     def _drop_if_expired(self, job: _Job) -> bool:
         """On the loop: answer a job whose expiry passed (True), or leave it (False)."""
-        if job.future.done():  # the caller gave up (cancelled) while queued
+        if job.future.done():  # the caller gave up (its call was cancelled) while queued
+            if self._on_reject is not None:
+                self._on_reject("cancelled")
             return True
         error = job.expired()
         if error is None:

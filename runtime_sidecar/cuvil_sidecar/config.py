@@ -25,8 +25,9 @@
   ``wait`` makes it wait out the delay all the same, for requests not sent yet (Triton's
   behaviour: for GPUs, where a fuller batch costs little more time than one row).
 - ``CUVIL_MODEL_INSTANCES`` (1): batches executed at once (Triton's instance count).
-- ``CUVIL_MAX_QUEUE_SIZE`` (0 = unbounded): requests the model holds at once, waiting or
-  running (Triton's ``default_queue_policy.max_queue_size``); one more is refused at once with
+- ``CUVIL_MAX_QUEUE_SIZE`` (0 = unbounded): requests waiting for a run at once (Triton's
+  ``default_queue_policy.max_queue_size``; ``nv_inference_pending_request_count``); one more is
+  refused at once with
   UNAVAILABLE (HTTP 503), counted in ``cuvil_inference_rejected{reason="queue_full"}``.
 - ``CUVIL_QUEUE_TIMEOUT_US`` (0 = none): how long a request may wait before it runs; past it
   it is refused UNAVAILABLE (Triton's REJECT timeout action). A client's own gRPC deadline is
