@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import re
 
 import numpy as np
 import pytest
@@ -155,3 +156,30 @@ def test_http_requests_count_in_metrics(mlp_sidecar: Sidecar) -> None:
         assert metric(after, name) - metric(before, name) == moved, name
     count = 'cuvil_request_duration_seconds_count{model="mlp",version="1"}'
     assert count in after
+
+
+def test_latency_histograms_and_pending_gauge(mlp_sidecar: Sidecar) -> None:
+    """Request, queue and compute histograms with Triton's model/version labels: cumulative
+    buckets, a +Inf bucket equal to the count, and the count moving with each success."""
+    client = httpclient.InferenceServerClient(mlp_sidecar.http_url)
+    item = httpclient.InferInput("x", [1, 784], "FP32")
+    item.set_data_from_numpy(np.ones((1, 784), dtype=np.float32))
+    before = scrape(mlp_sidecar)
+    for _ in range(5):
+        client.infer("mlp", [item])
+    client.close()
+    text = scrape(mlp_sidecar)
+    labels = 'model="mlp",version="1"'
+    for stage in ("request", "queue", "compute"):
+        name = f"cuvil_{stage}_duration_seconds"
+        assert f"# TYPE {name} histogram" in text
+        buckets = [
+            float(value)
+            for value in re.findall(rf'^{name}_bucket{{{labels},le="[^"]+"}} (\S+)$', text, re.M)
+        ]
+        assert len(buckets) == 15 and buckets == sorted(buckets)
+        count = metric(text, f"{name}_count")
+        assert buckets[-1] == count
+        assert count - metric(before, f"{name}_count") == 5
+        assert metric(text, f"{name}_sum") > 0
+    assert metric(text, "nv_inference_pending_request_count") == 0
