@@ -43,7 +43,15 @@
   semicolon between shapes, e.g. ``seq=128;seq=384``. Each is swept over the batch sizes too.
   Sizes clients send but warm-up never met are timed and built on the first requests instead.
 - ``CUVIL_SHARED_MEMORY`` (``system``): Triton's system shared-memory extension, for clients on
-  the same node (``shared_memory.py``); ``off`` answers its RPCs UNIMPLEMENTED.
+  the same node (``shared_memory.py``); ``off`` answers its RPCs UNIMPLEMENTED. A region is
+  registered only for a client on this host (a loopback or Unix-socket peer), and with
+  authentication on only for a client with a token.
+- ``CUVIL_TLS_CERT``, ``CUVIL_TLS_KEY`` (none): PEM files; TLS on the gRPC and REST ports
+  (``tls.py``). ``CUVIL_TLS_CLIENT_CA``: mutual TLS, clients need a certificate it signed.
+- ``CUVIL_AUTH_TOKENS_FILE`` (none): bearer tokens, one a line (a mounted secret); every call
+  then needs ``authorization: Bearer <token>`` (UNAUTHENTICATED / 401 without one), re-read
+  when the file changes (``policy.py``). ``CUVIL_AUTH_HEALTH`` (``exempt``): ``required``
+  makes health and readiness checks need a token too.
 - ``CUVIL_GRPC_FRONTEND`` (``auto``): the gRPC server: ``native`` (gRPC C++, built on first use
   from the system's ``libgrpc++-dev``; less Python per call), ``grpcio`` (grpcio's asyncio
   server), or ``auto``: native where it builds, else grpcio with a warning saying why.
@@ -65,6 +73,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
+
+from cuvil_sidecar.tls import TlsFiles
 
 T = TypeVar("T")
 
@@ -99,6 +109,9 @@ class SidecarConfig:
     torch_threads: int = 0
     shared_memory: bool = True
     grpc_frontend: str = "auto"
+    tls: TlsFiles | None = None
+    auth_tokens_file: Path | None = None
+    auth_health: bool = False  # health checks need a token too
 
     @property
     def batching(self) -> bool:
@@ -149,7 +162,32 @@ class SidecarConfig:
             grpc_frontend=_choice(
                 env, "CUVIL_GRPC_FRONTEND", {"auto": "auto", "native": "native", "grpcio": "grpcio"}
             ),
+            tls=_tls(env),
+            auth_tokens_file=_path(env, "CUVIL_AUTH_TOKENS_FILE"),
+            auth_health=_choice(env, "CUVIL_AUTH_HEALTH", {"exempt": False, "required": True}),
         )
+
+
+def _path(env: Mapping[str, str], key: str) -> Path | None:
+    """A file that must exist when set."""
+    text = env.get(key, "").strip()
+    if not text:
+        return None
+    if not Path(text).is_file():
+        raise ConfigError(f"{key}={text!r} is not a file")
+    return Path(text)
+
+
+def _tls(env: Mapping[str, str]) -> TlsFiles | None:
+    cert, key = _path(env, "CUVIL_TLS_CERT"), _path(env, "CUVIL_TLS_KEY")
+    client_ca = _path(env, "CUVIL_TLS_CLIENT_CA")
+    if (cert is None) != (key is None):
+        raise ConfigError("CUVIL_TLS_CERT and CUVIL_TLS_KEY go together: set both or neither")
+    if cert is None or key is None:
+        if client_ca is not None:
+            raise ConfigError("CUVIL_TLS_CLIENT_CA needs CUVIL_TLS_CERT and CUVIL_TLS_KEY")
+        return None
+    return TlsFiles(cert, key, client_ca)
 
 
 def _integer(env: Mapping[str, str], key: str, default: int, *, low: int) -> int:

@@ -51,6 +51,14 @@ class NotSupported(SidecarError):
     """A protocol extension this sidecar does not offer, or was configured without."""
 
 
+class Unauthenticated(SidecarError):
+    """The call carries no valid credentials (a bearer token, with authentication on)."""
+
+
+class PermissionDenied(SidecarError):
+    """The caller may not do this (shared memory from a client that is not on this host)."""
+
+
 class QueueFull(SidecarError):
     """The model holds as many requests as ``CUVIL_MAX_QUEUE_SIZE`` allows."""
 
@@ -76,6 +84,8 @@ STATUS_CODES: dict[type[SidecarError], grpc.StatusCode] = {
     QueueFull: grpc.StatusCode.UNAVAILABLE,
     QueueTimeout: grpc.StatusCode.UNAVAILABLE,
     DeadlinePassed: grpc.StatusCode.DEADLINE_EXCEEDED,
+    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
 }
 
 HTTP_STATUS: dict[type[SidecarError], int] = {
@@ -91,6 +101,8 @@ HTTP_STATUS: dict[type[SidecarError], int] = {
     QueueFull: 503,
     QueueTimeout: 503,
     DeadlinePassed: 504,
+    Unauthenticated: 401,
+    PermissionDenied: 403,
 }
 
 

@@ -42,6 +42,7 @@ class GrpcioFrontend:
     name = "grpcio"
 
     def __init__(self, servicer: InferenceServicer, config: SidecarConfig, provider: Any) -> None:
+        self._tls = config.tls
         self._health = health.aio.HealthServicer()
         self._server = grpc.aio.server(
             interceptors=tracing.server_interceptors(provider),
@@ -57,7 +58,10 @@ class GrpcioFrontend:
         )
 
     async def start(self, address: str) -> int:
-        port = self._server.add_insecure_port(address)
+        if self._tls is None:
+            port = self._server.add_insecure_port(address)
+        else:
+            port = self._server.add_secure_port(address, self._tls.grpc_credentials())
         await self._server.start()
         return port
 
@@ -140,4 +144,9 @@ def _native(servicer: InferenceServicer, config: SidecarConfig) -> Frontend:
             functools.partial(infer_request_from_split, request_type=infer),
         )
     )
-    return NativeFrontend(methods, (pb.DESCRIPTOR, health_pb2.DESCRIPTOR), config.max_message_bytes)
+    return NativeFrontend(
+        methods,
+        (pb.DESCRIPTOR, health_pb2.DESCRIPTOR),
+        config.max_message_bytes,
+        tls=config.tls,
+    )

@@ -46,11 +46,13 @@ from google.protobuf.message import DecodeError
 
 from cuvil_sidecar import handoff, tracing
 from cuvil_sidecar.native import DISPATCH, load
+from cuvil_sidecar.tls import TlsFiles
 from cuvil_sidecar.wire import SPLIT_FROM
 
 log = logging.getLogger("cuvil_sidecar.native_frontend")
 
 _LENGTH = struct.Struct("=I")
+PEER = ":peer"  # the native side appends the peer's address to the metadata under this name
 
 
 @dataclass(frozen=True)
@@ -87,8 +89,19 @@ class Aborted(Exception):
 class NativeContext:
     """The part of ``grpc.aio.ServicerContext`` the servicer uses."""
 
-    def __init__(self, deadline_ns: int = 0) -> None:
+    def __init__(self, deadline_ns: int = 0, metadata: bytes = b"") -> None:
         self._deadline_ns = deadline_ns
+        self._metadata = metadata
+
+    def invocation_metadata(self) -> tuple[tuple[str, str | bytes], ...]:
+        return tuple(pair for pair in parse_metadata(self._metadata) if pair[0] != PEER)
+
+    def peer(self) -> str:
+        """As grpc names it: ``ipv4:127.0.0.1:5000``, ``ipv6:[::1]:5000``, ``unix:PATH``."""
+        for key, value in parse_metadata(self._metadata):
+            if key == PEER:
+                return value if isinstance(value, str) else value.decode("latin-1")
+        return ""
 
     async def abort(self, code: grpc.StatusCode, details: str = "") -> NoReturn:
         raise Aborted(code, details)
@@ -128,8 +141,10 @@ class NativeFrontend:
         descriptors: Sequence[Any],
         max_message_bytes: int,
         split_from: int = SPLIT_FROM,
+        tls: TlsFiles | None = None,
     ) -> None:
         self._library = load()
+        self._pems = tls.pems() if tls is not None else (b"", b"", b"")
         self._methods = tuple(methods)
         self._max_message_bytes = max_message_bytes
         self._split_from = split_from
@@ -162,6 +177,7 @@ class NativeFrontend:
             streaming,
             self._split_from,
             self._max_message_bytes,
+            *self._pems,
             self._dispatch,
             error,
             512,
@@ -300,7 +316,7 @@ class NativeFrontend:
         try:
             with tracing.server_span(method.path, lambda: parse_metadata(metadata)) as span:
                 code, details, response = await self._answer(
-                    method, request, NativeContext(deadline_ns)
+                    method, request, NativeContext(deadline_ns, metadata)
                 )
                 tracing.set_rpc_status(span, code.value[0], details)
         finally:

@@ -11,10 +11,11 @@ tracing are shared.
     POST /v2/repository/index
     POST /v2/repository/models/{m}/load | /unload         501: not supported here
 
-A ``SidecarError`` is answered ``{"error": message}`` with the status of ``errors.HTTP_STATUS``;
-a path it does not serve is a 404, a method it does not take there a 405. An infer request's
-``traceparent`` header is continued, as gRPC's metadata is; its ``timeout`` parameter
-(microseconds, tritonclient's ``timeout=``) is the client's deadline.
+Every request passes the configured ``policy.Policies`` first. A ``SidecarError`` is answered
+``{"error": message}`` with the status of ``errors.HTTP_STATUS``; a path it does not serve is a
+404, a method it does not take there a 405. An infer request's ``traceparent`` header is
+continued, as gRPC's metadata is; its ``timeout`` parameter (microseconds, tritonclient's
+``timeout=``) is the client's deadline.
 """
 
 from __future__ import annotations
@@ -29,13 +30,14 @@ from typing import Any
 
 from cuvil_sidecar import tracing
 from cuvil_sidecar.dataplane import DataPlane
-from cuvil_sidecar.errors import InvalidInput, SidecarError, http_status
+from cuvil_sidecar.errors import InvalidInput, SidecarError, Unauthenticated, http_status
 from cuvil_sidecar.http_server import (
     HttpRequest,
     HttpResponse,
     error_response,
     json_response,
 )
+from cuvil_sidecar.policy import Call, Policies
 from cuvil_sidecar.rest_tensors import encode_infer, header_length, parse_infer
 
 log = logging.getLogger("cuvil_sidecar.rest")
@@ -45,8 +47,9 @@ _MODEL = r"/v2/models/(?P<model>[^/]+)(?:/versions/(?P<version>[^/]+))?"
 
 
 class RestApi:
-    def __init__(self, dataplane: DataPlane) -> None:
+    def __init__(self, dataplane: DataPlane, policies: Policies | None = None) -> None:
         self.dataplane = dataplane
+        self.policies = policies or Policies()
 
     async def __call__(self, request: HttpRequest) -> HttpResponse:
         for pattern, methods in ROUTES:
@@ -62,9 +65,16 @@ class RestApi:
             model = urllib.parse.unquote(match.groupdict().get("model") or "")
             version = urllib.parse.unquote(match.groupdict().get("version") or "")
             try:
+                if self.policies.active:
+                    peer = request.peer[0] if isinstance(request.peer, tuple) else ""
+                    call = Call("http", route.__name__, request.headers, str(peer))
+                    self.policies.check(call)
                 return await route(self, request, model, version)
             except SidecarError as error:
-                return error_response(http_status(error), str(error))
+                response = error_response(http_status(error), str(error))
+                if isinstance(error, Unauthenticated):
+                    response.headers["WWW-Authenticate"] = 'Bearer realm="cuvil"'
+                return response
         return error_response(404, f"no route {request.method} {request.path}; see /v2")
 
     async def live(self, request: HttpRequest, model: str, version: str) -> HttpResponse:

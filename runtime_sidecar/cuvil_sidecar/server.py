@@ -20,6 +20,7 @@ from cuvil_sidecar.frontend import open_frontend
 from cuvil_sidecar.http_server import HttpLimits, HttpServer
 from cuvil_sidecar.manager import ModelManager
 from cuvil_sidecar.metrics import Metrics, metrics_handler
+from cuvil_sidecar.policy import policies_from_config
 from cuvil_sidecar.rest import RestApi
 from cuvil_sidecar.servicer import SERVICE_NAME, InferenceServicer
 from cuvil_sidecar.source import ModelSource
@@ -39,29 +40,34 @@ async def serve(config: SidecarConfig) -> None:
 
     manager = ModelManager(config, ModelSource(config.model, config.cache_dir), metrics, on_ready)
     dataplane = DataPlane(manager, metrics, config)
-    server = open_frontend(InferenceServicer(dataplane), config, provider)
+    policies = policies_from_config(config)
+    server = open_frontend(InferenceServicer(dataplane, policies), config, provider)
     port = await server.start(f"{config.host}:{config.grpc_port}")
     await on_ready(False)
     limits = HttpLimits(
         config.http_max_connections, config.http_timeout_s, config.max_message_bytes
     )
+    tls = config.tls.server_context() if config.tls is not None else None
     http_servers = {
-        "REST": (HttpServer(RestApi(dataplane), limits, "REST"), config.http_port),
+        "REST": (HttpServer(RestApi(dataplane, policies), limits, "REST"), config.http_port, tls),
         "metrics": (
             HttpServer(metrics_handler(metrics, manager.readiness), limits, "metrics"),
             config.metrics_port,
+            None,
         ),
     }
     listening = []
-    for name, (http, http_port) in http_servers.items():
-        bound = await http.start(config.host, http_port) if http_port else 0
+    for name, (http, http_port, context) in http_servers.items():
+        bound = await http.start(config.host, http_port, context) if http_port else 0
         listening.append(f"{name} {config.host}:{bound}" if bound else f"{name} off")
     log.info(
-        "cuvil-sidecar listening: gRPC %s:%d (%s), %s; loading %s",
+        "cuvil-sidecar listening: gRPC %s:%d (%s%s), %s; %s; loading %s",
         config.host,
         port,
         server.name,
+        ", TLS" if config.tls else "",
         ", ".join(listening),
+        "bearer tokens required" if policies.authenticates else "no authentication",
         config.model,
     )
     stop = asyncio.Event()
@@ -88,7 +94,7 @@ async def serve(config: SidecarConfig) -> None:
     await asyncio.gather(*tasks, return_exceptions=True)
     await manager.close()
     dataplane.close()
-    for http, _ in http_servers.values():
+    for http, _, _ in http_servers.values():
         await http.stop()
     if provider is not None:
         provider.shutdown()

@@ -2,8 +2,10 @@
 
 Every RPC goes through ``_rpc``: a ``SidecarError`` becomes the status code from
 ``errors.STATUS_CODES`` with its message; any other exception is logged with its traceback and
-answered INTERNAL, so no request can take the server down. ModelStreamInfer's messages are
-answered by ``stream_message``, which never aborts: errors go into the stream, one per request.
+answered INTERNAL, so no request can take the server down. Before the method runs, the
+configured ``policy.Policies`` see the call (its metadata and peer) and may refuse it.
+ModelStreamInfer's messages are answered by ``stream_message``, which never aborts: errors go
+into the stream, one per request.
 A client's gRPC deadline goes with its request to the data plane, which drops the request unrun
 once the deadline has passed.
 """
@@ -21,8 +23,9 @@ import grpc
 from cuvil_sidecar._generated import grpc_service_pb2 as pb
 from cuvil_sidecar._generated import grpc_service_pb2_grpc as pb_grpc
 from cuvil_sidecar.dataplane import DataPlane
-from cuvil_sidecar.errors import SidecarError, grpc_status
+from cuvil_sidecar.errors import PermissionDenied, SidecarError, grpc_status
 from cuvil_sidecar.messages import InferRequest
+from cuvil_sidecar.policy import Call, Policies, grpc_peer_host, is_local_peer
 from cuvil_sidecar.repository import index_pb, statistics_pb
 from cuvil_sidecar.streaming import serve_stream
 from cuvil_sidecar.wire import EncodedInferResponse, EncodedStreamResponse, encode_response_header
@@ -38,6 +41,8 @@ def _rpc(method: Handler) -> Handler:
     @functools.wraps(method)
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
+            if self.policies.active:
+                self.policies.check(_call_of(context, method.__name__))
             return await method(self, request, context)
         except SidecarError as error:
             await context.abort(grpc_status(error), str(error))
@@ -56,9 +61,20 @@ def deadline_ns(context: Any) -> int | None:
     return None if remaining is None else time.time_ns() + int(remaining * 1e9)
 
 
+def _call_of(context: Any, method: str) -> Call:
+    """What the policies see of a gRPC call."""
+    headers = {
+        key.lower(): value
+        for key, value in context.invocation_metadata() or ()
+        if isinstance(value, str)
+    }
+    return Call("grpc", method, headers, grpc_peer_host(context.peer()))
+
+
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, dataplane: DataPlane) -> None:
+    def __init__(self, dataplane: DataPlane, policies: Policies | None = None) -> None:
         self.dataplane = dataplane
+        self.policies = policies or Policies()
 
     @_rpc
     async def ServerLive(self, request: Any, context: Any) -> Any:
@@ -129,6 +145,12 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     @_rpc
     async def SystemSharedMemoryRegister(self, request: Any, context: Any) -> Any:
+        peer = grpc_peer_host(context.peer())
+        if not is_local_peer(peer):
+            raise PermissionDenied(
+                "shared memory is registered only for clients on this host; "
+                f"{peer or 'this client'} is not a loopback or Unix-socket peer"
+            )
         self.dataplane.register_shared_memory(
             request.name, request.key, request.offset, request.byte_size
         )
@@ -174,3 +196,9 @@ class _InStream:
     def time_remaining(self) -> float | None:
         remaining: float | None = self._context.time_remaining()
         return remaining
+
+    def invocation_metadata(self) -> Any:
+        return self._context.invocation_metadata()
+
+    def peer(self) -> str:
+        return str(self._context.peer())

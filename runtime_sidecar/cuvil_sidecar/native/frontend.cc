@@ -52,12 +52,17 @@ void append_sized(std::string& out, const char* data, size_t size) {
   out.append(reinterpret_cast<const char*>(&length), sizeof length).append(data, size);
 }
 
+// The client's metadata, then the peer's address under ":peer" (a name no client can send:
+// HTTP/2 reserves the leading colon for pseudo-headers).
 std::string Metadata(grpc::CallbackServerContext* context) {
   std::string metadata;
   for (const auto& [key, value] : context->client_metadata()) {
     append_sized(metadata, key.data(), key.size());
     append_sized(metadata, value.data(), value.size());
   }
+  std::string peer = context->peer();
+  append_sized(metadata, ":peer", 5);
+  append_sized(metadata, peer.data(), peer.size());
   return metadata;
 }
 
@@ -443,10 +448,13 @@ int cuvil_frontend_add_descriptor(const char* name, const char* data, size_t siz
 // Starts a server on address ("host:port"); methods: "/pkg.Service/Method" names, each ended
 // by '\0'; split_fields: per method, the field number of its tensor bytes (0: none), cut out of
 // requests of split_from bytes or more; streaming: per method, 1 for a bidirectional stream.
+// With a certificate and key (PEM) it serves TLS, and with a client CA too it requires and
+// verifies a client certificate signed by it (mTLS); empty strings serve plaintext.
 // Returns a handle, or null with the reason in error.
 void* cuvil_frontend_start(const char* address, const char* methods, size_t methods_size,
                            const int* split_fields, const int* streaming, size_t split_from,
-                           int max_message_bytes, Dispatch dispatch, char* error,
+                           int max_message_bytes, const char* cert_pem, const char* key_pem,
+                           const char* client_ca_pem, Dispatch dispatch, char* error,
                            size_t error_size) {
   auto frontend = std::make_unique<Frontend>();
   frontend->service = std::make_unique<RawService>(split(methods, methods_size), split_fields,
@@ -454,7 +462,17 @@ void* cuvil_frontend_start(const char* address, const char* methods, size_t meth
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &frontend->port);
+  std::shared_ptr<grpc::ServerCredentials> credentials = grpc::InsecureServerCredentials();
+  if (cert_pem[0] != '\0') {
+    bool mutual = client_ca_pem[0] != '\0';
+    grpc::SslServerCredentialsOptions options(
+        mutual ? GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY
+               : GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
+    options.pem_root_certs = client_ca_pem;
+    options.pem_key_cert_pairs.push_back({key_pem, cert_pem});
+    credentials = grpc::SslServerCredentials(options);
+  }
+  builder.AddListeningPort(address, credentials, &frontend->port);
   builder.RegisterService(frontend->service.get());
   builder.SetMaxReceiveMessageSize(max_message_bytes);
   builder.SetMaxSendMessageSize(max_message_bytes);
