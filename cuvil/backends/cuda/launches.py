@@ -2,9 +2,9 @@
 template from a fused node's tensors, its grid, and what each pointer's grid reaches.
 
 The arguments follow the kernel's manifest (its parameters, constexprs and guards), so the same
-code serves every launcher; today's is the interpreter (interpreter.py), which runs the plan on
-the CPU. Inputs the guards do not hold for (a strided view, a misaligned slice) are copied to
-fresh contiguous tensors first, as a GPU launch will have to.
+code serves every launcher: the GPU's (gpu.py) and the interpreter's on the CPU
+(interpreter.py). Outputs are allocated on the input's device. Inputs the guards do not hold
+for (a strided view, a misaligned slice) are copied to fresh contiguous tensors first.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def norm_rows(call: FusedCall, manifest: Mapping[str, Any], launcher: Launcher) 
             raise ValueError(f"{manifest['name']}: rows of {x.shape[-1]}, compiled for {width}")
         rows = x.numel() // width
         source = _aligned(x, dtypes["x_ptr"])
-        out = torch.empty(x.shape, dtype=dtypes["out_ptr"])
+        out = torch.empty(x.shape, dtype=dtypes["out_ptr"], device=x.device)
         args: dict[str, Any] = {
             "x_ptr": source,
             "out_ptr": out,
@@ -181,7 +181,7 @@ def rope(call: FusedCall, manifest: Mapping[str, Any], launcher: Launcher) -> Pr
         shape = torch.Size((1,) * (4 - x.dim()) + tuple(x.shape))
         cos, sin = _aligned(cos, dtypes["cos_ptr"]), _aligned(sin, dtypes["sin_ptr"])
         cos4, sin4 = broadcast(cos, shape), broadcast(sin, shape)
-        out = torch.empty(x.shape, dtype=dtypes["out_ptr"])
+        out = torch.empty(x.shape, dtype=dtypes["out_ptr"], device=x.device)
         rows = x.numel() // width
         args: dict[str, Any] = {
             "x_ptr": source,
