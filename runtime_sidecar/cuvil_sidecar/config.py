@@ -52,6 +52,9 @@
   then needs ``authorization: Bearer <token>`` (UNAUTHENTICATED / 401 without one), re-read
   when the file changes (``policy.py``). ``CUVIL_AUTH_HEALTH`` (``exempt``): ``required``
   makes health and readiness checks need a token too.
+- ``CUVIL_RATE_LIMIT`` (0 = none): calls a second per client (its bearer token, else its host);
+  past it RESOURCE_EXHAUSTED / 429 with the seconds to wait. ``CUVIL_RATE_BURST`` (the rate):
+  how many may come at once.
 - ``CUVIL_GRPC_FRONTEND`` (``auto``): the gRPC server: ``native`` (gRPC C++, built on first use
   from the system's ``libgrpc++-dev``; less Python per call), ``grpcio`` (grpcio's asyncio
   server), or ``auto``: native where it builds, else grpcio with a warning saying why.
@@ -112,6 +115,8 @@ class SidecarConfig:
     tls: TlsFiles | None = None
     auth_tokens_file: Path | None = None
     auth_health: bool = False  # health checks need a token too
+    rate_limit: float = 0.0
+    rate_burst: int = 0
 
     @property
     def batching(self) -> bool:
@@ -165,6 +170,8 @@ class SidecarConfig:
             tls=_tls(env),
             auth_tokens_file=_path(env, "CUVIL_AUTH_TOKENS_FILE"),
             auth_health=_choice(env, "CUVIL_AUTH_HEALTH", {"exempt": False, "required": True}),
+            rate_limit=_number(env, "CUVIL_RATE_LIMIT", cls.rate_limit),
+            rate_burst=_integer(env, "CUVIL_RATE_BURST", cls.rate_burst, low=0),
         )
 
 

@@ -59,6 +59,15 @@ class PermissionDenied(SidecarError):
     """The caller may not do this (shared memory from a client that is not on this host)."""
 
 
+class RateLimited(SidecarError):
+    """The client sent more calls than ``CUVIL_RATE_LIMIT`` allows; ``retry_after_s`` says
+    when the next would pass."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class QueueFull(SidecarError):
     """The model holds as many requests as ``CUVIL_MAX_QUEUE_SIZE`` allows."""
 
@@ -86,6 +95,7 @@ STATUS_CODES: dict[type[SidecarError], grpc.StatusCode] = {
     DeadlinePassed: grpc.StatusCode.DEADLINE_EXCEEDED,
     Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
     PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
+    RateLimited: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
 HTTP_STATUS: dict[type[SidecarError], int] = {
@@ -103,6 +113,7 @@ HTTP_STATUS: dict[type[SidecarError], int] = {
     DeadlinePassed: 504,
     Unauthenticated: 401,
     PermissionDenied: 403,
+    RateLimited: 429,
 }
 
 

@@ -9,8 +9,10 @@ check and read no metadata at all.
 Built in: ``BearerTokens`` (``CUVIL_AUTH_TOKENS_FILE``), tokens from a mounted secret file,
 one a line, re-read when the file changes so a rotated secret applies without a restart;
 health and readiness checks are exempt unless ``CUVIL_AUTH_HEALTH=required`` (kubelet probes
-carry no token). ``is_local_peer`` decides what counts as a client on this host (for shared
-memory registration).
+carry no token). ``RateLimit`` (``CUVIL_RATE_LIMIT``): a token bucket per client (its bearer
+token when it sends one, else its host), refusing past the rate RESOURCE_EXHAUSTED / 429 with
+the seconds until the next call would pass. ``is_local_peer`` decides what counts as a client on
+this host (for shared memory registration).
 """
 
 from __future__ import annotations
@@ -19,13 +21,16 @@ import hmac
 import ipaddress
 import logging
 import os
+import threading
+import time
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 from cuvil_sidecar.config import SidecarConfig
-from cuvil_sidecar.errors import Unauthenticated
+from cuvil_sidecar.errors import RateLimited, Unauthenticated
 
 log = logging.getLogger("cuvil_sidecar.policy")
 
@@ -112,10 +117,48 @@ class BearerTokens:
             log.warning("the tokens file %s holds no token: every call will be refused", self.path)
 
 
+class RateLimit:
+    """At most ``rate`` calls a second per client, in bursts of up to ``burst``; health checks
+    are not counted. At most ``MAX_CLIENTS`` clients are tracked (the least recently seen goes
+    first), so that many clients cannot make the table grow without bound."""
+
+    MAX_CLIENTS = 10_000
+
+    def __init__(self, rate: float, burst: int) -> None:
+        self.rate = rate
+        self.burst = max(1, burst)
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # tokens, when
+        self._lock = threading.Lock()
+
+    def check(self, call: Call) -> None:
+        if call.is_health:
+            return
+        scheme, _, token = call.headers.get("authorization", "").partition(" ")
+        client = f"token:{token.strip()}" if scheme.lower() == "bearer" else f"host:{call.peer}"
+        now = time.monotonic()
+        with self._lock:
+            tokens, seen = self._buckets.pop(client, (float(self.burst), now))
+            tokens = min(float(self.burst), tokens + (now - seen) * self.rate)
+            allowed = tokens >= 1.0
+            self._buckets[client] = (tokens - 1.0 if allowed else tokens, now)
+            while len(self._buckets) > self.MAX_CLIENTS:
+                self._buckets.popitem(last=False)
+        if not allowed:
+            retry_after_s = (1.0 - tokens) / self.rate
+            raise RateLimited(
+                f"{call.method}: more than {self.rate:g} calls a second from this client; "
+                f"retry after {retry_after_s:.3f} s",
+                retry_after_s,
+            )
+
+
 def policies_from_config(config: SidecarConfig) -> Policies:
+    """Authentication first (an unauthenticated call costs no rate), then the rate limit."""
     policies: list[Policy] = []
     if config.auth_tokens_file is not None:
         policies.append(BearerTokens(config.auth_tokens_file, health_exempt=not config.auth_health))
+    if config.rate_limit > 0:
+        policies.append(RateLimit(config.rate_limit, config.rate_burst or int(config.rate_limit)))
     return Policies(policies)
 
 

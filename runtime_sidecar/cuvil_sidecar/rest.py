@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 import time
 import urllib.parse
@@ -30,7 +31,13 @@ from typing import Any
 
 from cuvil_sidecar import tracing
 from cuvil_sidecar.dataplane import DataPlane
-from cuvil_sidecar.errors import InvalidInput, SidecarError, Unauthenticated, http_status
+from cuvil_sidecar.errors import (
+    InvalidInput,
+    RateLimited,
+    SidecarError,
+    Unauthenticated,
+    http_status,
+)
 from cuvil_sidecar.http_server import (
     HttpRequest,
     HttpResponse,
@@ -74,6 +81,8 @@ class RestApi:
                 response = error_response(http_status(error), str(error))
                 if isinstance(error, Unauthenticated):
                     response.headers["WWW-Authenticate"] = 'Bearer realm="cuvil"'
+                if isinstance(error, RateLimited):
+                    response.headers["Retry-After"] = str(max(1, math.ceil(error.retry_after_s)))
                 return response
         return error_response(404, f"no route {request.method} {request.path}; see /v2")
 

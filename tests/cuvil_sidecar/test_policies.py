@@ -16,12 +16,13 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from cuvil_sidecar.config import ConfigError, SidecarConfig
-from cuvil_sidecar.errors import Unauthenticated
-from cuvil_sidecar.policy import BearerTokens, Call, grpc_peer_host, is_local_peer
+from cuvil_sidecar.errors import RateLimited, Unauthenticated
+from cuvil_sidecar.policy import BearerTokens, Call, RateLimit, grpc_peer_host, is_local_peer
 from geventhttpclient.response import HTTPConnectionClosed
 from tritonclient.utils import InferenceServerException
 
-from tests.cuvil_sidecar.conftest import Sidecar
+from tests.cuvil_sidecar.conftest import Sidecar, ready_sidecar
+from tests.cuvil_sidecar.test_rest import raw_request
 from tests.fixtures.certificates import Certificates, make_certificates
 
 TOKEN = "s3cret-token"
@@ -226,3 +227,42 @@ def test_tls_and_token_settings_are_checked(certificates: Certificates, tmp_path
     )
     assert config.tls is not None and config.tls.client_ca is None
     assert config.tls.server_context().verify_mode == ssl.CERT_NONE
+
+
+def test_rate_limit_per_client() -> None:
+    limit = RateLimit(rate=1.0, burst=3)
+    first = Call("grpc", "ModelInfer", {}, "10.0.0.1")
+    for _ in range(3):
+        limit.check(first)
+    with pytest.raises(RateLimited, match="retry after") as caught:
+        limit.check(first)
+    assert 0 < caught.value.retry_after_s <= 1.0
+    limit.check(Call("grpc", "ModelInfer", {}, "10.0.0.2"))  # another client has its own
+    limit.check(Call("grpc", "ServerReady", {}, "10.0.0.1"))  # health is not counted
+    tokened = Call("grpc", "ModelInfer", dict(AUTH), "10.0.0.1")  # a token is its own client
+    limit.check(tokened)
+
+
+def test_rate_limited_over_grpc_and_http(mlp_artifact: Path, tmp_path: Path) -> None:
+    sidecar = Sidecar(
+        mlp_artifact, tmp_path / "sidecar.log", CUVIL_RATE_LIMIT="2", CUVIL_RATE_BURST="2"
+    )
+    with ready_sidecar(sidecar):
+        client = grpcclient.InferenceServerClient(sidecar.url)
+        codes = []
+        for _ in range(5):
+            try:
+                infer_grpc(client)
+                codes.append("OK")
+            except InferenceServerException as error:
+                assert "retry after" in str(error)
+                codes.append(error.status())
+        assert codes[:2] == ["OK", "OK"] and "StatusCode.RESOURCE_EXHAUSTED" in codes[2:]
+        client.close()
+        statuses, retry_after = [], None
+        for _ in range(5):
+            status, headers, _ = raw_request(sidecar, "GET", "/v2/models/mlp")
+            statuses.append(status)
+            retry_after = headers.get("Retry-After", retry_after)
+        assert 429 in statuses and retry_after is not None and int(retry_after) >= 1
+        assert raw_request(sidecar, "GET", "/v2/health/ready")[0] == 200
