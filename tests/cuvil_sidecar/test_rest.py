@@ -183,3 +183,29 @@ def test_latency_histograms_and_pending_gauge(mlp_sidecar: Sidecar) -> None:
         assert count - metric(before, f"{name}_count") == 5
         assert metric(text, f"{name}_sum") > 0
     assert metric(text, "nv_inference_pending_request_count") == 0
+
+
+def test_kserve_v2_wire_format_with_requests(mlp_sidecar: Sidecar, mlp_spec) -> None:
+    """KServe's v2 REST protocol as its documentation writes it (JSON tensors, nested data,
+    outputs named), posted with `requests` as KServe's own REST client posts it."""
+    import requests
+
+    x = np.random.default_rng(13).standard_normal((2, 784), dtype=np.float32)
+    body = {
+        "id": "kserve-1",
+        "inputs": [{"name": "x", "shape": [2, 784], "datatype": "FP32", "data": x.tolist()}],
+        "outputs": [{"name": "output"}],
+    }
+    base = f"http://{mlp_sidecar.http_url}"
+    assert requests.get(f"{base}/v2/health/ready", timeout=10).status_code == 200
+    assert requests.get(f"{base}/v2/models/mlp/ready", timeout=10).status_code == 200
+    answer = requests.post(f"{base}/v2/models/mlp/infer", json=body, timeout=30)
+    assert answer.status_code == 200 and answer.headers["Content-Type"] == "application/json"
+    document = answer.json()
+    assert document["id"] == "kserve-1" and document["model_name"] == "mlp"
+    (output,) = document["outputs"]
+    assert output["name"] == "output" and output["shape"] == [2, 10]
+    got = np.asarray(output["data"], dtype=np.float32).reshape(2, 10)
+    np.testing.assert_allclose(got, expected(mlp_spec, x), rtol=1e-4, atol=1e-5)
+    wrong = requests.post(f"{base}/v2/models/mlp/infer", json={"inputs": "x"}, timeout=30)
+    assert wrong.status_code == 400 and "inputs" in wrong.json()["error"]
