@@ -48,6 +48,7 @@
   authentication on only for a client with a token.
 - ``CUVIL_TLS_CERT``, ``CUVIL_TLS_KEY`` (none): PEM files; TLS on the gRPC and REST ports
   (``tls.py``). ``CUVIL_TLS_CLIENT_CA``: mutual TLS, clients need a certificate it signed.
+  Renewed files apply without a restart (the gRPC port looks every ``CUVIL_TLS_RELOAD_S``, 30).
 - ``CUVIL_AUTH_TOKENS_FILE`` (none): bearer tokens, one a line (a mounted secret); every call
   then needs ``authorization: Bearer <token>`` (UNAUTHENTICATED / 401 without one), re-read
   when the file changes (``policy.py``). ``CUVIL_AUTH_HEALTH`` (``exempt``): ``required``
@@ -194,7 +195,8 @@ def _tls(env: Mapping[str, str]) -> TlsFiles | None:
         if client_ca is not None:
             raise ConfigError("CUVIL_TLS_CLIENT_CA needs CUVIL_TLS_CERT and CUVIL_TLS_KEY")
         return None
-    return TlsFiles(cert, key, client_ca)
+    reload_s = _integer(env, "CUVIL_TLS_RELOAD_S", 30, low=1)
+    return TlsFiles(cert, key, client_ca, reload_s)
 
 
 def _integer(env: Mapping[str, str], key: str, default: int, *, low: int) -> int:

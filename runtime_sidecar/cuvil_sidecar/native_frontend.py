@@ -144,7 +144,7 @@ class NativeFrontend:
         tls: TlsFiles | None = None,
     ) -> None:
         self._library = load()
-        self._pems = tls.pems() if tls is not None else (b"", b"", b"")
+        self._tls = tls.native_arguments() if tls is not None else (b"", b"", b"", 0)
         self._methods = tuple(methods)
         self._max_message_bytes = max_message_bytes
         self._split_from = split_from
@@ -177,7 +177,7 @@ class NativeFrontend:
             streaming,
             self._split_from,
             self._max_message_bytes,
-            *self._pems,
+            *self._tls,
             self._dispatch,
             error,
             512,

@@ -1,7 +1,8 @@
 """The sidecar load benchmark end to end on the MLP: sidecar subprocesses, tritonclient load at
-two concurrencies with batching off and on, over gRPC and REST, the synchronous and shared-memory clients (whose
-outputs must equal the raw ones) on both gRPC front ends beside in-process runs and the echo
-servers' floors (answering at once, and after running the model), and the JSON it prints."""
+two concurrencies with batching off and on, over gRPC and REST, the synchronous and
+shared-memory clients (whose outputs must equal the raw ones) on both gRPC front ends beside
+in-process runs and the echo servers' floors (answering at once, and after running the model),
+and the JSON it prints."""
 
 from __future__ import annotations
 

@@ -266,3 +266,59 @@ def test_rate_limited_over_grpc_and_http(mlp_artifact: Path, tmp_path: Path) -> 
             retry_after = headers.get("Retry-After", retry_after)
         assert 429 in statuses and retry_after is not None and int(retry_after) >= 1
         assert raw_request(sidecar, "GET", "/v2/health/ready")[0] == 200
+
+
+def _connects_grpc(sidecar: Sidecar, ca: Path) -> bool:
+    client = grpcclient.InferenceServerClient(sidecar.url, ssl=True, root_certificates=str(ca))
+    try:
+        return bool(client.is_server_live())
+    except InferenceServerException:
+        return False
+    finally:
+        client.close()
+
+
+def _connects_http(sidecar: Sidecar, ca: Path) -> bool:
+    client = httpclient.InferenceServerClient(
+        sidecar.http_url,
+        ssl=True,
+        ssl_options={"ca_certs": str(ca)},
+        ssl_context_factory=gevent.ssl.create_default_context,
+    )
+    try:
+        return bool(client.is_server_live())
+    except (ssl.SSLError, OSError, HTTPConnectionClosed):
+        return False
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("frontend", ["native", "grpcio"])
+def test_a_renewed_certificate_applies_without_restart(
+    mlp_artifact: Path, tmp_path: Path, frontend: str
+) -> None:
+    first, renewed = make_certificates(tmp_path / "a"), make_certificates(tmp_path / "b")
+    cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
+    cert.write_bytes(first.server_cert.read_bytes())
+    key.write_bytes(first.server_key.read_bytes())
+    sidecar = Sidecar(
+        mlp_artifact,
+        tmp_path / "sidecar.log",
+        CUVIL_GRPC_FRONTEND=frontend,
+        CUVIL_TLS_CERT=str(cert),
+        CUVIL_TLS_KEY=str(key),
+        CUVIL_TLS_RELOAD_S="1",
+    )
+    try:
+        sidecar.wait_until(lambda: _ready(sidecar), timeout_s=120)
+        assert _connects_grpc(sidecar, first.ca) and _connects_http(sidecar, first.ca)
+        assert not _connects_grpc(sidecar, renewed.ca)
+        assert not _connects_http(sidecar, renewed.ca)
+        key.write_bytes(renewed.server_key.read_bytes())  # as a rewritten secret would be
+        cert.write_bytes(renewed.server_cert.read_bytes())
+        sidecar.wait_until(lambda: _connects_grpc(sidecar, renewed.ca), timeout_s=15)
+        sidecar.wait_until(lambda: _connects_http(sidecar, renewed.ca), timeout_s=15)
+        assert not _connects_grpc(sidecar, first.ca)
+        assert not _connects_http(sidecar, first.ca)
+    finally:
+        sidecar.stop()

@@ -117,6 +117,7 @@ def load() -> ctypes.CDLL:
         c_char_p,
         c_char_p,
         c_char_p,
+        c_int,
         DISPATCH,
         c_char_p,
         c_size_t,

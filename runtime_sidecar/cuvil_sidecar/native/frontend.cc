@@ -20,6 +20,9 @@
 #include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/impl/codegen/server_callback_handlers.h>
 #include <grpcpp/impl/codegen/service_type.h>
+#include <grpcpp/security/server_credentials.h>
+#include <grpcpp/security/tls_certificate_provider.h>
+#include <grpcpp/security/tls_credentials_options.h>
 
 #include <algorithm>
 #include <chrono>
@@ -448,14 +451,15 @@ int cuvil_frontend_add_descriptor(const char* name, const char* data, size_t siz
 // Starts a server on address ("host:port"); methods: "/pkg.Service/Method" names, each ended
 // by '\0'; split_fields: per method, the field number of its tensor bytes (0: none), cut out of
 // requests of split_from bytes or more; streaming: per method, 1 for a bidirectional stream.
-// With a certificate and key (PEM) it serves TLS, and with a client CA too it requires and
-// verifies a client certificate signed by it (mTLS); empty strings serve plaintext.
-// Returns a handle, or null with the reason in error.
+// With a certificate and key (PEM files) it serves TLS, and with a client CA too it requires
+// and verifies a client certificate signed by it (mTLS); the files are read again every
+// reload_s seconds, so a renewed certificate applies without a restart. Empty paths serve
+// plaintext. Returns a handle, or null with the reason in error.
 void* cuvil_frontend_start(const char* address, const char* methods, size_t methods_size,
                            const int* split_fields, const int* streaming, size_t split_from,
-                           int max_message_bytes, const char* cert_pem, const char* key_pem,
-                           const char* client_ca_pem, Dispatch dispatch, char* error,
-                           size_t error_size) {
+                           int max_message_bytes, const char* cert_path, const char* key_path,
+                           const char* client_ca_path, int reload_s, Dispatch dispatch,
+                           char* error, size_t error_size) {
   auto frontend = std::make_unique<Frontend>();
   frontend->service = std::make_unique<RawService>(split(methods, methods_size), split_fields,
                                                    streaming, split_from, dispatch);
@@ -463,14 +467,19 @@ void* cuvil_frontend_start(const char* address, const char* methods, size_t meth
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   std::shared_ptr<grpc::ServerCredentials> credentials = grpc::InsecureServerCredentials();
-  if (cert_pem[0] != '\0') {
-    bool mutual = client_ca_pem[0] != '\0';
-    grpc::SslServerCredentialsOptions options(
-        mutual ? GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY
-               : GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
-    options.pem_root_certs = client_ca_pem;
-    options.pem_key_cert_pairs.push_back({key_pem, cert_pem});
-    credentials = grpc::SslServerCredentials(options);
+  if (cert_path[0] != '\0') {
+    bool mutual = client_ca_path[0] != '\0';
+    auto provider = std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
+        key_path, cert_path, client_ca_path, static_cast<unsigned int>(reload_s));
+    grpc::experimental::TlsServerCredentialsOptions options(provider);
+    options.watch_identity_key_cert_pairs();
+    if (mutual) {
+      options.watch_root_certs();
+      options.set_cert_request_type(GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+    } else {
+      options.set_cert_request_type(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
+    }
+    credentials = grpc::experimental::TlsServerCredentials(options);
   }
   builder.AddListeningPort(address, credentials, &frontend->port);
   builder.RegisterService(frontend->service.get());
