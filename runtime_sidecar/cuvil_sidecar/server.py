@@ -49,24 +49,24 @@ async def serve(config: SidecarConfig) -> None:
     )
     tls = config.tls.server_context() if config.tls is not None else None
     http_servers = {
-        "REST": (HttpServer(RestApi(dataplane, policies), limits, "REST"), config.http_port, tls),
         "metrics": (
             HttpServer(metrics_handler(metrics, manager.readiness), limits, "metrics"),
             config.metrics_port,
             None,
         ),
+        "REST": (HttpServer(RestApi(dataplane, policies), limits, "REST"), config.http_port, tls),
     }
     listening = []
     for name, (http, http_port, context) in http_servers.items():
         bound = await http.start(config.host, http_port, context) if http_port else 0
         listening.append(f"{name} {config.host}:{bound}" if bound else f"{name} off")
     log.info(
-        "cuvil-sidecar listening: gRPC %s:%d (%s%s), %s; %s; loading %s",
+        "cuvil-sidecar listening: gRPC %s:%d (%s), %s; %s; %s; loading %s",
         config.host,
         port,
         server.name,
-        ", TLS" if config.tls else "",
         ", ".join(listening),
+        "TLS on gRPC and REST" if config.tls else "no TLS",
         "bearer tokens required" if policies.authenticates else "no authentication",
         config.model,
     )
