@@ -19,6 +19,10 @@ class InvalidInput(SidecarError):
     """The request does not fit the model: names, datatypes, shapes, byte counts, dim ranges."""
 
 
+class UnsupportedEncoding(InvalidInput):
+    """A REST body in a content encoding the sidecar does not inflate."""
+
+
 class ModelNotFound(SidecarError):
     """No model (or no model version) by that name is served here."""
 
@@ -100,6 +104,7 @@ STATUS_CODES: dict[type[SidecarError], grpc.StatusCode] = {
 
 HTTP_STATUS: dict[type[SidecarError], int] = {
     InvalidInput: 400,
+    UnsupportedEncoding: 415,
     RequestTooLarge: 413,
     ModelNotFound: 404,
     ModelNotReady: 503,

@@ -15,7 +15,8 @@ Every request passes the configured ``policy.Policies`` first. A ``SidecarError`
 ``{"error": message}`` with the status of ``errors.HTTP_STATUS``; a path it does not serve is a
 404, a method it does not take there a 405. An infer request's ``traceparent`` header is
 continued, as gRPC's metadata is; its ``timeout`` parameter (microseconds, tritonclient's
-``timeout=``) is the client's deadline.
+``timeout=``) is the client's deadline; its body may come, and its answer go, compressed
+(``http_encoding``).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from cuvil_sidecar.errors import (
     Unauthenticated,
     http_status,
 )
+from cuvil_sidecar.http_encoding import decoded_body, encoded_answer
 from cuvil_sidecar.http_server import (
     HttpRequest,
     HttpResponse,
@@ -146,22 +148,23 @@ class RestApi:
     async def infer(self, request: HttpRequest, model: str, version: str) -> HttpResponse:
         with tracing.http_span("POST /v2/models/{model}/infer", request.headers):
             try:
+                body = decoded_body(
+                    request.body, request.headers, self.dataplane.config.max_message_bytes
+                )
                 neutral, binary, all_binary = parse_infer(
-                    request.body, header_length(request.headers), model, version
+                    body, header_length(request.headers), model, version
                 )
             except SidecarError:
                 self.dataplane.count_failure(model)
                 raise
             response = await self.dataplane.infer(neutral, _deadline_ns(neutral.parameters))
-            body, json_length = encode_infer(response, binary, all_binary)
+            plain, json_length = encode_infer(response, binary, all_binary)
+        parts, encoding = encoded_answer(plain, request.headers)
+        headers = {"Content-Encoding": encoding} if encoding else {}
         if json_length is None:
-            return HttpResponse(200, body)
-        return HttpResponse(
-            200,
-            body,
-            "application/octet-stream",
-            {"Inference-Header-Content-Length": str(json_length)},
-        )
+            return HttpResponse(200, parts, headers=headers)
+        headers["Inference-Header-Content-Length"] = str(json_length)
+        return HttpResponse(200, parts, "application/octet-stream", headers)
 
 
 def _deadline_ns(parameters: Any) -> int | None:

@@ -209,3 +209,38 @@ def test_kserve_v2_wire_format_with_requests(mlp_sidecar: Sidecar, mlp_spec) -> 
     np.testing.assert_allclose(got, expected(mlp_spec, x), rtol=1e-4, atol=1e-5)
     wrong = requests.post(f"{base}/v2/models/mlp/infer", json={"inputs": "x"}, timeout=30)
     assert wrong.status_code == 400 and "inputs" in wrong.json()["error"]
+
+
+@pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
+def test_compressed_requests_and_answers(mlp_sidecar: Sidecar, mlp_spec, algorithm: str) -> None:
+    x = np.random.default_rng(14).standard_normal((2, 784), dtype=np.float32)
+    item = httpclient.InferInput("x", list(x.shape), "FP32")
+    item.set_data_from_numpy(x)
+    client = httpclient.InferenceServerClient(mlp_sidecar.http_url)
+    result = client.infer(
+        "mlp",
+        [item],
+        request_compression_algorithm=algorithm,
+        response_compression_algorithm=algorithm,
+    )
+    np.testing.assert_allclose(result.as_numpy("output"), expected(mlp_spec, x), 1e-4, 1e-5)
+    client.close()
+
+
+def test_compressed_bodies_are_checked(mlp_sidecar: Sidecar) -> None:
+    import gzip
+
+    bomb = gzip.compress(b"\0" * (64 * 2**20))  # 64 MiB of zeros in ~64 KB: past the 4 MiB limit
+    status, _, answer = raw_request(
+        mlp_sidecar, "POST", "/v2/models/mlp/infer", bomb, {"Content-Encoding": "gzip"}
+    )
+    assert status == 413 and b"inflates to more than" in answer
+    cut = gzip.compress(b'{"inputs": []}')[:-6]
+    status, _, answer = raw_request(
+        mlp_sidecar, "POST", "/v2/models/mlp/infer", cut, {"Content-Encoding": "gzip"}
+    )
+    assert status == 400, answer
+    status, _, answer = raw_request(
+        mlp_sidecar, "POST", "/v2/models/mlp/infer", b"{}", {"Content-Encoding": "br"}
+    )
+    assert status == 415 and json.loads(answer)["error"]
