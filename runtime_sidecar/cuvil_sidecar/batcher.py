@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cuvil_sidecar.errors import (
+    CallCancelled,
     DeadlinePassed,
     QueueFull,
     QueueTimeout,
@@ -78,6 +79,8 @@ class _Job:
     enqueued_ns: int = field(default_factory=time.time_ns)
     timeout_ns: int | None = None  # queue timeout: when it stops waiting (epoch ns)
     deadline_ns: int | None = None  # the client's deadline (epoch ns)
+    abandoned: bool = False  # its call was cancelled while it waited for a worker
+    started: bool = False  # a worker began to run it (batching off)
 
     def expired(self) -> SidecarError | None:
         """Why this job must not run now, if its queue timeout or its client's deadline passed."""
@@ -94,6 +97,7 @@ class _Job:
 
 
 REJECT_REASONS: dict[type[SidecarError], str] = {
+    CallCancelled: "cancelled",
     QueueFull: "queue_full",
     QueueTimeout: "queue_timeout",
     DeadlinePassed: "deadline",
@@ -199,6 +203,13 @@ class Batcher:
                 started, results, finished = await Handoff(
                     self._executor, self._execute, [job], resume_on_worker=resume_on_worker
                 )
+        except asyncio.CancelledError:
+            with self._direct_lock:  # the worker skips it unless it has started it already
+                job.abandoned = True
+                unrun = not job.started
+            if unrun and self._on_reject is not None:
+                self._on_reject(REJECT_REASONS[CallCancelled])
+            raise
         finally:
             with self._direct_lock:
                 self._direct -= 1
@@ -324,6 +335,10 @@ class Batcher:
         """Runs ``batch`` (on a worker, or inline). A lone job whose expiry passed while it
         waited for the worker is refused instead (jobs joined on the loop were checked there)."""
         if len(batch) == 1:
+            with self._direct_lock:
+                if batch[0].abandoned:  # counted where its call was cancelled
+                    raise CallCancelled("the call was cancelled before it ran")
+                batch[0].started = True
             expired = batch[0].expired()
             if expired is not None:
                 self._reject(expired)

@@ -80,6 +80,10 @@ class QueueTimeout(SidecarError):
     """The request waited longer than ``CUVIL_QUEUE_TIMEOUT_US`` before it could run."""
 
 
+class CallCancelled(SidecarError):
+    """The call was cancelled (its client hung up) before its request ran; it never runs."""
+
+
 class DeadlinePassed(SidecarError):
     """The client's deadline passed before the request ran; it was dropped unrun."""
 
@@ -97,6 +101,7 @@ STATUS_CODES: dict[type[SidecarError], grpc.StatusCode] = {
     QueueFull: grpc.StatusCode.UNAVAILABLE,
     QueueTimeout: grpc.StatusCode.UNAVAILABLE,
     DeadlinePassed: grpc.StatusCode.DEADLINE_EXCEEDED,
+    CallCancelled: grpc.StatusCode.CANCELLED,
     Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
     PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     RateLimited: grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -116,6 +121,7 @@ HTTP_STATUS: dict[type[SidecarError], int] = {
     QueueFull: 503,
     QueueTimeout: 503,
     DeadlinePassed: 504,
+    CallCancelled: 499,  # the client is gone; nginx's "client closed request"
     Unauthenticated: 401,
     PermissionDenied: 403,
     RateLimited: 429,

@@ -8,8 +8,10 @@ keep-alive time included; a connection past it is closed without an answer) and 
 and within ``max_body_bytes`` (a larger ``Content-Length`` is answered 413 before any of it is
 read). Bodies need a ``Content-Length``; a chunked one is answered 411. Connections are kept
 alive as HTTP/1.1 says, and ``Expect: 100-continue`` is honoured (curl sends it for large
-bodies). Errors of the server's own (bad framing) are answered ``{"error": "..."}`` with a 4xx
-status, and the connection is closed where its framing can no longer be trusted.
+bodies). A client that hangs up while its request is served has the request cancelled: one
+still queued for the model never runs. Errors of the server's own (bad framing) are answered
+``{"error": "..."}`` with a 4xx status, and the connection is closed where its framing can no
+longer be trusted.
 """
 
 from __future__ import annotations
@@ -105,9 +107,12 @@ class HttpServer:
 
     async def start(self, host: str, port: int, tls: ssl.SSLContext | None = None) -> int:
         """Listen on ``host:port`` (0: any free port); returns the bound port."""
-        self._server = await asyncio.start_server(
-            self._accept, host, port, limit=MAX_HEAD_BYTES, ssl=tls
-        )
+        loop = asyncio.get_running_loop()
+
+        def connection() -> _Connection:
+            return _Connection(asyncio.StreamReader(MAX_HEAD_BYTES, loop), self._accept, loop)
+
+        self._server = await loop.create_server(connection, host, port, ssl=tls)
         return int(self._server.sockets[0].getsockname()[1])
 
     async def stop(self) -> None:
@@ -177,8 +182,18 @@ class HttpServer:
             return False
         path, _, query = target.partition("?")
         request = HttpRequest(method, path, query, headers, body, writer.get_extra_info("peername"))
+        handling = asyncio.ensure_future(self._handler(request))
+        connection = writer.transport.get_protocol()
+        assert isinstance(connection, _Connection)
+        await asyncio.sleep(0)  # its first step: a request answered without waiting is answered
+        if not handling.done():
+            await asyncio.wait((handling, connection.hung_up), return_when=asyncio.FIRST_COMPLETED)
+        if not handling.done():  # the client is gone: its request is dropped, unrun if queued
+            handling.cancel()
+            await asyncio.gather(handling, return_exceptions=True)
+            return False
         try:
-            response = await self._handler(request)
+            response = handling.result()
         except Exception as error:  # the handler's own errors are its to answer; this is a bug
             log.exception("%s %s failed", method, path)
             response = error_response(500, f"internal error: {error!r}")
@@ -216,6 +231,30 @@ class HttpServer:
         writer.writelines(response.body)
         async with asyncio.timeout(self._limits.timeout_s):
             await writer.drain()
+
+
+class _Connection(asyncio.StreamReaderProtocol):
+    """asyncio's stream protocol, telling when the client hangs up: the end of what it sends
+    (it shut its side, or closed) or the connection lost. HTTP clients do not half-close while
+    they wait for an answer, so either means nobody waits for one any more."""
+
+    def __init__(
+        self, reader: asyncio.StreamReader, accept: Any, loop: asyncio.AbstractEventLoop
+    ) -> None:
+        super().__init__(reader, accept, loop=loop)
+        self.hung_up: asyncio.Future[None] = loop.create_future()
+
+    def eof_received(self) -> bool:
+        self._hang_up()
+        return bool(super().eof_received())
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._hang_up()
+        super().connection_lost(exc)
+
+    def _hang_up(self) -> None:
+        if not self.hung_up.done():
+            self.hung_up.set_result(None)
 
 
 def _parse_head(head: bytes) -> tuple[str, str, str, dict[str, str]]:

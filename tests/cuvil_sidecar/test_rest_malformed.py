@@ -90,8 +90,7 @@ def send_raw(sidecar: Sidecar, data: bytes, *, read: bool = True) -> bytes:
         sock.sendall(data)
         if not read:
             return b""
-        sock.shutdown(socket.SHUT_WR)
-        chunks = []
+        chunks = []  # until the server closes: each case ends with a refusal or Connection: close
         while chunk := sock.recv(65536):
             chunks.append(chunk)
         return b"".join(chunks)
