@@ -15,6 +15,7 @@ from typing import Any
 
 import jsonschema
 
+from cuvil.source_urls import url_problem
 from cuvil_operator.crd import TARGETS, spec_schema
 
 # OCI distribution reference grammar (distribution/reference), repository part only.
@@ -90,8 +91,11 @@ def check_targets(spec: Mapping[str, Any]) -> list[SpecProblem]:
     ]
     if len(set(targets)) != len(targets):
         problems.append(SpecProblem("spec.targets", "a target is listed twice"))
-    if spec.get("precision") == "fp16" and any(str(t).startswith("cpu") for t in targets):
-        problems.append(SpecProblem("spec.precision", "fp16 is for cuda targets; use bf16 on cpu"))
+    precision = spec.get("precision")
+    if precision in ("fp16", "tf32") and any(str(t).startswith("cpu") for t in targets):
+        problems.append(
+            SpecProblem("spec.precision", f"{precision} is for cuda targets; use bf16 on cpu")
+        )
     return problems
 
 
@@ -113,12 +117,8 @@ def check_output(spec: Mapping[str, Any]) -> list[SpecProblem]:
 def check_source(spec: Mapping[str, Any]) -> list[SpecProblem]:
     source = spec.get("source") or {}
     if "url" in source:
-        return [
-            SpecProblem(
-                "spec.source.url",
-                "workers download nothing at run time; use huggingface (local cache), pvc or oci",
-            )
-        ]
+        problem = url_problem(str(source["url"]))
+        return [SpecProblem("spec.source.url", problem)] if problem else []
     pvc = source.get("pvc") or {}
     path = str(pvc.get("path") or "")
     if path.startswith("/") or ".." in path.split("/"):

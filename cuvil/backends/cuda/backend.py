@@ -36,7 +36,7 @@ from cuvil.targets import CUDA_ARCHES, Target
 if TYPE_CHECKING:
     from cuvil.ir import Graph
     from cuvil.runtime.model import CompiledModel
-    from cuvil.runtime.plan import ExecutionPlan, PlanRunner
+    from cuvil.runtime.plan import PlanRunner
 
 EPILOGUES = frozenset({"add_act", "act", "add", "plain"})
 LOWERING = Lowering(
@@ -46,7 +46,7 @@ LOWERING = Lowering(
     # NCHW: cuDNN takes either layout, and the transposes at the borders would be extra kernels
     channels_last=False,
     sibling_linears=False,  # a merged GEMM's outputs are strided slices the templates copy
-    precisions=("fp32", "bf16", "fp16"),
+    precisions=("fp32", "bf16", "fp16", "tf32"),
 )
 TEMPLATED = (
     fused.RMS_NORM,
@@ -94,17 +94,19 @@ class CudaBackend:
     kernels: Mapping[str, KernelFactory] = {op: _needs_layer for op in TEMPLATED}
     fallbacks: Mapping[str, str] = FALLBACKS
     lowering = LOWERING
-    # Speed is measured on the GPU that serves it (benchmarks/gpu_models.py, the sidecar's
-    # warm-up), not by the compiler: the compiling machine's GPU, if any, is not the target's.
-    speed_measured = False
 
     def __init__(self, target: Target) -> None:
         self.target = target
         major, minor = target.compute_capability or (0, 0)
         self.compute_capability = 10 * major + minor  # 0 for the bare family name
         self.executor = machine_executor()
+        # Speed means something only on a GPU of the target's own architecture: the worker
+        # then times the plan there against eager; elsewhere its speed gates are deferred.
+        self.speed_measured = False
         if self.executor == "gpu":
             self.device = torch.device("cuda", torch.cuda.current_device())
+            major, minor = torch.cuda.get_device_capability(self.device)
+            self.speed_measured = 10 * major + minor == self.compute_capability
             self.verified_by = (
                 f"verified on the GPU ({torch.cuda.get_device_name(self.device)}): Cuvil's "
                 "kernels and cuBLAS/cuDNN, against eager fp32 on the CPU"
@@ -150,13 +152,14 @@ class CudaBackend:
             lambda manifests, data: dict(load_gpu_kernels(manifests, data, self.device)),
         )
 
-    def runner(self, plan: ExecutionPlan) -> PlanRunner:
-        """On a GPU, the plan through CUDA graphs per input shape (graphs.py)."""
+    def runner(self, model: CompiledModel) -> PlanRunner:
+        """On a GPU, the plan through CUDA graphs per input shape (graphs.py), with TF32 only
+        where the model was compiled at precision tf32."""
         if self.executor == "interpreter":
-            return plan
+            return model.plan
         from cuvil.backends.cuda.graphs import GraphedPlan
 
-        return GraphedPlan(plan)
+        return GraphedPlan(model.plan, allow_tf32=model.config.get("precision") == "tf32")
 
     def prepare(self, model: CompiledModel, inputs: Mapping[str, torch.Tensor]) -> int:
         """On a GPU: capture this shape's CUDA graph (after two warm-up runs). The interpreter

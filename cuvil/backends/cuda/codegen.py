@@ -8,7 +8,9 @@ default is changing), no line info (the cubin carries no debug PTX), a fresh cac
 per architecture the PTX ISA version a CUDA 12.x/13.0 driver accepts (Triton 3.9 emits PTX 9.4
 for sm_90a, which a CUDA 13.0 driver cannot JIT; 9.0 it can).
 
-The layer holds, per kernel, ``<name>.<arch>.cubin``, ``<name>.<ptx arch>.ptx`` (the fallback
+Every kernel compiled with divisibility hints also compiles without them (``<name>_generic``,
+its manifest's ``generic``): the variant a call that breaks a hint runs. The layer holds, per
+kernel, ``<name>.<arch>.cubin``, ``<name>.<ptx arch>.ptx`` (the fallback
 the driver JIT-compiles on a GPU no cubin fits: from the target's own architecture, or the
 newest non-arch-specific one below sm_90a, whose PTX runs nowhere else), ``<name>.py`` (the
 template's source) and ``<name>.json`` (its manifest), plus ``manifest.json`` naming what runs
@@ -263,12 +265,12 @@ def generate_layer(
     seconds: dict[str, float] = {}
     manifests: dict[str, dict[str, Any]] = {}
     versions: dict[str, str] = {}
-    if plan.kernels:
+    generics = {spec.name: spec.generic() for spec in plan.kernels.values() if spec.div16}
+    every = {**plan.kernels, **{g.name: g for g in generics.values()}}
+    if every:
         with tempfile.TemporaryDirectory(prefix="cuvil-cuda-") as folder:
-            versions, results = run_compiler(
-                plan.kernels.values(), compute_capability, Path(folder)
-            )
-            for name, spec in sorted(plan.kernels.items()):
+            versions, results = run_compiler(every.values(), compute_capability, Path(folder))
+            for name, spec in sorted(every.items()):
                 result = results[name]
                 cubin = (Path(folder) / f"{name}.cubin").read_bytes()
                 source = str(result["source"])
@@ -285,6 +287,8 @@ def generate_layer(
                 manifest = kernel_manifest(
                     spec, result, checked, arch, versions, cubin, source, ptx
                 )
+                if name in generics:
+                    manifest["generic"] = generics[name].name
                 try:
                     check_entry(ptx.decode(), manifest["ptx_symbol"], manifest)
                 except PtxError as error:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from collections.abc import Callable, Mapping
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
 from hashlib import sha256
 from typing import Any
 
@@ -54,6 +55,31 @@ def read_manifests(
     return top, kernels
 
 
+class GuardedLauncher:
+    """A kernel and its generic variant: the specialised one where the call keeps every
+    divisibility guard it was compiled under, the generic one where it breaks one."""
+
+    def __init__(self, specialised: Launcher, generic: Launcher, div16: Iterable[str]) -> None:
+        self.specialised, self.generic, self.div16 = specialised, generic, tuple(div16)
+        self.calls: Counter[str] = Counter()
+
+    def launch(
+        self, grid: tuple[int, ...], args: Mapping[str, Any], reach: Mapping[str, int]
+    ) -> None:
+        if all(divisible_by_16(args[name]) for name in self.div16):
+            self.calls["specialised"] += 1
+            self.specialised.launch(grid, args, reach)
+        else:
+            self.calls["generic"] += 1
+            self.generic.launch(grid, args, reach)
+
+
+def divisible_by_16(value: Any) -> bool:
+    """A pointer argument's address (a tensor's data), or an integer's value."""
+    number = value.data_ptr() if hasattr(value, "data_ptr") else int(value)
+    return number % 16 == 0
+
+
 def interpreted_kernels(
     manifests: Mapping[str, Mapping[str, Any]], files: Mapping[str, bytes], target: str
 ) -> dict[str, Launcher]:
@@ -90,6 +116,11 @@ def layer_factories(
         if "kernel" not in entry:
             return ATEN_KERNELS[call.op](call)
         manifest = kernels[entry["kernel"]]
-        return LAUNCHES[manifest["template"]](call, manifest, executors[entry["kernel"]])
+        launcher = executors[entry["kernel"]]
+        if manifest.get("generic") in executors:
+            launcher = GuardedLauncher(
+                launcher, executors[manifest["generic"]], manifest["guards"]["div16"]
+            )
+        return LAUNCHES[manifest["template"]](call, manifest, launcher)
 
     return {op: factory for op in fused.FUSED_OPS}

@@ -63,7 +63,7 @@ def test_every_batch_size_gets_its_own_graph() -> None:
     assert len(compiled.execution()["cuda_graphs"]) == 3
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("precision", ["bf16", "fp16", "tf32"])
 def test_low_precisions_stay_within_budget_on_the_gpu(precision: str) -> None:
     torch.manual_seed(2)
     model, x = NormMLP().eval(), torch.randn(8, 32)
@@ -84,3 +84,14 @@ def test_the_tiny_llama_matches_eager_on_the_gpu() -> None:
         want = spec.model(input_ids=ids).logits
     got = next(iter(compiled.run({"input_ids": ids.cuda()}).values()))
     assert relative_to_scale(got.cpu(), want) <= TOLERANCE
+
+
+def test_the_worker_times_the_plan_on_the_gpu_against_eager_there() -> None:
+    from cuvil_worker import checks
+
+    torch.manual_seed(3)
+    model, x = NormMLP().eval(), torch.randn(8, 32)
+    compiled = cuvil.jit(model, (x,), target=_target())
+    assert compiled.backend.speed_measured  # a GPU of the target's own architecture
+    measured = checks.benchmark(compiled, model, (x,), 10)
+    assert measured["compiled_p50_ms"] > 0 and measured["speedup"] > 0

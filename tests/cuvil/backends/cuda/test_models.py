@@ -180,5 +180,6 @@ def test_cuvil_inspect_lists_the_kernels_per_architecture(
     assert done.returncode == 0, done.stderr
     kernels = compiled.execution()["kernels"]
     assert f"kernels for sm_90a ({len(kernels)}):" in done.stdout
+    assert f"PTX fallback for sm_89 ({len(kernels)}):" in done.stdout
     assert all(name in done.stdout for name in kernels)
     assert "verified on CPU by interpretation" in done.stdout
