@@ -185,9 +185,14 @@ class HttpServer:
         handling = asyncio.ensure_future(self._handler(request))
         connection = writer.transport.get_protocol()
         assert isinstance(connection, _Connection)
-        await asyncio.sleep(0)  # its first step: a request answered without waiting is answered
-        if not handling.done():
-            await asyncio.wait((handling, connection.hung_up), return_when=asyncio.FIRST_COMPLETED)
+        try:
+            await asyncio.sleep(0)  # its first step: one answered without waiting is answered
+            if not handling.done():
+                first = asyncio.FIRST_COMPLETED
+                await asyncio.wait((handling, connection.hung_up), return_when=first)
+        except asyncio.CancelledError:  # the server is stopping: so is the request
+            handling.cancel()
+            raise
         if not handling.done():  # the client is gone: its request is dropped, unrun if queued
             handling.cancel()
             await asyncio.gather(handling, return_exceptions=True)
