@@ -34,6 +34,12 @@
 - ``CUVIL_GRPC_FRONTEND`` (``auto``): the gRPC server: ``native`` (gRPC C++, built on first use
   from the system's ``libgrpc++-dev``; less Python per call), ``grpcio`` (grpcio's asyncio
   server), or ``auto``: native where it builds, else grpcio with a warning saying why.
+- ``CUVIL_LOAD_TIMEOUT_S`` (600): wall-clock limit on one load (fetch, verify, load, warm-up,
+  golden check); past it the load is refused with that reason (readiness stays 503 with it on
+  the first load; a reload keeps the running model); 0 turns the limit off.
+- ``CUVIL_MAX_TENSOR_BYTES`` (16 GiB) and ``CUVIL_MAX_GRAPH_NODES`` (100000): an artifact whose
+  tensors could, inside its symbols' declared ranges, grow past the first, or whose graph has
+  more nodes than the second, is refused at load (``cuvil/artifact/limits.py``).
 - ``CUVIL_TORCH_THREADS`` (0 = torch's default, one per core): intra-op threads per model run
   (ONNX Runtime's ``intra_op_num_threads``). On a node shared with other busy pods, fewer
   threads than cores avoids runs stalling on a thread the scheduler has parked.
@@ -81,6 +87,9 @@ class SidecarConfig:
     torch_threads: int = 0
     shared_memory: bool = True
     grpc_frontend: str = "auto"
+    load_timeout_s: float = 600.0
+    max_tensor_bytes: int = 16 * 2**30  # the defaults of cuvil.artifact.limits.LoadLimits
+    max_graph_nodes: int = 100_000
 
     @property
     def batching(self) -> bool:
@@ -124,6 +133,9 @@ class SidecarConfig:
             grpc_frontend=_choice(
                 env, "CUVIL_GRPC_FRONTEND", {"auto": "auto", "native": "native", "grpcio": "grpcio"}
             ),
+            load_timeout_s=_number(env, "CUVIL_LOAD_TIMEOUT_S", cls.load_timeout_s),
+            max_tensor_bytes=_integer(env, "CUVIL_MAX_TENSOR_BYTES", cls.max_tensor_bytes, low=1),
+            max_graph_nodes=_integer(env, "CUVIL_MAX_GRAPH_NODES", cls.max_graph_nodes, low=1),
         )
 
 
