@@ -40,6 +40,12 @@
 - ``CUVIL_MAX_TENSOR_BYTES`` (16 GiB) and ``CUVIL_MAX_GRAPH_NODES`` (100000): an artifact whose
   tensors could, inside its symbols' declared ranges, grow past the first, or whose graph has
   more nodes than the second, is refused at load (``cuvil/artifact/limits.py``).
+- ``CUVIL_TRUST_POLICY`` (``off``): check the artifact's signatures (cosign's format,
+  ``cuvil/artifact/trust.py``) before anything is downloaded: ``warn`` logs an unsigned or
+  wrongly signed artifact and serves it, ``require`` refuses it (readiness says why on the first
+  load; a reload keeps the running model). A local artifact path has no signature.
+- ``CUVIL_TRUSTED_KEYS`` (none): ECDSA P-256 public keys (PEM) to trust, comma-separated files
+  or folders of ``*.pub``/``*.pem`` (a mounted secret); read again on every load.
 - ``CUVIL_TORCH_THREADS`` (0 = torch's default, one per core): intra-op threads per model run
   (ONNX Runtime's ``intra_op_num_threads``). On a node shared with other busy pods, fewer
   threads than cores avoids runs stalling on a thread the scheduler has parked.
@@ -90,6 +96,8 @@ class SidecarConfig:
     load_timeout_s: float = 600.0
     max_tensor_bytes: int = 16 * 2**30  # the defaults of cuvil.artifact.limits.LoadLimits
     max_graph_nodes: int = 100_000
+    trust_policy: str = "off"
+    trusted_keys: tuple[str, ...] = ()
 
     @property
     def batching(self) -> bool:
@@ -136,6 +144,14 @@ class SidecarConfig:
             load_timeout_s=_number(env, "CUVIL_LOAD_TIMEOUT_S", cls.load_timeout_s),
             max_tensor_bytes=_integer(env, "CUVIL_MAX_TENSOR_BYTES", cls.max_tensor_bytes, low=1),
             max_graph_nodes=_integer(env, "CUVIL_MAX_GRAPH_NODES", cls.max_graph_nodes, low=1),
+            trust_policy=_choice(
+                env, "CUVIL_TRUST_POLICY", {"off": "off", "warn": "warn", "require": "require"}
+            ),
+            trusted_keys=tuple(
+                path.strip()
+                for path in env.get("CUVIL_TRUSTED_KEYS", "").split(",")
+                if path.strip()
+            ),
         )
 
 

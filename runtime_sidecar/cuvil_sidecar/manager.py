@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from cuvil.artifact.limits import LoadLimits
+from cuvil.artifact.trust import TrustSettings
 from cuvil_sidecar.config import SidecarConfig
 from cuvil_sidecar.errors import ModelNotFound, ModelNotReady
 from cuvil_sidecar.metrics import Metrics
@@ -120,6 +121,7 @@ class ModelManager:
                 return False
             self._tried_digest = digest
             try:
+                trust = TrustSettings.load(self.config.trust_policy, self.config.trusted_keys)
                 loaded = await self._within_time_limit(
                     lambda: load_checked(
                         self.source,
@@ -135,6 +137,7 @@ class ModelManager:
                             max_nodes=self.config.max_graph_nodes,
                         ),
                         time_limit_s=self.config.load_timeout_s,
+                        trust=trust,
                     ),
                 )
             except Exception as error:

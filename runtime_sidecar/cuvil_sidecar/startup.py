@@ -35,6 +35,7 @@ import torch
 from cuvil.artifact import media_types as mt
 from cuvil.artifact.files import ArtifactError, decode_files, read_files
 from cuvil.artifact.limits import DEFAULT_LIMITS, LoadLimits
+from cuvil.artifact.trust import TrustSettings, UntrustedArtifactError
 from cuvil.backends.cpu import tactics_cache
 from cuvil.dtypes import torch_dtype
 from cuvil.runtime.model import CompiledModel
@@ -87,6 +88,7 @@ def load_checked(
     tactics_cache_dir: Path | None = None,
     limits: LoadLimits = DEFAULT_LIMITS,
     time_limit_s: float = 0.0,
+    trust: TrustSettings | None = None,
 ) -> LoadedModel:
     started = time.perf_counter()
     in_time = _time_keeper(started, time_limit_s)
@@ -97,7 +99,9 @@ def load_checked(
 
     step(f"fetching {source}")
     try:
-        path, manifest_digest = source.fetch_resolved()
+        path, manifest_digest = source.fetch_resolved(trust)
+    except UntrustedArtifactError as error:
+        raise StartupError(f"trust check of {source} failed: {error}") from error
     except Exception as error:
         raise StartupError(f"fetching {source} failed: {error}") from error
     step(f"verifying and loading {path}")

@@ -64,6 +64,11 @@ spec:
           mountPath: /etc/cuvil/registry
           readOnly: true
         {{- end }}
+        {{- if $s.trust.publicKeysConfigMap }}
+        - name: cuvil-trust
+          mountPath: /etc/cuvil/trust
+          readOnly: true
+        {{- end }}
   volumes:
     - name: cuvil-cache
       emptyDir: {}
@@ -74,6 +79,11 @@ spec:
       emptyDir:
         medium: Memory
         sizeLimit: {{ $s.sharedMemory.sizeLimit }}
+    {{- end }}
+    {{- if $s.trust.publicKeysConfigMap }}
+    - name: cuvil-trust
+      configMap:
+        name: {{ $s.trust.publicKeysConfigMap }}
     {{- end }}
     {{- if and $registrySecret $s.useRegistrySecret }}
     - name: cuvil-registry
