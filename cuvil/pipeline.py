@@ -51,7 +51,7 @@ from cuvil.passes.fusion import (
     fuse_transformer_blocks,
 )
 from cuvil.passes.layout import to_channels_last
-from cuvil.passes.precision import to_bf16
+from cuvil.passes.precision import LOW_DTYPES, low_precision_pass
 from cuvil.passes.program import Program
 from cuvil.passes.rewrite import Rule, apply_rules
 from cuvil.passes.sibling_linears import fuse_sibling_linears
@@ -147,8 +147,8 @@ def lowering_passes(lowering: Lowering, precision: str) -> tuple[tuple[str, Pass
         passes.append(("sibling_linears", fuse_sibling_linears))
     if lowering.channels_last:
         passes.append(("layout", to_channels_last))
-    if precision == "bf16":
-        passes.append(("precision", to_bf16))
+    if precision in LOW_DTYPES:
+        passes.append(("precision", low_precision_pass(precision)))
     return tuple(passes)
 
 
@@ -337,12 +337,14 @@ def compile_model(
 
 
 def _precision_notes(options: CompileOptions, program: Program) -> list[str]:
-    """Say so when bf16 was asked for but nothing could run in it (no GEMM-like op)."""
-    if options.precision != "bf16" or program.hits.get("bf16_weights"):
+    """Say so when a low precision was asked for but nothing could run in it (no GEMM-like
+    op)."""
+    low = options.precision
+    if low not in LOW_DTYPES or program.hits.get(f"{low}_weights"):
         return []
     return [
-        "precision bf16 requested, but the model has no linear, convolution or SwiGLU to run "
-        "in bf16: it runs in fp32"
+        f"precision {low} requested, but the model has no linear, convolution or SwiGLU to run "
+        f"in {low}: it runs in fp32"
     ]
 
 

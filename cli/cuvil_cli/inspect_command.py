@@ -76,16 +76,18 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 
 def print_kernels(files: dict[str, bytes]) -> None:
-    """The compiled kernels of the kernels layer, per architecture (``<kernel>.<arch>.cubin``)."""
-    by_arch: dict[str, list[str]] = {}
-    for name, data in sorted(files.items()):
-        kernel, _, arch = name.removesuffix(".cubin").rpartition(".")
-        if name.endswith(".cubin") and kernel:
-            by_arch.setdefault(arch, []).append(f"{kernel} ({len(data)} bytes)")
-    for arch, kernels in sorted(by_arch.items()):
-        print(f"kernels for {arch} ({len(kernels)}):")
-        for kernel in kernels:
-            print(f"  {kernel}")
+    """The compiled kernels of the kernels layer, per architecture (``<kernel>.<arch>.cubin``),
+    and the PTX kept as the fallback image (``<kernel>.<arch>.ptx``)."""
+    for suffix, what in ((".cubin", "kernels"), (".ptx", "PTX fallback")):
+        by_arch: dict[str, list[str]] = {}
+        for name, data in sorted(files.items()):
+            kernel, _, arch = name.removesuffix(suffix).rpartition(".")
+            if name.endswith(suffix) and kernel:
+                by_arch.setdefault(arch, []).append(f"{kernel} ({len(data)} bytes)")
+        for arch, kernels in sorted(by_arch.items()):
+            print(f"{what} for {arch} ({len(kernels)}):")
+            for kernel in kernels:
+                print(f"  {kernel}")
 
 
 def print_report(report: dict) -> None:

@@ -6,6 +6,7 @@ All pure functions of a model pair and inputs; the worker's pipeline calls them 
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -110,28 +111,52 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
-def time_calls(model: Callable[..., Any], inputs: Any, iterations: int) -> list[float]:
+def time_calls(
+    model: Callable[..., Any], inputs: Any, iterations: int, sync: Callable[[], None] = lambda: None
+) -> list[float]:
+    """Milliseconds per call, from a synchronised start to a synchronised end (``sync``: the
+    GPU's, where the calls run there)."""
     for _ in range(min(3, iterations)):
         call(model, inputs)
     times = []
     for _ in range(iterations):
+        sync()
         start = time.perf_counter()
         call(model, inputs)
+        sync()
         times.append((time.perf_counter() - start) * 1e3)
     return times
+
+
+def _on(device: torch.device, value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {key: _on(device, item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_on(device, item) for item in value)
+    return value
 
 
 def benchmark(
     compiled: Callable[..., Any], eager: torch.nn.Module, inputs: Any, iterations: int
 ) -> dict[str, Any]:
     """p50/p99 latency (ms) of eager and compiled on the example inputs, interleaved in rounds
-    so that a noisy neighbour slows both alike; speedup = eager p50 / compiled p50."""
+    so that a noisy neighbour slows both alike; speedup = eager p50 / compiled p50. A model
+    whose plan runs on a GPU is timed there against eager on the same GPU (fp32), with both
+    reading GPU inputs."""
+    sync: Callable[[], None] = lambda: None  # noqa: E731
+    device = getattr(compiled, "device", torch.device("cpu"))
+    if device.type == "cuda":
+        eager = copy.deepcopy(eager).to(device)
+        inputs = _on(device, inputs)
+        sync = torch.cuda.synchronize
     eager_ms: list[float] = []
     compiled_ms: list[float] = []
     rounds = max(1, min(5, iterations // 5))
     for _ in range(rounds):
-        eager_ms += time_calls(eager, inputs, max(1, iterations // rounds))
-        compiled_ms += time_calls(compiled, inputs, max(1, iterations // rounds))
+        eager_ms += time_calls(eager, inputs, max(1, iterations // rounds), sync)
+        compiled_ms += time_calls(compiled, inputs, max(1, iterations // rounds), sync)
     eager_p50, compiled_p50 = statistics.median(eager_ms), statistics.median(compiled_ms)
     return {
         "iterations": len(compiled_ms),

@@ -10,6 +10,7 @@ matches, the error lists what the index offers and what this machine accepts.
 
 from __future__ import annotations
 
+import os
 import platform
 import shutil
 import subprocess
@@ -96,11 +97,20 @@ def gpu_capabilities() -> list[tuple[int, int]]:
 
 
 @cache
+def machine_targets() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(this machine's CPU targets, its GPUs' CUDA targets), each best first; probed once."""
+    cpu = cpu_targets(platform.machine(), cpu_flags())
+    return tuple(cpu), tuple(cuda_targets(gpu_capabilities()))
+
+
 def probe_targets() -> list[str]:
-    """This machine's targets, best first. GPU targets rank after the CPU's: the CUDA backend's
-    plan runs its kernels by interpretation (it does not launch them on the device yet), so a
-    node with a GPU serves an index's CPU entry, and a CUDA entry only when nothing else fits."""
-    return cpu_targets(platform.machine(), cpu_flags()) + cuda_targets(gpu_capabilities())
+    """This machine's targets, best first: its GPUs' (the CUDA plan runs there), then its
+    CPU's. With ``CUVIL_CUDA_EXECUTOR=interpreter`` (CUDA plans run on the CPU by Triton's
+    interpreter, for checks) the CPU's rank first."""
+    cpu, cuda = (list(found) for found in machine_targets())
+    if os.environ.get("CUVIL_CUDA_EXECUTOR") == "interpreter":
+        return cpu + cuda
+    return cuda + cpu
 
 
 def entry_target(entry: Mapping[str, Any]) -> str | None:

@@ -4,9 +4,9 @@ A backend turns a planned graph into something that runs on one kind of device. 
 from one target to another lives behind ``Backend``: which fused ops it implements (a factory
 per ``cuvil.*`` op of ``cuvil.fused_ops``), the lowering choices the pass pipeline makes for it
 (``Lowering``), the artifact's kernels layer it writes at compile time (``codegen``) and reads
-back at load (``load_kernels``), how a loaded model is prepared for a shape before it serves
-(``prepare``), and what it reports about what runs (``describe``). The generic runtime
-(``cuvil.runtime``) asks a backend, never a device type.
+back at load (``load_kernels``), what runs the plan's calls (``runner``), how a loaded model is
+prepared for a shape before it serves (``prepare``), and what it reports about what runs
+(``describe``). The generic runtime (``cuvil.runtime``) asks a backend, never a device type.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # annotations only: the seam itself imports no torch (compile
     from cuvil.ir import Graph
     from cuvil.runtime.kernels import KernelFactory
     from cuvil.runtime.model import CompiledModel
+    from cuvil.runtime.plan import PlanRunner
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,10 @@ class Backend(Protocol):
 
     def load_kernels(self, files: Mapping[str, bytes]) -> Mapping[str, KernelFactory]:
         """Factories from a kernels layer, for the plan of a loaded model."""
+        ...
+
+    def runner(self, model: CompiledModel) -> PlanRunner:
+        """What runs a loaded model's calls: its plan, or a wrapper of the backend's."""
         ...
 
     def prepare(self, model: CompiledModel, inputs: Mapping[str, torch.Tensor]) -> int:

@@ -1,16 +1,21 @@
-"""Precision: bf16 where it pays, fp32 where accuracy needs it.
+"""Precision: bf16 or fp16 where it pays, fp32 where accuracy needs it.
 
-    # cuvil.linear / cuvil.conv2d / cuvil.swiglu with fp32 weights -> the same op with bf16 weights
+    # cuvil.linear / cuvil.conv2d / cuvil.swiglu with fp32 weights -> the same op with bf16
+    # (or fp16) weights
 
-The GEMM-like fused ops carry nearly all the FLOPs; their weights become bf16 and the backend
-computes them in bf16 with fp32 at their borders. Everything else — normalisations, softmax and
+The GEMM-like fused ops carry nearly all the FLOPs; their weights become the low precision and
+the backend computes them in it (with fp32 accumulation) and fp32 at their borders. bf16 keeps
+fp32's range; fp16 keeps three more mantissa bits but ends at 65504, so a GEMM whose outputs
+pass that overflows (the verify stage sees it). Everything else — normalisations, softmax and
 attention, residual sums, embeddings — stays fp32, so errors do not accumulate through the
 network. Values between ops stay fp32: the graph's types do not change.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 
 import torch
 
@@ -26,11 +31,19 @@ WEIGHT_ARGUMENTS = {
 }
 
 
-def to_bf16(program: Program) -> Program:
+LOW_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def low_precision_pass(precision: str) -> Callable[[Program], Program]:
+    """The pass that gives the GEMM-like ops' weights the dtype of ``precision``."""
+    return partial(to_low_precision, dtype=LOW_DTYPES[precision], suffix=precision)
+
+
+def to_low_precision(program: Program, dtype: torch.dtype, suffix: str) -> Program:
     graph = program.graph
     names = NameSource(graph, program.weights)
     weights = dict(program.weights)
-    converted: dict[str, Value] = {}  # fp32 const node -> its bf16 twin
+    converted: dict[str, Value] = {}  # fp32 const node -> its low-precision twin
     nodes: list[Node] = []
     count = 0
     for node in graph.nodes:
@@ -42,8 +55,8 @@ def to_bf16(program: Program) -> Program:
             continue
         assert isinstance(source, Value)
         if source.node not in converted:
-            low = tensor.to(torch.bfloat16)
-            weight_key = names.fresh(f"{source.node}_bf16")
+            low = tensor.to(dtype)
+            weight_key = names.fresh(f"{source.node}_{suffix}")
             weights[weight_key] = low
             twin = const_node(names.fresh(weight_key), weight_key, low, node.origin)
             nodes.append(twin)
@@ -56,4 +69,4 @@ def to_bf16(program: Program) -> Program:
     new_graph = eliminate_dead_code(replace(graph, nodes=tuple(nodes)))
     live = {str(n.arg("key")) for n in new_graph.nodes if n.op == "const"}
     kept = {k: v for k, v in weights.items() if k in live}
-    return replace(program, graph=new_graph, weights=kept).with_hits({"bf16_weights": count})
+    return replace(program, graph=new_graph, weights=kept).with_hits({f"{suffix}_weights": count})

@@ -37,6 +37,7 @@ class CompiledModel:
         }
         self.plan = ExecutionPlan(contents.graph, contents.weights, self.device, factories)
         self._output_spec = output_spec  # the model's own output structure, when known
+        self.runner = self.backend.runner(self)
 
     @property
     def graph(self) -> Graph:
@@ -78,12 +79,26 @@ class CompiledModel:
         backend's tactics cache) instead of deciding again; returns how many were taken."""
         return self.plan.preset_choices(choices)
 
+    def bind(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, int]:
+        """The symbols' values at these inputs, once they are checked against the signature."""
+        return dict(self._binder.bind(inputs))
+
     def run(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Run on named inputs; returns outputs by name. Tensors on the model's device are used
-        in place."""
+        """Run on named inputs; returns outputs by name, on the inputs' device. Tensors on the
+        model's device are used in place; others are copied to it, and the outputs back."""
         symbols = self._binder.bind(inputs)
+        caller = next((t.device for t in inputs.values() if isinstance(t, torch.Tensor)), None)
+        moved = caller is not None and caller != self.device
+        if moved:
+            inputs = {name: tensor.to(self.device) for name, tensor in inputs.items()}
         with torch.inference_mode():
-            return self.plan.run(inputs, symbols)
+            outputs = self.runner.run(inputs, symbols)
+        if moved:
+            outputs = {
+                name: value.to(caller) if isinstance(value, torch.Tensor) else value
+                for name, value in outputs.items()
+            }
+        return outputs
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         names = self.signature.input_names

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 import sympy
 import torch
@@ -59,6 +59,15 @@ class Step:
 
 class PlanError(ValueError):
     pass
+
+
+class PlanRunner(Protocol):
+    """What runs a model's calls: the plan itself, or a backend's wrapper around it (the CUDA
+    backend's graphs per shape)."""
+
+    def run(
+        self, inputs: Mapping[str, torch.Tensor], symbols: Mapping[str, int]
+    ) -> dict[str, Any]: ...
 
 
 class ExecutionPlan:

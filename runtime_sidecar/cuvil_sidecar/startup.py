@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -36,7 +37,9 @@ from cuvil.artifact import media_types as mt
 from cuvil.artifact.files import ArtifactError, decode_files, read_files
 from cuvil.artifact.limits import DEFAULT_LIMITS, LoadLimits
 from cuvil.artifact.trust import TrustSettings, UntrustedArtifactError
+from cuvil.backends.base import TargetUnavailableError
 from cuvil.backends.cpu import tactics_cache
+from cuvil.backends.cuda.backend import EXECUTOR_SETTING
 from cuvil.dtypes import torch_dtype
 from cuvil.runtime.model import CompiledModel
 from cuvil.runtime.signature import InputBinder, InputError, Signature
@@ -108,14 +111,13 @@ def load_checked(
     try:
         files = read_files(path)
         model = CompiledModel(decode_files(files, origin=str(path), limits=limits))
-    except (ArtifactError, OSError, ValueError, KeyError) as error:
+    except (ArtifactError, OSError, ValueError, KeyError, TargetUnavailableError) as error:
         raise StartupError(f"loading {path} failed: {error}") from error
     digest = "sha256:" + hashlib.sha256(files[mt.CONFIG_FILE]).hexdigest()
     annotations = manifest_annotations(path)
     if annotations:
         model.config["annotations"] = annotations | dict(model.config.get("annotations") or {})
-    if model.device.type == "cuda" and not torch.cuda.is_available():
-        raise StartupError(f"{path} targets {model.config.get('target')} but no GPU is visible")
+    check_device(model, path)
     cached = tactics_cache.take_cached(model, digest, tactics_cache_dir)
     symbol = batch_symbol(model.signature)
     buckets = shape_buckets(model, symbol, max_rows, warmup_shapes)
@@ -174,6 +176,22 @@ def _time_keeper(started: float, limit_s: float) -> Callable[[], None]:
             )
 
     return in_time
+
+
+def check_device(model: CompiledModel, path: Path) -> None:
+    """A CUDA artifact is served from a GPU: on a node without one it is refused, unless
+    ``CUVIL_CUDA_EXECUTOR=interpreter`` asks for Triton's interpreter on the CPU (for checks;
+    it is far too slow to serve). An artifact built for another GPU architecture was refused
+    while loading, naming both."""
+    if model.backend.target.family != "cuda" or model.device.type == "cuda":
+        return
+    if os.environ.get(EXECUTOR_SETTING) == "interpreter":
+        log.warning("%s runs by Triton's interpreter on the CPU (%s)", path, EXECUTOR_SETTING)
+        return
+    raise StartupError(
+        f"{path} targets {model.config.get('target')}: it is served from a CUDA GPU and none is "
+        f"visible ({EXECUTOR_SETTING}=interpreter runs it on the CPU, for checks only)"
+    )
 
 
 def manifest_annotations(path: Path) -> dict[str, str]:

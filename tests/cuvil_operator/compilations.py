@@ -66,8 +66,8 @@ def workers(redis_server: RedisServer, tmp_path: Path) -> Iterator[Any]:
     env = worker_env(redis_server.url(0), redis_server.url(1), tmp_path / "work",
                      CUVIL_WARM_UP="0", CUVIL_BENCH_ITERATIONS="3")  # fmt: skip
 
-    def start(name: str) -> WorkerProcess:
-        worker = start_worker(env, tmp_path, name=name)
+    def start(name: str, queues: str = "cuvil.cpu") -> WorkerProcess:
+        worker = start_worker(env, tmp_path, queues=queues, name=name)
         started.append(worker)
         worker.wait_ready()
         return worker

@@ -191,7 +191,3 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- $queues | uniq | join "," }}
 {{- end }}
 
-{{/* Whether one workers.queues entry has a CUDA target ("true" or ""). */}}
-{{- define "cuvil.worker.isCuda" -}}
-{{- range .targets }}{{ if hasPrefix "cuda-" . }}true{{ end }}{{ end }}
-{{- end }}

@@ -4,14 +4,17 @@ convolutions (bias, activation, residual; SwiGLU's gate), compiled ahead of time
 architecture on any machine (no GPU, no driver), with the heavy ops (GEMMs, convolutions)
 through ATen.
 
-``codegen`` writes the kernels layer (codegen.py): a cubin, the template's source and a JSON
-manifest per kernel, and ``manifest.json`` saying what runs each fused node — a kernel, or ATen
-and why. ``load_kernels`` reads it back into the plan's factories. What runs the kernels is the
-CPU executor: Triton's interpreter on CPU tensors (interpreter.py) with ATen on the CPU for the
-rest, so a CUDA artifact is verified against eager on the machine that compiled it; that
-proves its numbers, not its speed. The driver-API launcher for the cubins (driver.py) is not
-wired into the plan yet, nor are CUDA graphs per shape bucket: the plan runs on the CPU even
-where a GPU is present, and ``describe`` and a warning say so.
+``codegen`` writes the kernels layer (codegen.py): a cubin, PTX, the template's source and a
+JSON manifest per kernel, and ``manifest.json`` saying what runs each fused node — a kernel, or
+ATen and why. ``load_kernels`` reads it back into the plan's factories. What runs them depends
+on the machine (``CUVIL_CUDA_EXECUTOR``: ``auto``, the default, ``gpu`` or ``interpreter``):
+- with a CUDA device (``auto`` or ``gpu``), the plan runs on it: each kernel launched through
+  the driver API in the image the GPU takes (gpu.py, images.py; an artifact none of whose images
+  runs there is refused naming both architectures), ATen's cuBLAS and cuDNN for the rest, and
+  one CUDA graph per input shape (graphs.py), captured by ``prepare``;
+- without one (or with ``interpreter``), the CPU runs it: Triton's interpreter on CPU tensors
+  (interpreter.py) with ATen on the CPU for the rest, which is how a CUDA artifact is verified
+  against eager on the machine that compiled it; that proves its numbers, not its speed.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +36,7 @@ from cuvil.targets import CUDA_ARCHES, Target
 if TYPE_CHECKING:
     from cuvil.ir import Graph
     from cuvil.runtime.model import CompiledModel
+    from cuvil.runtime.plan import PlanRunner
 
 EPILOGUES = frozenset({"add_act", "act", "add", "plain"})
 LOWERING = Lowering(
@@ -41,7 +46,7 @@ LOWERING = Lowering(
     # NCHW: cuDNN takes either layout, and the transposes at the borders would be extra kernels
     channels_last=False,
     sibling_linears=False,  # a merged GEMM's outputs are strided slices the templates copy
-    precisions=("fp32", "bf16"),
+    precisions=("fp32", "bf16", "fp16", "tf32"),
 )
 TEMPLATED = (
     fused.RMS_NORM,
@@ -55,7 +60,30 @@ TEMPLATED = (
 # Every fused op has a template; what a template does not take runs through ATen (aten_ops.py).
 FALLBACKS: dict[str, str] = {}
 log = logging.getLogger("cuvil.backends.cuda")
-EXECUTOR = "interpreter: Triton's interpreter on CPU tensors, ATen on the CPU for the rest"
+EXECUTORS = {
+    "gpu": "gpu: Cuvil's kernels through the CUDA driver, cuBLAS/cuDNN through ATen, CUDA graphs "
+    "per input shape",
+    "interpreter": "interpreter: Triton's interpreter on CPU tensors, ATen on the CPU for the rest",
+}
+EXECUTOR_SETTING = "CUVIL_CUDA_EXECUTOR"
+INTERPRETED = (
+    "verified on CPU by interpretation: Cuvil's kernels through Triton's interpreter, the "
+    "other ops through ATen on the CPU, against eager fp32; speed not measured (no GPU)"
+)
+
+
+def machine_executor() -> str:
+    """``gpu`` or ``interpreter``, from ``CUVIL_CUDA_EXECUTOR`` and whether a GPU is visible."""
+    setting = os.environ.get(EXECUTOR_SETTING, "auto")
+    if setting not in ("auto", *EXECUTORS):
+        raise ValueError(f"{EXECUTOR_SETTING}={setting!r}: choose auto, gpu or interpreter")
+    if setting == "interpreter":
+        return "interpreter"
+    if torch.cuda.is_available():
+        return "gpu"
+    if setting == "gpu":
+        raise TargetUnavailableError(f"{EXECUTOR_SETTING}=gpu, but no CUDA device is visible")
+    return "interpreter"
 
 
 def _needs_layer(call: FusedCall) -> PreparedKernel:
@@ -66,17 +94,26 @@ class CudaBackend:
     kernels: Mapping[str, KernelFactory] = {op: _needs_layer for op in TEMPLATED}
     fallbacks: Mapping[str, str] = FALLBACKS
     lowering = LOWERING
-    verified_by = (
-        "verified on CPU by interpretation: Cuvil's kernels through Triton's interpreter, the "
-        "other ops through ATen on the CPU, against eager fp32; speed not measured (no GPU)"
-    )
-    speed_measured = False  # the interpreter's time says nothing of a GPU's
 
     def __init__(self, target: Target) -> None:
         self.target = target
         major, minor = target.compute_capability or (0, 0)
         self.compute_capability = 10 * major + minor  # 0 for the bare family name
-        self.device = torch.device("cpu")  # the executor: see the module docstring
+        self.executor = machine_executor()
+        # Speed means something only on a GPU of the target's own architecture: the worker
+        # then times the plan there against eager; elsewhere its speed gates are deferred.
+        self.speed_measured = False
+        if self.executor == "gpu":
+            self.device = torch.device("cuda", torch.cuda.current_device())
+            major, minor = torch.cuda.get_device_capability(self.device)
+            self.speed_measured = 10 * major + minor == self.compute_capability
+            self.verified_by = (
+                f"verified on the GPU ({torch.cuda.get_device_name(self.device)}): Cuvil's "
+                "kernels and cuBLAS/cuDNN, against eager fp32 on the CPU"
+            )
+        else:
+            self.device = torch.device("cpu")
+            self.verified_by = INTERPRETED
 
     def check_compile(self) -> None:
         """Compiling needs an architecture Cuvil builds for and Triton (the ``cuda`` extra),
@@ -105,18 +142,36 @@ class CudaBackend:
             return {}
         from cuvil.backends.cuda.layer import layer_factories
 
-        if torch.cuda.is_available():
-            log.warning(
-                "%s: the plan runs by interpretation on the CPU; launching its cubins on this "
-                "machine's GPU is not built yet",
-                self.target.name,
-            )
-        return layer_factories(files, self.target.name)
+        if self.executor == "interpreter":
+            return layer_factories(files, self.target.name)
+        from cuvil.backends.cuda.gpu import load_gpu_kernels
+
+        return layer_factories(
+            files,
+            self.target.name,
+            lambda manifests, data: dict(load_gpu_kernels(manifests, data, self.device)),
+        )
+
+    def runner(self, model: CompiledModel) -> PlanRunner:
+        """On a GPU, the plan through CUDA graphs per input shape (graphs.py), with TF32 only
+        where the model was compiled at precision tf32."""
+        if self.executor == "interpreter":
+            return model.plan
+        from cuvil.backends.cuda.graphs import GraphedPlan
+
+        return GraphedPlan(model.plan, allow_tf32=model.config.get("precision") == "tf32")
 
     def prepare(self, model: CompiledModel, inputs: Mapping[str, torch.Tensor]) -> int:
-        """The interpreter has no per-shape choices: one run checks the plan at this shape."""
-        model.run(inputs)
-        return 1
+        """On a GPU: capture this shape's CUDA graph (after two warm-up runs). The interpreter
+        has no per-shape choices: one run checks the plan at this shape."""
+        from cuvil.backends.cuda.graphs import GraphedPlan
+
+        if not isinstance(model.runner, GraphedPlan):
+            model.run(inputs)
+            return 1
+        placed = {name: tensor.to(model.device) for name, tensor in inputs.items()}
+        model.runner.try_capture(placed, model.bind(placed))
+        return 3
 
     def describe(self, model: CompiledModel) -> dict[str, Any]:
         """The architecture the cubins are for, what runs each fused node (a kernel of the
@@ -125,11 +180,18 @@ class CudaBackend:
 
         files = unpack_kernels(model.contents.kernels)
         manifest = json.loads(files["manifest.json"]) if "manifest.json" in files else {}
-        return {
+        described = {
             "backend": "cuda",
             "arch": manifest.get("arch"),
-            "executor": EXECUTOR,
+            "executor": EXECUTORS[self.executor],
             "verified_by": self.verified_by,
             "kernels": manifest.get("kernels", []),
             "nodes": manifest.get("nodes", {}),
         }
+        from cuvil.backends.cuda.graphs import GraphedPlan
+
+        if isinstance(model.runner, GraphedPlan):
+            described["device"] = torch.cuda.get_device_name(model.device)
+            described["cuda_graphs"] = [str(key) for key in model.runner.shapes]
+            described["uncaptured"] = {str(k): v for k, v in model.runner.uncaptured.items()}
+        return described

@@ -8,13 +8,18 @@ default is changing), no line info (the cubin carries no debug PTX), a fresh cac
 per architecture the PTX ISA version a CUDA 12.x/13.0 driver accepts (Triton 3.9 emits PTX 9.4
 for sm_90a, which a CUDA 13.0 driver cannot JIT; 9.0 it can).
 
-The layer holds, per kernel, ``<name>.<arch>.cubin``, ``<name>.py`` (the template's source)
-and ``<name>.json`` (its manifest), plus ``manifest.json`` naming what runs each fused node.
+Every kernel compiled with divisibility hints also compiles without them (``<name>_generic``,
+its manifest's ``generic``): the variant a call that breaks a hint runs. The layer holds, per
+kernel, ``<name>.<arch>.cubin``, ``<name>.<ptx arch>.ptx`` (the fallback
+the driver JIT-compiles on a GPU no cubin fits: from the target's own architecture, or the
+newest non-arch-specific one below sm_90a, whose PTX runs nowhere else), ``<name>.py`` (the
+template's source) and ``<name>.json`` (its manifest), plus ``manifest.json`` naming what runs
+each fused node.
 Before anything is written, every cubin is read back (cubin.py): its ELF architecture must be
 the target's, its kernel symbol present, its parameter table the spec's parameters plus
 Triton's two trailing scratch pointers, its shared memory within the architecture's limit, and
 no registers spilled to local memory (``cuobjdump -res-usage``: a spilling kernel is slow enough
-to be a bug in its specialisation).
+to be a bug in its specialisation); the PTX's entry must take the same parameters (ptx.py).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import torch
 from cuvil import fused_ops as fused
 from cuvil.backends.cuda.cubin import CubinError, read_cubin
 from cuvil.backends.cuda.layer import LAYER_FORMAT
+from cuvil.backends.cuda.ptx import PtxError, check_entry
 from cuvil.backends.cuda.specs import (
     KernelSpec,
     attention_spec,
@@ -50,6 +56,9 @@ from cuvil.ir import Graph, Node, Value
 PINNED_ENVIRONMENT = {"TRITON_DEFAULT_FP_FUSION": "1", "TRITON_DISABLE_LINE_INFO": "1"}
 # Compute capability -> the PTX ISA version asked of Triton (see the module docstring).
 PTX_VERSIONS = {80: 88, 86: 88, 87: 88, 89: 88, 90: 90}
+# Compute capability -> the one whose PTX the layer keeps as the fallback: its own where the
+# cubin is not arch-specific; for sm_90a the newest one below it that is.
+PTX_ARCHES = {80: 80, 86: 86, 87: 87, 89: 89, 90: 89}
 # Dynamic shared memory a block may opt into, per compute capability (bytes).
 SHARED_LIMITS = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448}
 PARAM_SIZES = {"i1": 1, "i8": 1, "i16": 2, "i32": 4, "i64": 8, "fp16": 2, "bf16": 2, "fp32": 4}
@@ -119,9 +128,12 @@ def run_compiler(
     specs: Iterable[KernelSpec], compute_capability: int, out: Path
 ) -> tuple[dict[str, str], dict[str, dict[str, Any]]]:
     """Compile in a subprocess; (compiler versions, kernel name -> its result)."""
+    ptx_arch = PTX_ARCHES[compute_capability]
     request = {
         "arch": compute_capability,
         "options": {"ptx_version": PTX_VERSIONS[compute_capability]},
+        "ptx_arch": ptx_arch,
+        "ptx_options": {"ptx_version": PTX_VERSIONS[ptx_arch]},
         "kernels": [spec.to_json() for spec in specs],
     }
     environment = {
@@ -198,8 +210,10 @@ def kernel_manifest(
     versions: dict[str, str],
     cubin: bytes,
     source: str,
+    ptx: bytes,
 ) -> dict[str, Any]:
     launch = result["launch"]
+    ptx_arch = PTX_ARCHES[int(arch[3:5])]
     return {
         "name": spec.name,
         "template": spec.template,
@@ -221,6 +235,12 @@ def kernel_manifest(
         "cubin": f"{spec.name}.{arch}.cubin",
         "cubin_sha256": sha256(cubin).hexdigest(),
         "elf_abi_version": checked["abi_version"],
+        "ptx": f"{spec.name}.sm_{ptx_arch}.ptx",
+        "ptx_arch": f"sm_{ptx_arch}",
+        "ptx_symbol": result["ptx_symbol"],
+        "ptx_version": result["ptx_version"],
+        "ptx_shared": result["ptx_shared"],
+        "ptx_sha256": sha256(ptx).hexdigest(),
         "source": f"{spec.name}.py",
         "source_sha256": sha256(source.encode()).hexdigest(),
         "compiler": {**versions, **{k.lower(): v for k, v in PINNED_ENVIRONMENT.items()}},
@@ -245,12 +265,12 @@ def generate_layer(
     seconds: dict[str, float] = {}
     manifests: dict[str, dict[str, Any]] = {}
     versions: dict[str, str] = {}
-    if plan.kernels:
+    generics = {spec.name: spec.generic() for spec in plan.kernels.values() if spec.div16}
+    every = {**plan.kernels, **{g.name: g for g in generics.values()}}
+    if every:
         with tempfile.TemporaryDirectory(prefix="cuvil-cuda-") as folder:
-            versions, results = run_compiler(
-                plan.kernels.values(), compute_capability, Path(folder)
-            )
-            for name, spec in sorted(plan.kernels.items()):
+            versions, results = run_compiler(every.values(), compute_capability, Path(folder))
+            for name, spec in sorted(every.items()):
                 result = results[name]
                 cubin = (Path(folder) / f"{name}.cubin").read_bytes()
                 source = str(result["source"])
@@ -263,8 +283,18 @@ def generate_layer(
                     compute_capability,
                 )
                 check_resources(spec, result["resources"])
-                manifest = kernel_manifest(spec, result, checked, arch, versions, cubin, source)
+                ptx = (Path(folder) / f"{name}.ptx").read_bytes()
+                manifest = kernel_manifest(
+                    spec, result, checked, arch, versions, cubin, source, ptx
+                )
+                if name in generics:
+                    manifest["generic"] = generics[name].name
+                try:
+                    check_entry(ptx.decode(), manifest["ptx_symbol"], manifest)
+                except PtxError as error:
+                    raise CodegenError(str(error)) from None
                 files[manifest["cubin"]] = cubin
+                files[manifest["ptx"]] = ptx
                 files[manifest["source"]] = source.encode()
                 files[f"{name}.json"] = json.dumps(manifest, indent=1, sort_keys=True).encode()
                 manifests[name] = manifest

@@ -1,8 +1,10 @@
 """The compile subprocess: ``python -m cuvil.backends.cuda.compile_worker OUT_DIR`` reads a JSON
-request on stdin (``arch``, ``options``, ``kernels``: KernelSpec JSON), compiles each kernel with
-``triton.compile`` for that architecture, writes ``OUT_DIR/<name>.cubin``, and prints one JSON
-line per kernel (its symbol, launch metadata, registers and spills, template source, compile
-seconds) or a failure.
+request on stdin (``arch``, ``options``, ``ptx_arch``, ``ptx_options``, ``kernels``: KernelSpec
+JSON), compiles each kernel with ``triton.compile`` for that architecture, writes
+``OUT_DIR/<name>.cubin`` and ``OUT_DIR/<name>.ptx`` (the PTX of ``ptx_arch``: the same compile's
+where the architectures agree, a second compile where the cubin's is arch-specific, sm_90a),
+and prints one JSON line per kernel (its symbol, launch metadata, registers and spills,
+template source, compile seconds) or a failure.
 
 It runs apart from the compiler because LLVM aborts the whole process on some bad options (a
 PTX version the target does not take), and Triton never needs a driver here: the target is
@@ -13,6 +15,7 @@ numerics and output (fp-fusion, line info, the cache folder) is set by the paren
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import subprocess
@@ -48,6 +51,29 @@ LAUNCH_FIELDS = (
 )
 
 
+# ptxas release -> the newest PTX ISA it assembles (CUDA's release notes)
+PTXAS_PTX = {
+    (12, 0): 80, (12, 1): 81, (12, 2): 82, (12, 3): 83, (12, 4): 84, (12, 5): 85, (12, 6): 85,
+    (12, 8): 87, (12, 9): 88,
+}  # fmt: skip
+
+
+def ptx_cap(ptxas: str) -> int:
+    """The newest PTX version this ptxas takes: a Triton whose bundled ptxas is older than the
+    one Cuvil pins options for (Triton 3.6 ships ptxas 12.8, PTX 8.7) gets its newest."""
+    major, minor = (int(part) for part in ptxas.split(".")[:2])
+    if major >= 13:
+        return 90
+    return PTXAS_PTX.get((major, minor), 80)
+
+
+def capped(options: dict[str, Any], ptxas: str) -> dict[str, Any]:
+    if "ptx_version" not in options:
+        return options
+    return {**options, "ptx_version": min(int(options["ptx_version"]), ptx_cap(ptxas))}
+
+
+@functools.cache
 def ptxas_version(arch: int) -> str:
     """``13.4`` for the ptxas Triton runs for this architecture."""
     tool = nvidia.get_ptxas(arch).path
@@ -71,25 +97,37 @@ def resource_usage(cubin: Path, symbol: str) -> dict[str, int]:
     return {"registers": registers, "stack": stack, "local": local}
 
 
-def compile_one(spec: KernelSpec, arch: int, options: dict[str, Any], out: Path) -> dict[str, Any]:
+def _compile(spec: KernelSpec, arch: int, options: dict[str, Any]) -> Any:
     function = triton.jit(TEMPLATES[spec.template])
     names = [name for name, _ in spec.params]
     signature = dict(spec.params)
     attrs = {(names.index(name),): DIVISIBLE for name in spec.div16}
     source = ASTSource(function, signature, dict(spec.constexprs), attrs)
-    start = time.perf_counter()
-    compiled = triton.compile(
+    return triton.compile(
         source,
         target=GPUTarget("cuda", arch, 32),
         options={**options, "num_warps": spec.num_warps, "num_stages": spec.num_stages},
     )
+
+
+def compile_one(spec: KernelSpec, request: dict[str, Any], out: Path) -> dict[str, Any]:
+    arch, ptx_arch = int(request["arch"]), int(request["ptx_arch"])
+    start = time.perf_counter()
+    compiled = _compile(spec, arch, capped(request["options"], ptxas_version(arch)))
+    fallback = compiled
+    if ptx_arch != arch:
+        fallback = _compile(spec, ptx_arch, capped(request["ptx_options"], ptxas_version(ptx_arch)))
     seconds = time.perf_counter() - start
     path = out / f"{spec.name}.cubin"
     path.write_bytes(compiled.asm["cubin"])
+    (out / f"{spec.name}.ptx").write_text(fallback.asm["ptx"])
     metadata = compiled.metadata._asdict()
     return {
         "name": spec.name,
         "symbol": compiled.name,
+        "ptx_symbol": fallback.name,
+        "ptx_version": fallback.metadata.ptx_version,
+        "ptx_shared": fallback.metadata.shared,
         "resources": resource_usage(path, compiled.name),
         "launch": {key: metadata.get(key) for key in LAUNCH_FIELDS},
         "source": template_source(spec.template),
@@ -100,12 +138,12 @@ def compile_one(spec: KernelSpec, arch: int, options: dict[str, Any], out: Path)
 def main() -> int:
     out = Path(sys.argv[1])
     request = json.load(sys.stdin)
-    arch, options = int(request["arch"]), dict(request["options"])
+    arch = int(request["arch"])
     print(json.dumps({"triton": triton.__version__, "ptxas": ptxas_version(arch)}), flush=True)
     for data in request["kernels"]:
         spec = KernelSpec.from_json(data)
         try:
-            result = compile_one(spec, arch, options, out)
+            result = compile_one(spec, request, out)
         except Exception as error:  # reported to the parent, which refuses the compile
             result = {"name": spec.name, "error": f"{type(error).__name__}: {error}"[:2000]}
         print(json.dumps(result), flush=True)

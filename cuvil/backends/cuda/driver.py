@@ -7,16 +7,18 @@ pass them as doubles, which a kernel reads as garbage), then Triton's two traili
 pointers (null: the templates need no scratch; a manifest that asks for some is refused).
 ``pack_arguments`` is pure and checked on the CPU against the manifest's parameter offsets.
 
-``DriverKernel`` loads the cubin once (``cuModuleLoadData``, ``cuModuleGetFunction``), sets
-the dynamic shared-memory limit where a kernel needs more than 48 KB, and launches on the
-stream it is given (torch's current stream, so a CUDA-graph capture records it). It implements
-launches.py's ``Launcher``; a plan does not use it yet (backend.py runs by interpretation).
+``DriverKernel`` loads one image of a kernel once (``cuModuleLoadData`` takes a cubin, or PTX
+that the driver JIT-compiles; images.py chooses), sets the dynamic shared-memory limit where a
+kernel needs more than 48 KB, and launches on the stream it is given (torch's current stream,
+so a CUDA-graph capture records it). Modules live in the device's primary context, the one
+torch uses; ``Driver.ensure_context`` makes it current on a thread that has none yet.
 """
 
 from __future__ import annotations
 
 import ctypes
 import struct
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -93,6 +95,7 @@ class Driver:
         except OSError as error:
             raise DriverError(f"no CUDA driver ({library}): {error}") from None
         self.check("cuInit", self.lib.cuInit(0))
+        self._threads = threading.local()
 
     def check(self, call: str, status: int) -> None:
         if status:
@@ -100,6 +103,21 @@ class Driver:
             self.lib.cuGetErrorString(status, ctypes.byref(message))
             text = message.value.decode() if message.value else "unknown error"
             raise DriverError(f"{call} failed with {status}: {text}")
+
+    def ensure_context(self, ordinal: int = 0) -> None:
+        """Make device ``ordinal``'s primary context current on this thread, if none is."""
+        local = self._threads
+        if getattr(local, "ready", False):
+            return
+        lib, context = self.lib, ctypes.c_void_p()
+        self.check("cuCtxGetCurrent", lib.cuCtxGetCurrent(ctypes.byref(context)))
+        if not context.value:
+            device = ctypes.c_int()
+            self.check("cuDeviceGet", lib.cuDeviceGet(ctypes.byref(device), ordinal))
+            status = lib.cuDevicePrimaryCtxRetain(ctypes.byref(context), device)
+            self.check("cuDevicePrimaryCtxRetain", status)
+            self.check("cuCtxSetCurrent", lib.cuCtxSetCurrent(context))
+        local.ready = True
 
     def version(self) -> int:
         """The driver's CUDA version, e.g. 13000 for 13.0."""
@@ -109,20 +127,29 @@ class Driver:
 
 
 class DriverKernel:
-    """One cubin of the layer, loaded into the current context, launched from its manifest."""
+    """One image of a kernel of the layer (its cubin unless told otherwise), loaded into the
+    current context, launched from its manifest."""
 
-    def __init__(self, driver: Driver, manifest: Mapping[str, Any], cubin: bytes) -> None:
+    def __init__(
+        self,
+        driver: Driver,
+        manifest: Mapping[str, Any],
+        image: bytes,
+        *,
+        symbol: str | None = None,
+        shared: int | None = None,
+    ) -> None:
         self.driver, self.manifest = driver, manifest
-        self._image = ctypes.create_string_buffer(cubin, len(cubin))
+        self._image = ctypes.create_string_buffer(image)  # NUL-terminated, as PTX must be
         self.module, self.function = ctypes.c_void_p(), ctypes.c_void_p()
         lib = driver.lib
         driver.check(
             "cuModuleLoadData", lib.cuModuleLoadData(ctypes.byref(self.module), self._image)
         )
-        symbol = str(manifest["symbol"]).encode()
-        status = lib.cuModuleGetFunction(ctypes.byref(self.function), self.module, symbol)
+        name = str(symbol or manifest["symbol"]).encode()
+        status = lib.cuModuleGetFunction(ctypes.byref(self.function), self.module, name)
         driver.check("cuModuleGetFunction", status)
-        self.shared = int(manifest["shared"])
+        self.shared = int(manifest["shared"] if shared is None else shared)
         if self.shared > DEFAULT_SHARED_LIMIT:
             attribute = CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
             status = lib.cuFuncSetAttribute(self.function, attribute, self.shared)

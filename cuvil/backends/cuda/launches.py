@@ -2,9 +2,10 @@
 template from a fused node's tensors, its grid, and what each pointer's grid reaches.
 
 The arguments follow the kernel's manifest (its parameters, constexprs and guards), so the same
-code serves every launcher; today's is the interpreter (interpreter.py), which runs the plan on
-the CPU. Inputs the guards do not hold for (a strided view, a misaligned slice) are copied to
-fresh contiguous tensors first, as a GPU launch will have to.
+code serves every launcher: the GPU's (gpu.py) and the interpreter's on the CPU
+(interpreter.py). Outputs are allocated on the input's device. A view whose rows are not
+contiguous is copied first; a call that breaks a divisibility guard (an odd offset, a stride
+that is not a multiple of 16) runs the kernel's generic variant (layer.py's GuardedLauncher).
 """
 
 from __future__ import annotations
@@ -36,9 +37,10 @@ def _dtypes(manifest: Mapping[str, Any]) -> dict[str, torch.dtype]:
 
 
 def _aligned(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``tensor`` in ``dtype``, contiguous and 16-byte aligned (a copy only where it is not)."""
+    """``tensor`` in ``dtype`` and contiguous (a copy only where it is not; an odd offset is
+    the generic variant's to take, layer.py)."""
     tensor = tensor.to(dtype)
-    if tensor.is_contiguous() and tensor.data_ptr() % 16 == 0:
+    if tensor.is_contiguous():
         return tensor
     return tensor.clone(memory_format=torch.contiguous_format)
 
@@ -67,7 +69,7 @@ def norm_rows(call: FusedCall, manifest: Mapping[str, Any], launcher: Launcher) 
             raise ValueError(f"{manifest['name']}: rows of {x.shape[-1]}, compiled for {width}")
         rows = x.numel() // width
         source = _aligned(x, dtypes["x_ptr"])
-        out = torch.empty(x.shape, dtype=dtypes["out_ptr"])
+        out = torch.empty(x.shape, dtype=dtypes["out_ptr"], device=x.device)
         args: dict[str, Any] = {
             "x_ptr": source,
             "out_ptr": out,
@@ -181,7 +183,7 @@ def rope(call: FusedCall, manifest: Mapping[str, Any], launcher: Launcher) -> Pr
         shape = torch.Size((1,) * (4 - x.dim()) + tuple(x.shape))
         cos, sin = _aligned(cos, dtypes["cos_ptr"]), _aligned(sin, dtypes["sin_ptr"])
         cos4, sin4 = broadcast(cos, shape), broadcast(sin, shape)
-        out = torch.empty(x.shape, dtype=dtypes["out_ptr"])
+        out = torch.empty(x.shape, dtype=dtypes["out_ptr"], device=x.device)
         rows = x.numel() // width
         args: dict[str, Any] = {
             "x_ptr": source,
@@ -200,14 +202,11 @@ def rope(call: FusedCall, manifest: Mapping[str, Any], launcher: Launcher) -> Pr
     return PreparedKernel(run)
 
 
-def _rows_contiguous(tensor: torch.Tensor, dtype: torch.dtype, hinted: bool) -> torch.Tensor:
-    """A view the kernel may index by its strides: last dim contiguous, 16-byte aligned, and
-    (where the kernel was compiled with stride hints) every stride a multiple of 16."""
+def _rows_contiguous(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A view the kernel may index by its strides: its last dim contiguous (alignment and the
+    other strides are the guards' business, layer.py)."""
     tensor = tensor.to(dtype)
-    fits = tensor.stride(-1) == 1 and tensor.data_ptr() % 16 == 0
-    if hinted:
-        fits = fits and all(stride % 16 == 0 for stride in tensor.stride()[:-1])
-    return tensor if fits else tensor.contiguous().clone()
+    return tensor if tensor.stride(-1) == 1 else tensor.contiguous().clone()
 
 
 def attention(call: FusedCall, manifest: Mapping[str, Any], launcher: Launcher) -> PreparedKernel:
@@ -217,7 +216,6 @@ def attention(call: FusedCall, manifest: Mapping[str, Any], launcher: Launcher) 
     constexprs = manifest["constexprs"]
     dtypes = _dtypes(manifest)
     width, block_m = int(constexprs["D"]), int(constexprs["BLOCK_M"])
-    hinted = "q_b" in manifest["guards"]["div16"]
     scale = call.arg("scale")
     scale = float(scale) if scale is not None else width**-0.5
     runtime_mask = call.is_runtime("mask")
@@ -225,7 +223,7 @@ def attention(call: FusedCall, manifest: Mapping[str, Any], launcher: Launcher) 
 
     def run(*given: torch.Tensor) -> torch.Tensor:
         q, k, v = (
-            _rows_contiguous(x, dtypes[f"{key}_ptr"], hinted)
+            _rows_contiguous(x, dtypes[f"{key}_ptr"])
             for x, key in zip(given[:3], "qkv", strict=True)
         )
         mask = given[3] if runtime_mask else constant_mask
@@ -245,7 +243,7 @@ def attention(call: FusedCall, manifest: Mapping[str, Any], launcher: Launcher) 
         if mask is None:
             args |= {"mask_ptr": q, "mask_b": 0, "mask_h": 0, "mask_m": 0}  # never read
         else:
-            base = _rows_contiguous(mask, dtypes["mask_ptr"], False)
+            base = _rows_contiguous(mask, dtypes["mask_ptr"])
             full = base.reshape((1,) * (4 - base.dim()) + tuple(base.shape))
             full = full.expand(batch, heads, seq_q, seq_k)
             args |= {"mask_ptr": base, "mask_b": full.stride(0), "mask_h": full.stride(1)}

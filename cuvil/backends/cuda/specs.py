@@ -6,8 +6,9 @@ constexpr values, the parameters hinted divisible by 16 (``tt.divisibility``), w
 and the grid as the launcher computes it. Specialisation is what Triton's JIT would do at the
 first call: the row width is a constexpr taken from the node's static last dim, the block a
 power of two that covers it, and the 16-divisibility hints go where the row width makes them
-hold for contiguous tensors. The hints are guards: a call that breaks one (a strided view, an
-odd offset) is made contiguous before the launch (interpreter.py checks them the same way).
+hold for contiguous tensors. The hints are guards: a call that breaks one (an odd offset, a row
+stride that is not a multiple of 16) runs the kernel's generic variant, compiled without them
+(``KernelSpec.generic``); a view whose rows are not contiguous is copied first.
 
 A node the templates do not take (a dynamic last dim, rows wider than one program holds, a
 linear without an epilogue, where cuBLAS adds the bias itself) gets a reason instead, and runs
@@ -17,7 +18,7 @@ through ATen on the device. Pure data: no torch, no Triton.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from hashlib import sha256
 
 from cuvil import fused_ops as fused
@@ -50,6 +51,11 @@ class KernelSpec:
     num_warps: int
     grid: str  # how the launcher computes the grid, in words over the launch's sizes
     num_stages: int = 1
+
+    def generic(self) -> KernelSpec:
+        """The same kernel without divisibility hints: what a call that breaks them runs (an
+        odd offset, a row stride that is not a multiple of 16), instead of a copy."""
+        return replace(self, name=f"{self.name}_generic", div16=())
 
     @property
     def runtime_params(self) -> tuple[tuple[str, str], ...]:

@@ -112,6 +112,22 @@ def test_selection_picks_the_machines_best_entry() -> None:
         select_entry(entries, cpu_targets("aarch64", []))
 
 
+def test_a_node_with_a_gpu_serves_its_cuda_entry_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cuvil.artifact import targets
+
+    entries = [_entry("cpu-x86_64"), _entry("cuda-sm_90", "b"), _entry("cuda-sm_87", "c")]
+    cpu = tuple(cpu_targets("x86_64", {"avx2"}))
+    monkeypatch.setattr(targets, "machine_targets", lambda: (cpu, tuple(cuda_targets([(9, 0)]))))
+    monkeypatch.delenv("CUVIL_CUDA_EXECUTOR", raising=False)
+    assert targets.probe_targets()[0] == "cuda-sm_90a"
+    assert select_entry(entries)["digest"].endswith("b")
+    monkeypatch.setenv("CUVIL_CUDA_EXECUTOR", "interpreter")  # CUDA plans on the CPU: CPU first
+    assert select_entry(entries)["digest"].endswith("a")
+    monkeypatch.setattr(targets, "machine_targets", lambda: (cpu, ()))
+    monkeypatch.delenv("CUVIL_CUDA_EXECUTOR")
+    assert select_entry(entries)["digest"].endswith("a")
+
+
 def test_references() -> None:
     ref = parse_registry_reference("127.0.0.1:5000/models/mlp:v1")
     assert (ref.registry, ref.repository, ref.tag, ref.is_loopback) == (

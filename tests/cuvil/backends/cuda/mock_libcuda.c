@@ -20,8 +20,23 @@ CUresult cuGetErrorString(CUresult status, const char **text) {
   *text = status == 500 ? "named symbol not found" : "mock error";
   return 0;
 }
+static char context_token;
+static void *current_context;
+static int context_retains;
+CUresult cuCtxGetCurrent(void **context) { *context = current_context; return 0; }
+CUresult cuDeviceGet(int *device, int ordinal) { *device = ordinal; return ordinal ? 101 : 0; }
+CUresult cuDevicePrimaryCtxRetain(void **context, int device) {
+  if (device) return 101;
+  context_retains++;
+  *context = &context_token;
+  return 0;
+}
+CUresult cuCtxSetCurrent(void *context) { current_context = context; return 0; }
+static int loaded_ptx;
 CUresult cuModuleLoadData(void **module, const void *image) {
-  if (memcmp(image, "\x7f" "ELF", 4) != 0) return 200; /* CUDA_ERROR_INVALID_IMAGE */
+  /* a cubin, or NUL-terminated PTX text (the driver JIT-compiles it) */
+  loaded_ptx = strstr((const char *)image, ".entry") != 0 && memcmp(image, "\x7f" "ELF", 4) != 0;
+  if (memcmp(image, "\x7f" "ELF", 4) != 0 && !loaded_ptx) return 200; /* INVALID_IMAGE */
   *module = &module_token;
   return 0;
 }
@@ -62,3 +77,6 @@ const unsigned *mock_dims(void) { return launch_dims; }
 void *mock_stream(void) { return launch_stream; }
 const char *mock_symbol(void) { return loaded_symbol; }
 int mock_shared_attribute(void) { return shared_attribute; }
+int mock_loaded_ptx(void) { return loaded_ptx; }
+int mock_context_retains(void) { return context_retains; }
+void *mock_current_context(void) { return current_context; }

@@ -13,6 +13,7 @@ from cuvil.backends.cuda.backend import FALLBACKS
 from cuvil.backends.cuda.codegen import plan_kernels
 from cuvil.backends.cuda.interpreter import Interpreted
 from cuvil.backends.cuda.launches import LAUNCHES
+from cuvil.backends.cuda.layer import GuardedLauncher
 from cuvil.backends.cuda.specs import KernelSpec
 from cuvil.backends.cuda.templates import template_digest
 from cuvil.dtypes import dtype_name
@@ -81,8 +82,14 @@ def run_kernel(
     graph, weights, call = one_node(op, runtime, constants, out_shape)
     spec = only_spec(graph, weights)
     manifest = manifest_for(spec)
-    prepared = LAUNCHES[spec.template](call, manifest, Interpreted(manifest))
+    prepared = LAUNCHES[spec.template](call, manifest, guarded_launcher(spec))
     return prepared.run(*runtime.values()), spec
+
+
+def guarded_launcher(spec: KernelSpec) -> GuardedLauncher:
+    """The spec's kernel and its generic variant through the interpreter, as the layer has."""
+    generic = Interpreted(manifest_for(spec.generic()))
+    return GuardedLauncher(Interpreted(manifest_for(spec)), generic, spec.div16)
 
 
 def relative_to_scale(actual: torch.Tensor, expected: torch.Tensor) -> float:

@@ -6,6 +6,7 @@ golden, and a bad cubin, a failed compile or an aborting compiler fail the codeg
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,15 +27,19 @@ from cuvil.backends.cuda.codegen import (
     run_compiler,
 )
 from cuvil.backends.cuda.cubin import read_cubin
+from cuvil.backends.cuda.driver import parameter_bytes
+from cuvil.backends.cuda.ptx import PtxError, check_entry, entry_params
 from cuvil.backends.cuda.specs import KernelSpec
 from cuvil.fused_ops import RMS_NORM
 from cuvil.targets import CUDA_ARCHES
 from tests.cuvil.backends.cuda.models import NormBlock
 from tests.cuvil.backends.cuda.nodes import one_node
 
-GOLDEN = Path(__file__).parent / "golden" / "rms_norm_f32_n64.sm_90.json"
+GOLDEN = Path(__file__).parent / "golden"
+GOLDEN_RMS_NORM = GOLDEN / "rms_norm_f32_n64.sm_90.json"
 TEMPLATES = {"rms_norm_rows", "layer_norm_rows", "bias_act_residual", "rope_rows"}
 TEMPLATES |= {"attention_blocks"}
+PTX_BYTES = {"u64": 8, "b64": 8, "s64": 8, "u32": 4, "b32": 4, "s32": 4, "f32": 4}
 
 
 def _rms_norm_graph() -> tuple[object, dict[str, torch.Tensor]]:
@@ -75,20 +80,65 @@ def test_every_cubin_is_built_for_the_target_architecture(arch: str) -> None:
         assert manifest["resources"]["local"] == manifest["resources"]["stack"] == 0
         assert manifest["launch"]["ptx_version"] == codegen.PTX_VERSIONS[int(arch[3:])]
         assert files[manifest["source"]].decode().startswith(f"def {manifest['template']}(")
+        ptx_arch = f"sm_{codegen.PTX_ARCHES[int(arch[3:])]}"  # not arch-specific: a fallback
+        assert (
+            manifest["ptx_arch"] == ptx_arch
+            and f".target {ptx_arch}\n" in files[manifest["ptx"]].decode()
+        )
 
 
 def test_one_kernel_manifest_is_golden(rms_norm_layers: dict[int, dict[str, bytes]]) -> None:
     files = rms_norm_layers[90]
-    (name,) = json.loads(files["manifest.json"])["kernels"]
-    assert json.loads(files[f"{name}.json"]) == json.loads(GOLDEN.read_text()), (
-        f"the manifest of {name} changed; if that is meant, write it to {GOLDEN}"
+    name = min(json.loads(files["manifest.json"])["kernels"])  # the specialised one
+    assert json.loads(files[f"{name}.json"]) == json.loads(GOLDEN_RMS_NORM.read_text()), (
+        f"the manifest of {name} changed; if that is meant, write it to {GOLDEN_RMS_NORM}"
     )
+
+
+@pytest.fixture(scope="module")
+def block_layer() -> dict[str, bytes]:
+    """The layer of a block with every template but SwiGLU's, for sm_80."""
+    torch.manual_seed(0)
+    graph_model, x = NormBlock().eval(), torch.randn(2, 5, 48)
+    return unpack_kernels(cuvil.jit(graph_model, (x,), target="cuda-sm_80").contents.kernels)
+
+
+@pytest.mark.parametrize("template", sorted(TEMPLATES))
+def test_each_templates_kernel_is_golden(block_layer: dict[str, bytes], template: str) -> None:
+    """Manifest and source of the first kernel of each template, against golden/ (set
+    CUVIL_WRITE_GOLDEN=1 to rewrite them when a change is meant)."""
+    manifests = [
+        json.loads(block_layer[f"{name}.json"])
+        for name in json.loads(block_layer["manifest.json"])["kernels"]
+    ]
+    manifest = min((m for m in manifests if m["template"] == template), key=lambda m: m["name"])
+    source = block_layer[manifest["source"]].decode()
+    golden_manifest = GOLDEN / f"{template}.sm_80.json"
+    golden_source = GOLDEN / f"{template}.source.txt"
+    if os.environ.get("CUVIL_WRITE_GOLDEN"):
+        golden_manifest.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+        golden_source.write_text(source)
+    assert manifest == json.loads(golden_manifest.read_text()), f"{template}'s manifest changed"
+    assert source == golden_source.read_text(), f"{template}'s source changed"
+
+
+def test_the_ptx_fallback_takes_the_manifests_parameters(block_layer: dict[str, bytes]) -> None:
+    for name in json.loads(block_layer["manifest.json"])["kernels"]:
+        manifest = json.loads(block_layer[f"{name}.json"])
+        ptx = block_layer[manifest["ptx"]].decode()
+        assert ".target sm_80" in ptx and ".version 8.8" in ptx
+        declared = entry_params(ptx, manifest["ptx_symbol"])
+        packed = [parameter_bytes(param["type"]) for param in manifest["params"]]
+        assert packed == [PTX_BYTES[kind] for kind in declared]  # what the launcher packs
+        wrong = manifest | {"params": [*manifest["params"][:-1], {"name": "x", "type": "fp32"}]}
+        with pytest.raises(PtxError, match=r"is fp32 in the manifest and \.u64 in the PTX"):
+            check_entry(ptx, manifest["ptx_symbol"], wrong)
 
 
 def test_the_kernels_layer_is_reproducible(rms_norm_layers: dict[int, dict[str, bytes]]) -> None:
     graph, weights = _rms_norm_graph()
     again, seconds = generate_layer(graph, weights, 90, FALLBACKS, "cuda-sm_90")  # type: ignore[arg-type]
-    assert again == rms_norm_layers[90] and len(seconds) == 1
+    assert again == rms_norm_layers[90] and len(seconds) == 2  # the kernel, its generic twin
 
 
 def test_a_cubin_that_is_not_what_its_spec_says_is_refused(
@@ -148,3 +198,16 @@ def test_the_compile_subprocess_imports_no_torch() -> None:
     probe = "import sys, cuvil.backends.cuda.compile_worker; print('torch' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize(
+    ("ptxas", "asked", "given"),
+    [("13.4", 90, 90), ("12.9", 88, 88), ("12.8", 90, 87), ("12.8", 88, 87), ("12.4", 88, 84)],
+)
+def test_the_ptx_version_is_capped_at_what_the_bundled_ptxas_takes(
+    ptxas: str, asked: int, given: int
+) -> None:
+    """Triton 3.6 (the H200 image's) bundles ptxas 12.8, which refuses PTX 9.0 and 8.8."""
+    from cuvil.backends.cuda.compile_worker import capped
+
+    assert capped({"ptx_version": asked, "x": 1}, ptxas) == {"ptx_version": given, "x": 1}

@@ -15,9 +15,16 @@ from triton.runtime.jit import JITFunction
 
 from cuvil.backends.cuda.aten_ops import ACTIVATIONS
 from cuvil.backends.cuda.interpreter import GuardError, Interpreted, interpreter_patches
+from cuvil.backends.cuda.launches import LAUNCHES
 from cuvil.fused_ops import ATTENTION, CONV2D, LAYER_NORM, LINEAR, RMS_NORM, ROPE, SWIGLU
 from cuvil.precisions import PRECISIONS
-from tests.cuvil.backends.cuda.nodes import manifest_for, one_node, only_spec, relative_to_scale
+from tests.cuvil.backends.cuda.nodes import (
+    guarded_launcher,
+    manifest_for,
+    one_node,
+    only_spec,
+    relative_to_scale,
+)
 from tests.cuvil.backends.cuda.nodes import run_kernel as run
 
 FP32_TOLERANCE = 1e-5
@@ -216,6 +223,23 @@ def test_a_strided_input_is_copied_to_contiguous_rows_first() -> None:
     weight = torch.randn(64)
     out, _ = run(RMS_NORM, {"input": x}, {"weight": weight, "eps": 1e-6}, tuple(x.shape))
     assert relative_to_scale(out, F.rms_norm(x, [64], weight, 1e-6)) <= FP32_TOLERANCE
+
+
+def test_a_call_that_breaks_a_guard_runs_the_generic_variant() -> None:
+    """A contiguous input at an odd offset (a slice 4 bytes into its storage) keeps the
+    specialised kernel's rows but not its alignment: the generic variant takes it, uncopied."""
+    weight = torch.randn(64)
+    graph, weights, call = one_node(
+        RMS_NORM, {"input": torch.randn(4, 64)}, {"weight": weight, "eps": 1e-6}, (4, 64)
+    )
+    spec = only_spec(graph, weights)
+    launcher = guarded_launcher(spec)
+    prepared = LAUNCHES[spec.template](call, manifest_for(spec), launcher)
+    aligned = torch.randn(4, 64)
+    misaligned = torch.randn(257)[1:].view(4, 64)
+    for x in (aligned, misaligned):
+        assert relative_to_scale(prepared.run(x), F.rms_norm(x, [64], weight, 1e-6)) <= 1e-6
+    assert launcher.calls == {"specialised": 1, "generic": 1}
 
 
 def test_a_launch_that_breaks_a_guard_is_refused() -> None:

@@ -113,16 +113,19 @@ def test_a_machine_without_triton_says_what_a_cuda_artifact_needs(
         CompiledModel(mlp[1].contents)
 
 
-def test_bf16_stays_within_its_budget() -> None:
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_a_low_precision_stays_within_its_budget(precision: str) -> None:
     torch.manual_seed(1)
     model, x = NormMLP().eval(), torch.randn(4, 32)
-    compiled = cuvil.jit(model, (x,), target="cuda-sm_90", precision="bf16")
-    assert compiled.report["verification"]["max_relative_to_scale"] <= PRECISIONS["bf16"].budget
+    compiled = cuvil.jit(model, (x,), target="cuda-sm_90", precision=precision)
+    error = compiled.report["verification"]["max_relative_to_scale"]
+    assert 0 < error <= PRECISIONS[precision].budget
     files = unpack_kernels(compiled.contents.kernels)
     epilogues = [
         name for name in files if name.startswith("linear_epilogue") and name.endswith(".json")
     ]
-    assert epilogues and all(b'"*bf16"' in files[name] for name in epilogues)  # GEMMs in bf16
+    pointer = f'"*{precision}"'.encode()
+    assert epilogues and all(pointer in files[name] for name in epilogues)  # GEMMs in it
 
 
 def test_the_tiny_llama_is_verified_by_interpretation() -> None:
@@ -177,5 +180,6 @@ def test_cuvil_inspect_lists_the_kernels_per_architecture(
     assert done.returncode == 0, done.stderr
     kernels = compiled.execution()["kernels"]
     assert f"kernels for sm_90a ({len(kernels)}):" in done.stdout
+    assert f"PTX fallback for sm_89 ({len(kernels)}):" in done.stdout
     assert all(name in done.stdout for name in kernels)
     assert "verified on CPU by interpretation" in done.stdout
