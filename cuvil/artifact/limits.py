@@ -161,4 +161,4 @@ def _product(bounds: Iterator[Bound]) -> Bound:
 
 
 def _shown(bound: Bound) -> str:
-    return "unbounded (a symbol without a max)" if bound == INFINITY else str(int(bound))
+    return "unbounded (no declared max bounds it)" if bound == INFINITY else str(int(bound))

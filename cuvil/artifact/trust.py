@@ -46,6 +46,7 @@ from cuvil.artifact.store import Store, open_store
 log = logging.getLogger(__name__)
 TRUST_POLICIES = ("off", "warn", "require")
 OCI_IMAGE_CONFIG = "application/vnd.oci.image.config.v1+json"
+MAX_SIGNATURES = 64  # signatures read per manifest: a forged .sig manifest cannot stall a node
 
 
 class UntrustedArtifactError(ArtifactError):
@@ -112,8 +113,11 @@ def sign_manifest(
     returns the digest of the signature manifest."""
     payload = simple_signing_payload(repository_name(reference), digest, {SIGNER_CLAIM: signer})
     layer = Blob(SIMPLE_SIGNING, payload, {SIGNATURE_ANNOTATION: sign(key, payload)})
-    layers = [
-        entry for entry in _signature_layers(store, digest) if entry["digest"] != layer.digest
+    public = key.public_key()
+    layers = [  # others' signatures stay; this key's earlier one of the same payload is replaced
+        entry
+        for entry in _signature_layers(store, digest)
+        if entry["digest"] != layer.digest or not verifies(public, payload, _signature_of(entry))
     ]
     layers.append(layer.descriptor())
     config = Blob(OCI_IMAGE_CONFIG, _image_config([str(entry["digest"]) for entry in layers]))
@@ -203,9 +207,8 @@ def _check(
     if named != repository_name(reference):
         problem = f"it signs {digest} in {named}, not in {repository_name(reference)}"
         return SignatureCheck(digest, signer, None, None, problem)
-    annotations = entry.get("annotations")
-    signature = annotations.get(SIGNATURE_ANNOTATION) if isinstance(annotations, dict) else None
-    if not isinstance(signature, str):
+    signature = _signature_of(entry)
+    if not signature:
         return SignatureCheck(digest, signer, None, None, "its layer has no signature")
     for trusted in keys:
         if verifies(trusted.key, payload, signature):
@@ -213,13 +216,23 @@ def _check(
     return SignatureCheck(digest, signer, None, None, "no trusted key verifies it")
 
 
+def _signature_of(entry: Mapping[str, object]) -> str:
+    annotations = entry.get("annotations")
+    signature = annotations.get(SIGNATURE_ANNOTATION) if isinstance(annotations, dict) else None
+    return signature if isinstance(signature, str) else ""
+
+
 def _signature_layers(store: Store, digest: str) -> list[dict[str, object]]:
+    """The layers of ``digest``'s signature manifest (at most MAX_SIGNATURES are read)."""
     try:
         data, _ = store.get_manifest(signature_tag(digest))
     except NotFoundError:
         return []
     manifest = parse_manifest(data, f"signatures of {digest}")
-    return [dict(layer) for layer in manifest.get("layers", [])]
+    layers = manifest.get("layers", [])
+    if len(layers) > MAX_SIGNATURES:
+        raise RegistryError(f"{digest} has {len(layers)} signatures, more than {MAX_SIGNATURES}")
+    return [dict(layer) for layer in layers]
 
 
 def _payload(store: Store, entry: Mapping[str, object]) -> bytes:

@@ -5,8 +5,6 @@ the same artifact signed by the trusted key then swaps in."""
 
 from __future__ import annotations
 
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -18,17 +16,10 @@ from cuvil.artifact.signing import load_private_key
 from cuvil.artifact.trust import sign_reference
 from cuvil.models import catalog
 from tests.cuvil_sidecar.conftest import Sidecar, eager
+from tests.cuvil_sidecar.test_forged import readiness
 from tests.cuvil_sidecar.test_reload import wait_for_log
 from tests.fixtures.keys import make_key_pair
 from tests.fixtures.registry import RunningRegistry, registry  # noqa: F401 (a fixture)
-
-
-def _ready_body(sidecar: Sidecar) -> str:
-    try:
-        with urllib.request.urlopen(sidecar.metrics_url + "/v2/health/ready") as response:
-            return str(response.read().decode())
-    except urllib.error.HTTPError as error:
-        return str(error.read().decode())
 
 
 def _answer(client: grpcclient.InferenceServerClient, x: np.ndarray) -> np.ndarray:
@@ -65,8 +56,8 @@ def test_require_serves_only_what_a_trusted_key_signed(
         **environment,
     )
     try:
-        refused.wait_until(lambda: "failed" in _ready_body(refused))
-        assert "is not signed by a trusted key: it has no signature" in _ready_body(refused)
+        refused.wait_until(lambda: "failed" in readiness(refused)[1])
+        assert "is not signed by a trusted key: it has no signature" in readiness(refused)[1]
     finally:
         assert refused.stop() == 0, refused.log()[-3000:]
 

@@ -187,3 +187,20 @@ def _blob(registry: RunningRegistry, repository: str, digest: str) -> bytes:
 def _mount(registry: RunningRegistry, digest: str, source: str, target: str) -> None:
     url = f"{registry.url}/v2/{target}/blobs/uploads/?mount={digest}&from={source}"
     urllib.request.urlopen(urllib.request.Request(url, data=b"", method="POST")).close()
+
+
+def test_signatures_by_several_keys_are_kept_and_a_resign_replaces_its_own(
+    registry: RunningRegistry, tiny_contents: ArtifactContents, keys, tmp_path: Path
+) -> None:
+    from cuvil.artifact.trust import check_reference
+
+    _push(registry, tiny_contents, "sig/many")
+    ref = f"{registry.host}/sig/many:v1"
+    for name in ("stranger", "trusted", "trusted"):  # one signer name, two keys, one re-sign
+        sign_reference(ref, load_private_key(keys[name][0]), "release")
+    trusted = _require(keys).keys
+    checks = check_reference(ref, trusted)
+    assert len(checks) == 2
+    assert sorted(check.verified for check in checks) == [False, True]
+    found = resolve(ref, trust=_require(keys), cache_dir=tmp_path / "c")
+    assert found.path.is_dir()
