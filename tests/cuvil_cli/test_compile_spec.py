@@ -113,3 +113,15 @@ def test_with_a_signing_key_the_manifest_and_its_report_are_signed(
     (report,) = list_referrers(f"{layout}@{found.digest}", artifact_type=REPORT)
     (check,) = check_reference(f"{layout}@{report.digest}", trust.keys)
     assert check.verified and check.signer == "ci-worker" and check.trusted_key == "worker.pub"
+
+
+def test_the_summary_of_a_cuda_target_says_its_speed_was_not_measured(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec = _spec(tmp_path, "")
+    path = tmp_path / "mlp.cuvil"
+    assert main(["compile", str(spec), "-o", str(path), "--target", "cuda-sm_87"]) == 0
+    captured = capsys.readouterr()
+    out = " ".join((captured.out + captured.err).split())  # the console may wrap
+    assert "for cuda-sm_87" in out and "speed not measured here" in out and "x eager" not in out
+    assert "verified on CPU by interpretation" in out
