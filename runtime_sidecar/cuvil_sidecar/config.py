@@ -59,6 +59,18 @@
 - ``CUVIL_GRPC_FRONTEND`` (``auto``): the gRPC server: ``native`` (gRPC C++, built on first use
   from the system's ``libgrpc++-dev``; less Python per call), ``grpcio`` (grpcio's asyncio
   server), or ``auto``: native where it builds, else grpcio with a warning saying why.
+- ``CUVIL_LOAD_TIMEOUT_S`` (600): wall-clock limit on one load (fetch, verify, load, warm-up,
+  golden check); past it the load is refused with that reason (readiness stays 503 with it on
+  the first load; a reload keeps the running model); 0 turns the limit off.
+- ``CUVIL_MAX_TENSOR_BYTES`` (16 GiB) and ``CUVIL_MAX_GRAPH_NODES`` (100000): an artifact whose
+  tensors could, inside its symbols' declared ranges, grow past the first, or whose graph has
+  more nodes than the second, is refused at load (``cuvil/artifact/limits.py``).
+- ``CUVIL_TRUST_POLICY`` (``off``): check the artifact's signatures (cosign's format,
+  ``cuvil/artifact/trust.py``) before anything is downloaded: ``warn`` logs an unsigned or
+  wrongly signed artifact and serves it, ``require`` refuses it (readiness says why on the first
+  load; a reload keeps the running model). A local artifact path has no signature.
+- ``CUVIL_TRUSTED_KEYS`` (none): ECDSA P-256 public keys (PEM) to trust, comma-separated files
+  or folders of ``*.pub``/``*.pem`` (a mounted secret); read again on every load.
 - ``CUVIL_TORCH_THREADS`` (0 = torch's default, one per core): intra-op threads per model run
   (ONNX Runtime's ``intra_op_num_threads``). On a node shared with other busy pods, fewer
   threads than cores avoids runs stalling on a thread the scheduler has parked.
@@ -118,6 +130,11 @@ class SidecarConfig:
     auth_health: bool = False  # health checks need a token too
     rate_limit: float = 0.0
     rate_burst: int = 0
+    load_timeout_s: float = 600.0
+    max_tensor_bytes: int = 16 * 2**30  # the defaults of cuvil.artifact.limits.LoadLimits
+    max_graph_nodes: int = 100_000
+    trust_policy: str = "off"
+    trusted_keys: tuple[str, ...] = ()
 
     @property
     def batching(self) -> bool:
@@ -173,6 +190,17 @@ class SidecarConfig:
             auth_health=_choice(env, "CUVIL_AUTH_HEALTH", {"exempt": False, "required": True}),
             rate_limit=_number(env, "CUVIL_RATE_LIMIT", cls.rate_limit),
             rate_burst=_integer(env, "CUVIL_RATE_BURST", cls.rate_burst, low=0),
+            load_timeout_s=_number(env, "CUVIL_LOAD_TIMEOUT_S", cls.load_timeout_s),
+            max_tensor_bytes=_integer(env, "CUVIL_MAX_TENSOR_BYTES", cls.max_tensor_bytes, low=1),
+            max_graph_nodes=_integer(env, "CUVIL_MAX_GRAPH_NODES", cls.max_graph_nodes, low=1),
+            trust_policy=_choice(
+                env, "CUVIL_TRUST_POLICY", {"off": "off", "warn": "warn", "require": "require"}
+            ),
+            trusted_keys=tuple(
+                path.strip()
+                for path in env.get("CUVIL_TRUSTED_KEYS", "").split(",")
+                if path.strip()
+            ),
         )
 
 

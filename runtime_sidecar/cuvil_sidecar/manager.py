@@ -19,6 +19,8 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+from cuvil.artifact.limits import LoadLimits
+from cuvil.artifact.trust import TrustSettings
 from cuvil_sidecar.config import SidecarConfig
 from cuvil_sidecar.errors import ModelNotFound, ModelNotReady
 from cuvil_sidecar.metrics import Metrics
@@ -120,7 +122,8 @@ class ModelManager:
                 return False
             self._tried_digest = digest
             try:
-                loaded = await in_own_thread(
+                trust = TrustSettings.load(self.config.trust_policy, self.config.trusted_keys)
+                loaded = await self._within_time_limit(
                     lambda: load_checked(
                         self.source,
                         source_digest=digest,
@@ -130,6 +133,12 @@ class ModelManager:
                         progress=self._progress,
                         warmup_shapes=self.config.warmup_shapes,
                         tactics_cache_dir=self.config.tactics_cache,
+                        limits=LoadLimits(
+                            max_tensor_bytes=self.config.max_tensor_bytes,
+                            max_nodes=self.config.max_graph_nodes,
+                        ),
+                        time_limit_s=self.config.load_timeout_s,
+                        trust=trust,
                     ),
                 )
             except Exception as error:
@@ -163,6 +172,19 @@ class ModelManager:
                 self._retiring.add(task)
                 task.add_done_callback(self._retiring.discard)
             return True
+
+    async def _within_time_limit(self, work: Callable[[], T]) -> T:
+        """``work()`` in its own thread, given up after ``CUVIL_LOAD_TIMEOUT_S``: the event loop
+        (health, readiness, the running model) never waits on it longer. A thread cannot be
+        stopped from outside; ``load_checked`` checks the same limit between its steps and
+        ends itself."""
+        limit = self.config.load_timeout_s
+        try:
+            return await asyncio.wait_for(in_own_thread(work), timeout=limit or None)
+        except TimeoutError:
+            raise TimeoutError(
+                f"loading and warming up took longer than CUVIL_LOAD_TIMEOUT_S={limit:g} s"
+            ) from None
 
     async def reload_on_signal(self) -> bool:
         served = self.current.loaded.source_digest if self.current else None

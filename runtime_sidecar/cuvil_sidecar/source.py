@@ -12,8 +12,12 @@ from __future__ import annotations
 import hashlib
 import tarfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cuvil.artifact import media_types as mt
+
+if TYPE_CHECKING:
+    from cuvil.artifact.trust import TrustSettings
 
 
 class SourceError(OSError):
@@ -39,12 +43,13 @@ class ModelSource:
     def fetch(self) -> Path:
         return self.fetch_resolved()[0]
 
-    def fetch_resolved(self) -> tuple[Path, str | None]:
+    def fetch_resolved(self, trust: TrustSettings | None = None) -> tuple[Path, str | None]:
         """The local artifact and the digest of the OCI manifest it came from (None for a
-        local artifact path): the per-target manifest, also when the reference names an index."""
+        local artifact path): the per-target manifest, also when the reference names an index.
+        With ``trust``, its signatures are checked by policy before it is downloaded."""
         from cuvil.artifact.api import resolve
 
-        resolution = resolve(self.reference, cache_dir=self.cache_dir)
+        resolution = resolve(self.reference, cache_dir=self.cache_dir, trust=trust)
         return Path(resolution.path), resolution.digest
 
     def __str__(self) -> str:

@@ -80,6 +80,11 @@ spec:
           mountPath: /etc/cuvil/auth
           readOnly: true
         {{- end }}
+        {{- if $s.trust.publicKeysConfigMap }}
+        - name: cuvil-trust
+          mountPath: /etc/cuvil/trust
+          readOnly: true
+        {{- end }}
   volumes:
     - name: cuvil-cache
       emptyDir: {}
@@ -90,6 +95,11 @@ spec:
       emptyDir:
         medium: Memory
         sizeLimit: {{ $s.sharedMemory.sizeLimit }}
+    {{- end }}
+    {{- if $s.trust.publicKeysConfigMap }}
+    - name: cuvil-trust
+      configMap:
+        name: {{ $s.trust.publicKeysConfigMap }}
     {{- end }}
     {{- if and $registrySecret $s.useRegistrySecret }}
     - name: cuvil-registry
