@@ -33,6 +33,8 @@
   it is refused UNAVAILABLE (Triton's REJECT timeout action). A client's own gRPC deadline is
   honoured too: a request whose deadline passed while it waited never runs.
 - ``CUVIL_MAX_MESSAGE_BYTES`` (64 MiB): largest gRPC message received or sent.
+- ``CUVIL_START_RETRY_MAX_S`` (60): longest wait between tries of a first load that failed
+  (the wait starts at 1 s and doubles); the sidecar keeps trying until a model serves.
 - ``CUVIL_POLL_INTERVAL_S`` (0): poll ``CUVIL_MODEL`` for a new digest every N seconds
   (0: reload only on SIGHUP).
 - ``CUVIL_GOLDEN_TOLERANCE`` (0.001): start-up golden check, max abs error / output scale.
@@ -130,6 +132,7 @@ class SidecarConfig:
     auth_health: bool = False  # health checks need a token too
     rate_limit: float = 0.0
     rate_burst: int = 0
+    start_retry_max_s: float = 60.0
     load_timeout_s: float = 600.0
     max_tensor_bytes: int = 16 * 2**30  # the defaults of cuvil.artifact.limits.LoadLimits
     max_graph_nodes: int = 100_000
@@ -190,6 +193,7 @@ class SidecarConfig:
             auth_health=_choice(env, "CUVIL_AUTH_HEALTH", {"exempt": False, "required": True}),
             rate_limit=_number(env, "CUVIL_RATE_LIMIT", cls.rate_limit),
             rate_burst=_integer(env, "CUVIL_RATE_BURST", cls.rate_burst, low=0),
+            start_retry_max_s=_number(env, "CUVIL_START_RETRY_MAX_S", cls.start_retry_max_s),
             load_timeout_s=_number(env, "CUVIL_LOAD_TIMEOUT_S", cls.load_timeout_s),
             max_tensor_bytes=_integer(env, "CUVIL_MAX_TENSOR_BYTES", cls.max_tensor_bytes, low=1),
             max_graph_nodes=_integer(env, "CUVIL_MAX_GRAPH_NODES", cls.max_graph_nodes, low=1),

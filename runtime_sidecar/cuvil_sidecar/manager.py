@@ -6,7 +6,8 @@ the swap is one assignment on the event loop: a request that already holds the o
 finishes on it (``ServedModel.retire`` waits for it), every later request gets the new one. A
 new artifact that fails any step is refused, counted and logged; the old model keeps serving.
 
-Reloads are triggered by SIGHUP (reload if the source's digest differs from the served one,
+A first load that fails is tried again with backoff until one succeeds (``start``). Reloads are
+triggered by SIGHUP (reload if the source's digest differs from the served one,
 including a retry of a digest that failed before) or by polling every ``CUVIL_POLL_INTERVAL_S``
 (reload if the digest differs from the last one tried, so a bad artifact is not retried forever).
 """
@@ -172,6 +173,20 @@ class ModelManager:
                 self._retiring.add(task)
                 task.add_done_callback(self._retiring.discard)
             return True
+
+    async def start(self, first_delay_s: float = 1.0, max_delay_s: float = 60.0) -> None:
+        """The first load, tried again with exponential backoff (``first_delay_s`` doubling up
+        to ``max_delay_s``) until a model serves or the sidecar stops: a registry that is down,
+        or an artifact not pushed yet, delays readiness instead of ending it. Each failure says
+        why and when the next try comes (readiness answers 503 with it meanwhile)."""
+        delay = first_delay_s
+        while self.current is None:
+            if await self.load():
+                return
+            log.warning("the first load failed; trying again in %.0f s", delay)
+            self.reason = f"{self.reason} (next try in {delay:.0f} s)"
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, max_delay_s)
 
     async def _within_time_limit(self, work: Callable[[], T]) -> T:
         """``work()`` in its own thread, given up after ``CUVIL_LOAD_TIMEOUT_S``: the event loop

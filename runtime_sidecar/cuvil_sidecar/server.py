@@ -82,7 +82,7 @@ async def serve(config: SidecarConfig) -> None:
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     loop.add_signal_handler(signal.SIGINT, stop.set)
     loop.add_signal_handler(signal.SIGHUP, lambda: spawn(manager.reload_on_signal()))
-    spawn(manager.load())
+    spawn(manager.start(max_delay_s=config.start_retry_max_s))
     if config.poll_interval_s > 0:
         spawn(manager.poll(config.poll_interval_s))
     await stop.wait()
