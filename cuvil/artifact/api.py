@@ -41,11 +41,12 @@ from cuvil.artifact.reference import (
     parse_target_reference,
 )
 from cuvil.artifact.registry_config import RegistryConfig
+from cuvil.artifact.signature_cache import CachedSignatures, RecordingSignatures
 from cuvil.artifact.store import Store, open_store
 from cuvil.artifact.targets import entry_target, select_entry
 
 if TYPE_CHECKING:
-    from cuvil.artifact.trust import TrustSettings
+    from cuvil.artifact.trust import SignatureSource, TrustSettings
 
 ConfigArg = RegistryConfig | str | Path | None
 log = logging.getLogger(__name__)
@@ -221,8 +222,11 @@ def resolve(
         raise RegistryError(
             f"{ref} is not a Cuvil artifact (artifactType {document.get('artifactType')!r})"
         )
-    if trust is not None:
-        trust.check(store, ref, digest)
+    if trust is not None:  # offline: the signatures kept when it was verified, checked again
+        signatures: SignatureSource = (
+            CachedSignatures(cache, ref) if offline else RecordingSignatures(store, cache, ref)
+        )
+        trust.check(signatures, ref, digest)
     try:
         hit = cache.lookup(digest)
     except DigestMismatchError as error:

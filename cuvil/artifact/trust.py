@@ -18,6 +18,7 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from cryptography.hazmat.primitives.asymmetric import ec
 
@@ -47,6 +48,15 @@ log = logging.getLogger(__name__)
 TRUST_POLICIES = ("off", "warn", "require")
 OCI_IMAGE_CONFIG = "application/vnd.oci.image.config.v1+json"
 MAX_SIGNATURES = 64  # signatures read per manifest: a forged .sig manifest cannot stall a node
+
+
+class SignatureSource(Protocol):
+    """What verifying signatures reads: a signature tag's manifest and its payload blobs (a
+    registry's store, or the node cache's copies: signature_cache.py)."""
+
+    def get_manifest(self, reference: str) -> tuple[bytes, str]: ...
+
+    def fetch_blob(self, digest: str, destination: Path) -> int: ...
 
 
 class UntrustedArtifactError(ArtifactError):
@@ -90,7 +100,9 @@ class TrustSettings:
         paths = [p.strip() for p in environ.get("CUVIL_TRUSTED_KEYS", "").split(",") if p.strip()]
         return cls.load(policy, paths)
 
-    def check(self, store: Store, reference: Reference, digest: str) -> list[SignatureCheck]:
+    def check(
+        self, store: SignatureSource, reference: Reference, digest: str
+    ) -> list[SignatureCheck]:
         return verify_by_policy(store, reference, digest, self.policy, self.keys)
 
     def check_path(self, path: str) -> None:
@@ -134,7 +146,7 @@ def sign_manifest(
 
 
 def signature_checks(
-    store: Store, reference: Reference, digest: str, keys: Sequence[TrustedKey]
+    store: SignatureSource, reference: Reference, digest: str, keys: Sequence[TrustedKey]
 ) -> list[SignatureCheck]:
     """Every signature of ``digest``, each checked against ``keys`` (empty: none is there)."""
     checks = []
@@ -144,7 +156,7 @@ def signature_checks(
 
 
 def verify_by_policy(
-    store: Store,
+    store: SignatureSource,
     reference: Reference,
     digest: str,
     policy: str,
@@ -186,7 +198,7 @@ def describe_failures(checks: Sequence[SignatureCheck]) -> str:
 
 
 def _check(
-    store: Store,
+    store: SignatureSource,
     reference: Reference,
     digest: str,
     entry: Mapping[str, object],
@@ -222,7 +234,7 @@ def _signature_of(entry: Mapping[str, object]) -> str:
     return signature if isinstance(signature, str) else ""
 
 
-def _signature_layers(store: Store, digest: str) -> list[dict[str, object]]:
+def _signature_layers(store: SignatureSource, digest: str) -> list[dict[str, object]]:
     """The layers of ``digest``'s signature manifest (at most MAX_SIGNATURES are read)."""
     try:
         data, _ = store.get_manifest(signature_tag(digest))
@@ -235,7 +247,7 @@ def _signature_layers(store: Store, digest: str) -> list[dict[str, object]]:
     return [dict(layer) for layer in layers]
 
 
-def _payload(store: Store, entry: Mapping[str, object]) -> bytes:
+def _payload(store: SignatureSource, entry: Mapping[str, object]) -> bytes:
     size = entry.get("size")
     if not isinstance(size, int) or size > 64 * 1024:
         raise RegistryError(f"signature payload {entry.get('digest')} is too large ({size})")

@@ -1,6 +1,7 @@
 """Start and stay up, with the real Debian docker-registry: a sidecar given a tag starts from its
-node cache while the registry is down (its log says so), and a sidecar whose first load fails
-(the registry down, the tag never pulled here) keeps trying with backoff and becomes ready by
+node cache while the registry is down (its log says so), also when it serves only signed
+artifacts (the kept signatures are verified again); and a sidecar whose first load fails (the
+registry down, the tag never pulled here) keeps trying with backoff and becomes ready by
 itself once the registry is back with the artifact."""
 
 from __future__ import annotations
@@ -68,3 +69,43 @@ def test_a_failed_first_load_is_tried_again_until_it_serves(
         sidecar.stop()
         registry.stop()
     assert log.count("the first load failed; trying again") >= 1, log[-3000:]
+
+
+def test_a_signed_tag_restarts_under_require_while_the_registry_is_down(
+    mlp_artifact: Path, tmp_path: Path
+) -> None:
+    """The signatures verified online are kept in the node cache and verified again offline;
+    a kept payload that was tampered with fails that check."""
+    from cuvil.artifact.signing import load_private_key
+    from cuvil.artifact.trust import sign_reference
+    from tests.fixtures.keys import make_key_pair
+
+    key, public = make_key_pair(tmp_path / "keys", "worker")
+    registry = _registry(tmp_path / "registry")
+    ref = f"{registry.host}/startup/signed:v1"
+    cache = tmp_path / "cache"
+    trust = {"CUVIL_TRUST_POLICY": "require", "CUVIL_TRUSTED_KEYS": str(public),
+             "CUVIL_CACHE_DIR": str(cache), **ENVIRONMENT}  # fmt: skip
+    try:
+        push_artifact(mlp_artifact, ref)
+        sign_reference(ref, load_private_key(key), "cuvil-worker")
+        first = Sidecar(ref, tmp_path / "first.log", **trust)
+        try:
+            first.wait_ready(grpcclient.InferenceServerClient(first.url))
+        finally:
+            first.stop()
+    finally:
+        registry.stop()
+    again = Sidecar(ref, tmp_path / "again.log", **trust)
+    try:
+        again.wait_ready(grpcclient.InferenceServerClient(again.url), timeout_s=120)
+    finally:
+        again.stop()
+    (payload,) = (cache / "signatures").iterdir()
+    payload.write_bytes(payload.read_bytes().replace(b"cuvil-worker", b"someone-else"))
+    tampered = Sidecar(ref, tmp_path / "tampered.log", **trust)
+    try:
+        tampered.wait_until(lambda: "changed since" in readiness(tampered)[1], 60)
+        assert readiness(tampered)[0] == 503
+    finally:
+        tampered.stop()
