@@ -18,11 +18,12 @@ from cuvil_worker.contract import RequestError
 from kombu.exceptions import OperationalError
 from redis.exceptions import RedisError
 
-from cuvil_operator import push_secrets, tracing
+from cuvil_operator import push_secrets, tracing, webhook
 from cuvil_operator.compile_queue import CompileQueue, build_traceparent
 from cuvil_operator.conditions import now_rfc3339
 from cuvil_operator.config import OperatorConfig
 from cuvil_operator.crd import GROUP, PLURAL, VERSION
+from cuvil_operator.injection import MODEL_ANNOTATION
 from cuvil_operator.reconcile_compilation import (
     RETRY_ANNOTATION,
     Notify,
@@ -102,6 +103,8 @@ def on_startup_operator(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: A
     settings.background.cancellation_polling = 1.0
     memo.queue = CompileQueue.from_config(CONFIG)
     memo.kube = push_secrets.connect(settings)
+    if CONFIG.webhook is not None:
+        settings.admission.server = webhook.build_server(CONFIG.webhook)
     tracing.setup()
 
 
@@ -227,6 +230,21 @@ def on_delete_modelcompilation(
         _trace_end(meta, status, "cancelled: the compilation was deleted")
 
 
+def on_mutate_pod(
+    body: kopf.Body, patch: kopf.Patch, warnings: list[str], memo: kopf.Memo, **_: Any
+) -> None:
+    webhook.mutate_pod(body, patch, warnings, CONFIG.injection, webhook.reader(memo.kube))
+
+
+def register_webhook() -> None:
+    """The pod webhook exists only where it is served: kopf refuses to start with admission
+    handlers and no server."""
+    kopf.on.mutate(
+        "v1", "pods", id=webhook.WEBHOOK_ID, operations=["CREATE"],
+        annotations={MODEL_ANNOTATION: kopf.PRESENT},
+    )(on_mutate_pod)  # fmt: skip
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """``--help`` (the settings, from the environment) and ``--version``; nothing else runs."""
     from importlib.metadata import version
@@ -251,6 +269,8 @@ def main(argv: list[str] | None = None) -> None:
     kopf.configure(verbose=CONFIG.verbose, log_format=log_format, log_prefix=True)
     if not CONFIG.verbose:
         logging.getLogger("kopf.objects").addFilter(_QuietTimers())
+    if CONFIG.webhook is not None:
+        register_webhook()
     kopf.run(
         clusterwide=CONFIG.namespace is None,
         namespaces=[CONFIG.namespace] if CONFIG.namespace else [],
