@@ -7,7 +7,8 @@ the manifest digest the compilation serves (``served_ref``), sized by its own an
 
 | annotation | meaning |
 |---|---|
-| ``cuvil.dev/model`` | the ModelCompilation (same namespace) whose promoted artifact is served |
+| ``cuvil.dev/model`` | the ModelCompilation (same namespace) whose promoted artifact is served; |
+| | as a label it also selects the pod for the webhook (``objectSelector`` sees only labels) |
 | ``cuvil.dev/target`` | pin that target's own artifact instead of the index over the targets |
 | ``cuvil.dev/port`` | the gRPC port the app talks to on localhost (default ``CUVIL_GRPC_PORT``) |
 | ``cuvil.dev/cpu`` | the sidecar's CPU request and limit; its torch threads follow the limit |
@@ -110,9 +111,20 @@ def cpu_cores(quantity: str) -> float:
     return number / 1000 if match.group("milli") else number
 
 
-def read_request(annotations: Mapping[str, str]) -> SidecarRequest:
-    """The pod's ``cuvil.dev/*`` annotations, checked; a bad one refuses the pod by name."""
-    model = (annotations.get(MODEL_ANNOTATION) or "").strip()
+def wants_sidecar(meta: Mapping[str, Any]) -> bool:
+    """The pod names a compilation, by label or annotation."""
+    return bool((meta.get("labels") or {}).get(MODEL_ANNOTATION)) or bool(
+        (meta.get("annotations") or {}).get(MODEL_ANNOTATION)
+    )
+
+
+def read_request(
+    annotations: Mapping[str, str], labels: Mapping[str, str] | None = None
+) -> SidecarRequest:
+    """The pod's ``cuvil.dev/*`` annotations (the model may be a label instead), checked; a bad
+    one refuses the pod by name."""
+    model = annotations.get(MODEL_ANNOTATION) or (labels or {}).get(MODEL_ANNOTATION) or ""
+    model = model.strip()
     if not _DNS_SUBDOMAIN.match(model):
         raise InjectionRefused(f"{MODEL_ANNOTATION} {model!r} is not a ModelCompilation name")
     port_text = annotations.get("cuvil.dev/port")

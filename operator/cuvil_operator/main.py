@@ -23,7 +23,6 @@ from cuvil_operator.compile_queue import CompileQueue, build_traceparent
 from cuvil_operator.conditions import now_rfc3339
 from cuvil_operator.config import OperatorConfig
 from cuvil_operator.crd import GROUP, PLURAL, VERSION
-from cuvil_operator.injection import MODEL_ANNOTATION
 from cuvil_operator.reconcile_compilation import (
     RETRY_ANNOTATION,
     Notify,
@@ -238,11 +237,9 @@ def on_mutate_pod(
 
 def register_webhook() -> None:
     """The pod webhook exists only where it is served: kopf refuses to start with admission
-    handlers and no server."""
-    kopf.on.mutate(
-        "v1", "pods", id=webhook.WEBHOOK_ID, operations=["CREATE"],
-        annotations={MODEL_ANNOTATION: kopf.PRESENT},
-    )(on_mutate_pod)  # fmt: skip
+    handlers and no server. Pods naming no compilation (by label or annotation) pass as
+    they are."""
+    kopf.on.mutate("v1", "pods", id=webhook.WEBHOOK_ID, operations=["CREATE"])(on_mutate_pod)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

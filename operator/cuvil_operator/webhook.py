@@ -28,6 +28,7 @@ from cuvil_operator.injection import (
     build_pod_patch,
     read_request,
     served_ref,
+    wants_sidecar,
 )
 from cuvil_operator.push_secrets import get_json
 
@@ -110,9 +111,11 @@ def mutate_pod(
     """Add the sidecar to the admitted pod through kopf's ``patch``; refuse it (403, the
     message naming the annotation or the compilation) when it cannot be served."""
     meta = body.get("metadata") or {}
+    if not wants_sidecar(meta):
+        return
     namespace = str(meta.get("namespace") or "default")
     try:
-        request = read_request(meta.get("annotations") or {})
+        request = read_request(meta.get("annotations") or {}, meta.get("labels") or {})
     except InjectionRefused as e:
         raise kopf.AdmissionError(f"cuvil sidecar: {e}", code=400) from None
     try:

@@ -205,6 +205,15 @@ def test_an_annotated_pod_gets_the_pinned_sidecar_over_https(
     artifact = next(a for a in status["artifacts"] if a["target"] == "cpu-x86_64")
     assert {"name": "CUVIL_MODEL", "value": artifact["ref"]} in sidecar["env"]
 
+    # The label the chart's objectSelector matches names the compilation as well.
+    pod = _pod()
+    pod["metadata"]["labels"] = {"cuvil.dev/model": "minilm-two-targets"}
+    patched = _patched(pod, webhook.review(pod))
+    assert patched["metadata"]["annotations"]["cuvil.dev/injected"] == status["index"]["ref"]
+    # A pod naming no compilation passes as it is.
+    response = webhook.review(_pod(team="a"))
+    assert response["allowed"] is True and "patch" not in response
+
 
 def test_a_pod_naming_a_missing_or_unfinished_compilation_is_refused(
     kube_api: KubeApi, redis_server: RedisServer, webhook: Webhook
