@@ -8,10 +8,11 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from cuvil_operator.injection import InjectionSettings
+import yaml
+from cuvil_operator.injection import InjectionSettings, read_request
 from cuvil_operator.webhook import WEBHOOK_ID, WebhookSettings
 
-from tests.charts.conftest import CHART, NAMESPACE, Render
+from tests.charts.conftest import CHART, NAMESPACE, ROOT, Render
 
 INJECTION = CHART / "ci" / "injection-values.yaml"
 
@@ -123,3 +124,18 @@ def test_injected_sidecars_get_the_sidecar_settings_the_configmap_holds(render: 
     assert settings.unserved == "admit" and settings.cache_host_path == "/var/cache/cuvil"
     assert settings.registry_secret == "registry-pull"
     assert settings.image.startswith("ghcr.io/cuvil/cuvil-sidecar:")
+
+
+def test_example_app_is_valid_and_selected_by_the_webhook(tmp_path: Path) -> None:
+    example = ROOT / "examples" / "apps" / "minilm-app.yaml"
+    checked = subprocess.run(
+        [str(ROOT / ".venv" / "bin" / "kubernetes-validate"), "--strict", str(example)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    template = yaml.safe_load(example.read_text())["spec"]["template"]
+    request = read_request(template["metadata"]["annotations"], template["metadata"]["labels"])
+    assert request.model == "minilm-cpu" and request.threads == 2
+    compilation = yaml.safe_load((ROOT / "examples" / "minilm-cpu.yaml").read_text())
+    assert compilation["metadata"]["name"] == request.model
+    assert request.target in compilation["spec"]["targets"]
