@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # annotations only: the seam itself imports no torch (compile
     from cuvil.ir import Graph
     from cuvil.runtime.kernels import KernelFactory
     from cuvil.runtime.model import CompiledModel
-    from cuvil.runtime.plan import ExecutionPlan, PlanRunner
+    from cuvil.runtime.plan import PlanRunner
 
 
 @dataclass(frozen=True)
@@ -61,8 +61,8 @@ class Backend(Protocol):
         """Factories from a kernels layer, for the plan of a loaded model."""
         ...
 
-    def runner(self, plan: ExecutionPlan) -> PlanRunner:
-        """What runs a loaded model's calls: ``plan`` itself, or a wrapper of the backend's."""
+    def runner(self, model: CompiledModel) -> PlanRunner:
+        """What runs a loaded model's calls: its plan, or a wrapper of the backend's."""
         ...
 
     def prepare(self, model: CompiledModel, inputs: Mapping[str, torch.Tensor]) -> int:

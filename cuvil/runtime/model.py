@@ -36,8 +36,8 @@ class CompiledModel:
             **self.backend.load_kernels(unpack_kernels(contents.kernels)),
         }
         self.plan = ExecutionPlan(contents.graph, contents.weights, self.device, factories)
-        self.runner = self.backend.runner(self.plan)
         self._output_spec = output_spec  # the model's own output structure, when known
+        self.runner = self.backend.runner(self)
 
     @property
     def graph(self) -> Graph:

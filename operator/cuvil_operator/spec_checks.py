@@ -90,8 +90,11 @@ def check_targets(spec: Mapping[str, Any]) -> list[SpecProblem]:
     ]
     if len(set(targets)) != len(targets):
         problems.append(SpecProblem("spec.targets", "a target is listed twice"))
-    if spec.get("precision") == "fp16" and any(str(t).startswith("cpu") for t in targets):
-        problems.append(SpecProblem("spec.precision", "fp16 is for cuda targets; use bf16 on cpu"))
+    precision = spec.get("precision")
+    if precision in ("fp16", "tf32") and any(str(t).startswith("cpu") for t in targets):
+        problems.append(
+            SpecProblem("spec.precision", f"{precision} is for cuda targets; use bf16 on cpu")
+        )
     return problems
 
 

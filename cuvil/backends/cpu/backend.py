@@ -25,7 +25,7 @@ from cuvil.targets import Target
 if TYPE_CHECKING:
     from cuvil.ir import Graph
     from cuvil.runtime.model import CompiledModel
-    from cuvil.runtime.plan import ExecutionPlan, PlanRunner
+    from cuvil.runtime.plan import PlanRunner
 
 SETTLE_RUNS = trial_length(3) + 1  # up to three candidates
 
@@ -59,8 +59,8 @@ class CpuBackend:
     def load_kernels(self, files: Mapping[str, bytes]) -> Mapping[str, KernelFactory]:
         return {}
 
-    def runner(self, plan: ExecutionPlan) -> PlanRunner:
-        return plan
+    def runner(self, model: CompiledModel) -> PlanRunner:
+        return model.plan
 
     def prepare(self, model: CompiledModel, inputs: Mapping[str, torch.Tensor]) -> int:
         """Run these inputs until every kernel choice they meet is made: from then on, calls at

@@ -36,7 +36,7 @@ from cuvil.targets import CUDA_ARCHES, Target
 if TYPE_CHECKING:
     from cuvil.ir import Graph
     from cuvil.runtime.model import CompiledModel
-    from cuvil.runtime.plan import ExecutionPlan, PlanRunner
+    from cuvil.runtime.plan import PlanRunner
 
 EPILOGUES = frozenset({"add_act", "act", "add", "plain"})
 LOWERING = Lowering(
@@ -46,7 +46,7 @@ LOWERING = Lowering(
     # NCHW: cuDNN takes either layout, and the transposes at the borders would be extra kernels
     channels_last=False,
     sibling_linears=False,  # a merged GEMM's outputs are strided slices the templates copy
-    precisions=("fp32", "bf16", "fp16"),
+    precisions=("fp32", "bf16", "fp16", "tf32"),
 )
 TEMPLATED = (
     fused.RMS_NORM,
@@ -152,13 +152,14 @@ class CudaBackend:
             lambda manifests, data: dict(load_gpu_kernels(manifests, data, self.device)),
         )
 
-    def runner(self, plan: ExecutionPlan) -> PlanRunner:
-        """On a GPU, the plan through CUDA graphs per input shape (graphs.py)."""
+    def runner(self, model: CompiledModel) -> PlanRunner:
+        """On a GPU, the plan through CUDA graphs per input shape (graphs.py), with TF32 only
+        where the model was compiled at precision tf32."""
         if self.executor == "interpreter":
-            return plan
+            return model.plan
         from cuvil.backends.cuda.graphs import GraphedPlan
 
-        return GraphedPlan(plan)
+        return GraphedPlan(model.plan, allow_tf32=model.config.get("precision") == "tf32")
 
     def prepare(self, model: CompiledModel, inputs: Mapping[str, torch.Tensor]) -> int:
         """On a GPU: capture this shape's CUDA graph (after two warm-up runs). The interpreter

@@ -3,8 +3,9 @@
 GEMMs and convolutions through ATen (cuBLAS, cuDNN) in between — torch and the NVIDIA driver
 are all it needs (no Triton, no compiler).
 
-fp32 plans compute in fp32 on the GPU as they were verified: TF32 is off for cuBLAS and cuDNN
-while the plan runs (``fp32_math``; torch's own defaults let cuDNN use it).
+Plans compute in fp32 on the GPU as they were verified: TF32 is off for cuBLAS and cuDNN while
+the plan runs (``gpu_math``; torch's own defaults let cuDNN use it), unless the model was
+compiled at precision tf32.
 """
 
 from __future__ import annotations
@@ -23,11 +24,11 @@ log = logging.getLogger("cuvil.backends.cuda")
 
 
 @contextmanager
-def fp32_math() -> Iterator[None]:
-    """cuBLAS and cuDNN without TF32 for the block (restored after)."""
+def gpu_math(allow_tf32: bool = False) -> Iterator[None]:
+    """cuBLAS and cuDNN with TF32 allowed or not for the block (restored after)."""
     matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
     saved = (matmul.allow_tf32, cudnn.allow_tf32)
-    matmul.allow_tf32 = cudnn.allow_tf32 = False
+    matmul.allow_tf32 = cudnn.allow_tf32 = allow_tf32
     try:
         yield
     finally:

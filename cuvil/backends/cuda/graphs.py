@@ -8,7 +8,9 @@ before that, calls run the plan directly. The latest ``CAPACITY`` shapes keep th
 Each graph has its own static inputs and outputs and a lock: a call copies its inputs in
 (device to device for GPU tensors: no host round trip), replays, and returns clones of the
 outputs, so callers never see a later call's values. Shape-only values the plan cached for the
-shape (shape_cache.py) are held by the graph, which reads their memory.
+shape (shape_cache.py) are held by the graph, which reads their memory. The capture itself is
+a parameter (``cuda_capture`` on a GPU), so this bookkeeping is tested on the CPU with a
+stand-in graph that replays by running the plan into the captured outputs.
 """
 
 from __future__ import annotations
@@ -16,13 +18,13 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter, OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from cuvil.backends.cuda.gpu import fp32_math
+from cuvil.backends.cuda.gpu import gpu_math
 from cuvil.runtime.plan import ExecutionPlan
 
 CAPACITY = 32
@@ -37,9 +39,37 @@ def shape_key(inputs: Mapping[str, torch.Tensor]) -> ShapeKey:
     return tuple((name, tuple(t.shape), t.dtype) for name, t in sorted(inputs.items()))
 
 
+class Replayable(Protocol):
+    def replay(self) -> None: ...
+
+
+# (device, the call to capture) -> the graph and the outputs its replays write into
+CaptureFn = Callable[
+    [torch.device, Callable[[], dict[str, Any]]], tuple[Replayable, dict[str, Any]]
+]
+
+
+def cuda_capture(
+    device: torch.device, run: Callable[[], dict[str, Any]]
+) -> tuple[Replayable, dict[str, Any]]:
+    """Warm-up runs on a side stream (cuBLAS workspaces, cuDNN plans, the plan's shape cache),
+    then one run captured into a CUDA graph."""
+    current = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        for _ in range(WARMUP_RUNS):
+            run()
+    current.wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        outputs = run()
+    return graph, outputs
+
+
 @dataclass
 class Captured:
-    graph: torch.cuda.CUDAGraph
+    graph: Replayable
     inputs: dict[str, torch.Tensor]
     outputs: dict[str, Any]
     held: Any  # the plan's cached shape-only values the graph reads
@@ -59,8 +89,12 @@ class Captured:
 class GraphedPlan:
     """``ExecutionPlan.run`` through CUDA graphs (see the module docstring)."""
 
-    def __init__(self, plan: ExecutionPlan) -> None:
+    def __init__(
+        self, plan: ExecutionPlan, *, allow_tf32: bool = False, capture: CaptureFn = cuda_capture
+    ) -> None:
         self.plan = plan
+        self.allow_tf32 = allow_tf32
+        self._capture = capture
         self.device = plan.device
         self._graphs: OrderedDict[ShapeKey, Captured] = OrderedDict()
         self._calls: Counter[ShapeKey] = Counter()
@@ -83,7 +117,7 @@ class GraphedPlan:
             if self._calls[key] >= CAPTURE_AFTER and key not in self.uncaptured:
                 captured = self.try_capture(inputs, symbols)
             if captured is None:
-                with fp32_math():
+                with gpu_math(self.allow_tf32):
                     return self.plan.run(inputs, symbols)
         return captured.replay(inputs)
 
@@ -108,17 +142,8 @@ class GraphedPlan:
             name: torch.empty(t.shape, dtype=t.dtype, device=self.device).copy_(t)
             for name, t in inputs.items()
         }
-        current = torch.cuda.current_stream(self.device)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(current)
-        with fp32_math(), torch.inference_mode():
-            with torch.cuda.stream(side):
-                for _ in range(WARMUP_RUNS):
-                    self.plan.run(static, symbols)
-            current.wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                outputs = self.plan.run(static, symbols)
+        with gpu_math(self.allow_tf32), torch.inference_mode():
+            graph, outputs = self._capture(self.device, lambda: self.plan.run(static, symbols))
         held = self.plan.shape_cache.get(self.plan.shape_cache.key(symbols))
         captured = Captured(graph, static, dict(outputs), held)
         with self._lock:

@@ -27,6 +27,7 @@ from cuvil.backends.cuda.codegen import (
     run_compiler,
 )
 from cuvil.backends.cuda.cubin import read_cubin
+from cuvil.backends.cuda.driver import parameter_bytes
 from cuvil.backends.cuda.ptx import PtxError, check_entry, entry_params
 from cuvil.backends.cuda.specs import KernelSpec
 from cuvil.fused_ops import RMS_NORM
@@ -38,6 +39,7 @@ GOLDEN = Path(__file__).parent / "golden"
 GOLDEN_RMS_NORM = GOLDEN / "rms_norm_f32_n64.sm_90.json"
 TEMPLATES = {"rms_norm_rows", "layer_norm_rows", "bias_act_residual", "rope_rows"}
 TEMPLATES |= {"attention_blocks"}
+PTX_BYTES = {"u64": 8, "b64": 8, "s64": 8, "u32": 4, "b32": 4, "s32": 4, "f32": 4}
 
 
 def _rms_norm_graph() -> tuple[object, dict[str, torch.Tensor]]:
@@ -126,7 +128,8 @@ def test_the_ptx_fallback_takes_the_manifests_parameters(block_layer: dict[str, 
         ptx = block_layer[manifest["ptx"]].decode()
         assert ".target sm_80" in ptx and ".version 8.8" in ptx
         declared = entry_params(ptx, manifest["ptx_symbol"])
-        assert len(declared) == len(manifest["params"])
+        packed = [parameter_bytes(param["type"]) for param in manifest["params"]]
+        assert packed == [PTX_BYTES[kind] for kind in declared]  # what the launcher packs
         wrong = manifest | {"params": [*manifest["params"][:-1], {"name": "x", "type": "fp32"}]}
         with pytest.raises(PtxError, match=r"is fp32 in the manifest and \.u64 in the PTX"):
             check_entry(ptx, manifest["ptx_symbol"], wrong)

@@ -63,7 +63,7 @@ def test_every_batch_size_gets_its_own_graph() -> None:
     assert len(compiled.execution()["cuda_graphs"]) == 3
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("precision", ["bf16", "fp16", "tf32"])
 def test_low_precisions_stay_within_budget_on_the_gpu(precision: str) -> None:
     torch.manual_seed(2)
     model, x = NormMLP().eval(), torch.randn(8, 32)
