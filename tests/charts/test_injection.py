@@ -13,6 +13,7 @@ from cuvil_operator.injection import InjectionSettings, read_request
 from cuvil_operator.webhook import WEBHOOK_ID, WebhookSettings
 
 from tests.charts.conftest import CHART, NAMESPACE, ROOT, Render
+from tests.fixtures.validate import validate_strict
 
 INJECTION = CHART / "ci" / "injection-values.yaml"
 
@@ -128,10 +129,7 @@ def test_injected_sidecars_get_the_sidecar_settings_the_configmap_holds(render: 
 
 def test_example_app_is_valid_and_selected_by_the_webhook(tmp_path: Path) -> None:
     example = ROOT / "examples" / "apps" / "minilm-app.yaml"
-    checked = subprocess.run(
-        [str(ROOT / ".venv" / "bin" / "kubernetes-validate"), "--strict", str(example)],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    checked = validate_strict(example)
     assert checked.returncode == 0, checked.stdout + checked.stderr
     template = yaml.safe_load(example.read_text())["spec"]["template"]
     request = read_request(template["metadata"]["annotations"], template["metadata"]["labels"])

@@ -22,9 +22,10 @@ import yaml
 from cuvil_operator.injection import CONTAINER_NAME
 
 from tests.cuvil_operator.conftest import Operator, StubWorker, celery_env, get_mc, wait_for
-from tests.fixtures.kube import REPO, KubeApi
+from tests.fixtures.kube import KubeApi
 from tests.fixtures.ports import free_port
 from tests.fixtures.redis import RedisServer
+from tests.fixtures.validate import validate_strict
 
 SIDECAR_ENV = {"CUVIL_METRICS_PORT": "8002", "OTEL_SERVICE_NAME": "cuvil-sidecar"}
 
@@ -152,12 +153,7 @@ def _validate_strict(pod: dict[str, Any], tmp_path: Path) -> None:
     named["metadata"].pop("generateName")
     manifest = tmp_path / "pod.yaml"
     manifest.write_text(yaml.safe_dump(named))
-    checked = subprocess.run(
-        [str(REPO / ".venv" / "bin" / "kubernetes-validate"), "--strict", str(manifest)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    checked = validate_strict(manifest)
     assert checked.returncode == 0, checked.stdout + checked.stderr
 
 
