@@ -387,6 +387,20 @@ def build_served_schema(description: str) -> dict[str, Any]:
                 "additionalProperties": {"type": "string", "description": "Reference."},
             },
             "since": _string("When it was promoted.", format="date-time"),
+            "awaiting": {
+                "type": "object",
+                "description": "A candidate's deferred gates: target -> gate -> limit.",
+                "additionalProperties": {
+                    "type": "object",
+                    "description": "Gate -> limit.",
+                    "additionalProperties": {"type": "number", "description": "The limit."},
+                },
+            },
+            "measured": {
+                "type": "object",
+                "description": "A candidate's measurements so far (cuvil.dev/measurement).",
+                "x-kubernetes-preserve-unknown-fields": True,
+            },
         },
     )
 

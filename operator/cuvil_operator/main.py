@@ -23,6 +23,7 @@ from cuvil_operator.compile_queue import CompileQueue, build_traceparent
 from cuvil_operator.conditions import now_rfc3339
 from cuvil_operator.config import OperatorConfig
 from cuvil_operator.crd import GROUP, PLURAL, VERSION
+from cuvil_operator.promotion import MEASUREMENT_ANNOTATION, reconcile_measurement
 from cuvil_operator.reconcile_compilation import (
     RETRY_ANNOTATION,
     Notify,
@@ -192,6 +193,15 @@ def on_retry_modelcompilation(
             meta, spec, status, memo.queue, _notify(body), now_rfc3339(), _reader(memo)
         )
     _write_status(patch, flow)
+
+
+@kopf.on.update(*RESOURCE, field=("metadata", "annotations", MEASUREMENT_ANNOTATION))
+def on_measurement_modelcompilation(
+    body: kopf.Body, meta: kopf.Meta, status: kopf.Status, patch: kopf.Patch, **_: Any
+) -> None:
+    text = str((meta.get("annotations") or {}).get(MEASUREMENT_ANNOTATION) or "")
+    if text:
+        _write_status(patch, reconcile_measurement(status, text, _notify(body), now_rfc3339()))
 
 
 @kopf.timer(*RESOURCE, interval=CONFIG.poll_interval, when=_is_following)

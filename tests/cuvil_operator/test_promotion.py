@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
+import pytest
 from cuvil_operator.conditions import get_condition
-from cuvil_operator.promotion import with_promotion
+from cuvil_operator.promotion import reconcile_measurement, with_promotion
 from cuvil_operator.status import build_progress_status
 
 T1, T2 = "2026-12-02T01:00:00Z", "2026-12-02T01:05:00Z"
@@ -76,3 +78,75 @@ def test_a_failed_generation_leaves_the_promoted_one_and_says_so() -> None:
 def test_phases_before_the_end_change_nothing() -> None:
     patch = build_progress_status({"phase": "Pending"}, 1, {"phase": "Compiling"}, T1)
     assert with_promotion({}, dict(patch), 1, T1) == patch
+
+
+def _awaiting(status: dict[str, Any], *targets: str) -> dict[str, Any]:
+    """A candidate for generation 2 whose CUDA targets' speed gates wait for a measurement."""
+    report = {t: MEASURED if t.startswith("cpu") else DEFERRED for t in targets}
+    return _finish(status, 2, _result("sha256:two", report))
+
+
+def _measure(status: dict[str, Any], **measurement: Any) -> tuple[Any, list[tuple[str, str]]]:
+    events: list[tuple[str, str]] = []
+    notify = lambda type_, reason, message: events.append((reason, message))  # noqa: E731
+    text = json.dumps({"generation": 2, **measurement})
+    return reconcile_measurement(status, text, notify, T2), events
+
+
+ONE = {"generation": 1, "ref": f"{REPO}@sha256:one", "digest": "sha256:one"}
+
+
+def test_a_measurement_that_meets_the_deferred_gates_promotes_the_candidate() -> None:
+    status = {"phase": "Validating", "promoted": ONE}
+    status |= _awaiting(status, "cpu-x86_64", "cuda-sm_90")
+    assert status["candidate"]["awaiting"] == {"cuda-sm_90": {"minSpeedup": 1.2}}
+    patch, events = _measure(status, target="cuda-sm_90", speedup=1.9, node="gpu-a")
+    assert patch["candidate"] is None
+    assert patch["promoted"]["generation"] == 2 and patch["promoted"]["digest"] == "sha256:two"
+    assert "awaiting" not in patch["promoted"]
+    condition = get_condition(patch["conditions"], "Promoted")
+    assert condition is not None and condition["status"] == "True"
+    assert condition["reason"] == "MeasuredOnNode" and "on node gpu-a" in condition["message"]
+    assert [reason for reason, _ in events] == ["Promoted"]
+
+
+def test_a_measurement_that_misses_a_gate_rejects_the_candidate() -> None:
+    status = {"phase": "Validating", "promoted": ONE}
+    status |= _awaiting(status, "cuda-sm_90")
+    patch, events = _measure(status, target="cuda-sm_90", speedup=0.7)
+    assert "promoted" not in patch and patch["candidate"] is None
+    condition = get_condition(patch["conditions"], "Promoted")
+    assert condition is not None and condition["reason"] == "MeasurementFailed"
+    assert "minSpeedup measured 0.7, required >= 1.2" in condition["message"]
+    assert "generation 1 (sha256:one) stays served" in condition["message"]
+    assert events[0][0] == "MeasurementFailed"
+
+
+def test_every_awaited_target_must_be_measured() -> None:
+    status = _awaiting({"phase": "Validating"}, "cuda-sm_80", "cuda-sm_90")
+    patch, _ = _measure(status, target="cuda-sm_80", speedup=1.5)
+    assert "promoted" not in patch
+    assert patch["candidate"]["measured"]["cuda-sm_80"]["speedup"] == 1.5
+    condition = get_condition(patch["conditions"], "Promoted")
+    assert condition is not None and "awaiting cuda-sm_90" in condition["message"]
+    patch, _ = _measure({**status, **patch}, target="cuda-sm_90", speedup=1.3)
+    assert patch["promoted"]["generation"] == 2
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("not json", "is not JSON"),
+        ('{"generation": 1, "target": "cuda-sm_90", "speedup": 2}', "measures generation 1"),
+        ('{"generation": 2, "target": "cpu-x86_64", "speedup": 2}', "awaits no measurement"),
+        ('{"generation": 2, "target": "cuda-sm_90"}', "needs a number speedup"),
+    ],
+)
+def test_a_measurement_that_does_not_fit_changes_nothing_and_says_why(
+    text: str, message: str
+) -> None:
+    status = _awaiting({"phase": "Validating"}, "cpu-x86_64", "cuda-sm_90")
+    events: list[tuple[str, str]] = []
+    notify = lambda type_, reason, text_: events.append((reason, text_))  # noqa: E731
+    assert reconcile_measurement(status, text, notify, T2) is None
+    assert events[0][0] == "MeasurementIgnored" and message in events[0][1]
