@@ -365,6 +365,18 @@ def build_status_schema() -> dict[str, Any]:
                 "x-kubernetes-preserve-unknown-fields": True,
             },
             "message": _string("Last notable message (errors name the spec field)."),
+            "serving": {
+                "type": "array",
+                "description": "Pods with an injected sidecar, per pinned reference.",
+                "items": _object(
+                    "The pods pinned to one reference.",
+                    {
+                        "ref": _string("The reference, pinned by digest."),
+                        "pods": {"type": "integer", "minimum": 0, "description": "Pods."},
+                        "ready": {"type": "integer", "minimum": 0, "description": "Ready pods."},
+                    },
+                ),
+            },
             "promoted": build_served_schema("The generation served: its gates passed."),
             "candidate": build_served_schema(
                 "A succeeded generation whose speed gates wait for a measurement where it runs."

@@ -18,11 +18,12 @@ from cuvil_worker.contract import RequestError
 from kombu.exceptions import OperationalError
 from redis.exceptions import RedisError
 
-from cuvil_operator import push_secrets, tracing, webhook
+from cuvil_operator import push_secrets, serving, tracing, webhook
 from cuvil_operator.compile_queue import CompileQueue, build_traceparent
 from cuvil_operator.conditions import now_rfc3339
 from cuvil_operator.config import OperatorConfig
 from cuvil_operator.crd import GROUP, PLURAL, VERSION
+from cuvil_operator.injection import MODEL_ANNOTATION
 from cuvil_operator.promotion import MEASUREMENT_ANNOTATION, reconcile_measurement
 from cuvil_operator.reconcile_compilation import (
     RETRY_ANNOTATION,
@@ -60,11 +61,12 @@ def _notify(body: kopf.Body) -> Notify:
 
 
 class _QuietTimers(logging.Filter):
-    """Drops kopf's line per successful progress poll (one per poll interval per object);
-    what a poll changed is logged by ``_notify``."""
+    """Drops kopf's line per successful progress poll or serving count (one per interval per
+    object); what a poll changed is logged by ``_notify``."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("Timer 'on_timer_modelcompilation' succeeded")
+        message = str(record.msg)
+        return not (message.startswith("Timer 'on_timer_") and message.endswith("succeeded."))
 
 
 def _write_status(patch: kopf.Patch, status: dict[str, Any] | None) -> None:
@@ -245,11 +247,25 @@ def on_mutate_pod(
     webhook.mutate_pod(body, patch, warnings, CONFIG.injection, webhook.reader(memo.kube))
 
 
+def served_pods(meta: kopf.Meta, status: kopf.Status, **_: Any) -> dict[Any, Any] | None:
+    return serving.index_pod(meta, status)
+
+
+def on_timer_serving(
+    meta: kopf.Meta, status: kopf.Status, patch: kopf.Patch, **kwargs: Any
+) -> None:
+    index: kopf.Index[Any, Any] = kwargs["served_pods"]  # kopf passes indices by name
+    pods: list[Any] = list(index.get((meta.get("namespace"), meta["name"]), []))
+    _write_status(patch, serving.serving_patch(status, pods))
+
+
 def register_webhook() -> None:
     """The pod webhook exists only where it is served: kopf refuses to start with admission
     handlers and no server. Pods naming no compilation (by label or annotation) pass as
-    they are."""
+    they are. With it, the labelled pods are indexed and counted into status.serving."""
     kopf.on.mutate("v1", "pods", id=webhook.WEBHOOK_ID, operations=["CREATE"])(on_mutate_pod)
+    kopf.index("v1", "pods", labels={MODEL_ANNOTATION: kopf.PRESENT})(served_pods)
+    kopf.timer(*RESOURCE, interval=max(1.0, CONFIG.poll_interval))(on_timer_serving)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

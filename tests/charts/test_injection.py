@@ -30,10 +30,24 @@ def _operator_env(manifests: list[dict[str, Any]]) -> dict[str, str]:
     return {e["name"]: e["value"] for e in container["env"] if "value" in e}
 
 
+def _grants_pods(manifests: list[dict[str, Any]]) -> bool:
+    return any(
+        "pods" in rule["resources"]
+        for m in manifests
+        if m["kind"] in ("Role", "ClusterRole")
+        for rule in m["rules"]
+    )
+
+
 def test_off_by_default(render: Render) -> None:
     manifests = render()
     assert not [m for m in manifests if m["kind"] == "MutatingWebhookConfiguration"]
     assert "CUVIL_WEBHOOK_LISTEN" not in _operator_env(manifests)
+    assert not _grants_pods(manifests)
+
+
+def test_on_the_operator_may_watch_pods_to_count_where_models_are_served(render: Render) -> None:
+    assert _grants_pods(render(INJECTION))
 
 
 def test_webhook_configuration_selects_labelled_pods_and_reaches_the_operator(

@@ -195,6 +195,27 @@ def test_an_annotated_pod_gets_the_pinned_sidecar_over_https(
     assert patched["metadata"]["annotations"]["cuvil.dev/injected"] == env["CUVIL_MODEL"]
     _validate_strict(patched, tmp_path)
 
+    # The admitted pods are counted where the compilation says it is served.
+    for name, ready in (("app-1", "True"), ("app-2", "False")):
+        created = {**patched, "metadata": {**patched["metadata"], "name": name,
+                                           "namespace": "default"}}  # fmt: skip
+        created["metadata"]["labels"] = {"cuvil.dev/model": "minilm-two-targets"}
+        kube_api.create("v1", "pods", created)
+        kube_api.request(
+            "PATCH", kube_api.path("v1", "pods", "default", name) + "/status",
+            {"status": {"phase": "Running", "conditions": [{"type": "Ready", "status": ready}]}},
+            content_type="application/merge-patch+json",
+        )  # fmt: skip
+    serving = [{"ref": env["CUVIL_MODEL"], "pods": 2, "ready": 1}]
+    wait_for(
+        lambda: (
+            (get_mc(kube_api, "minilm-two-targets") or {}).get("status", {}).get("serving")
+            == serving
+        ),
+        30,
+        "status.serving to count the pods",
+    )
+
     # A named target pins that target's own manifest.
     pod = _pod(**{"cuvil.dev/model": "minilm-two-targets", "cuvil.dev/target": "cpu-x86_64"})
     sidecar = _patched(pod, webhook.review(pod))["spec"]["containers"][1]
