@@ -30,6 +30,8 @@ MODEL_ANNOTATION = "cuvil.dev/model"
 INJECTED_ANNOTATION = "cuvil.dev/injected"  # the reference the sidecar was pinned to
 CONTAINER_NAME = "cuvil-sidecar"
 SIDECAR_UID = 10001
+SERVE_DIR = "/etc/cuvil/serve"  # the pod's cuvil.dev/injected annotation, as file "ref"
+DEFAULT_POLL_S = "15"  # how often a sidecar checks that file for a newly promoted digest
 REFUSE, ADMIT = "refuse", "admit"
 DIGEST_REF = re.compile(r"^[^@\s]+@sha256:[0-9a-f]{64}$")
 _CPU = re.compile(r"^(?P<number>[0-9]+(\.[0-9]+)?)(?P<milli>m?)$")
@@ -155,7 +157,13 @@ def served_ref(compilation: Mapping[str, Any] | None, request: SidecarRequest) -
         raise InjectionRefused(f"{where} does not exist in the pod's namespace")
     status = compilation.get("status") or {}
     served = status.get("promoted") or {}
-    if not served and status.get("phase") == "Succeeded":
+    candidate = status.get("candidate") or {}
+    if not served and candidate:
+        raise InjectionRefused(
+            f"{where} promotes nothing yet: generation {candidate.get('generation')} awaits a"
+            " measurement of its speed gates (its Promoted condition says which)"
+        )
+    if not served and status.get("phase") == "Succeeded":  # no promotion recorded: its index
         served = {
             "ref": (status.get("index") or {}).get("ref"),
             "targets": {a.get("target"): a.get("ref") for a in status.get("artifacts") or []},
@@ -190,6 +198,9 @@ def build_sidecar_container(
     """The sidecar container: pinned model, probes on its health endpoints, threads from its
     CPU limit, non-root with a read-only root filesystem."""
     env = {**settings.env, "CUVIL_MODEL": ref, "HOME": "/tmp"}
+    env["CUVIL_MODEL_FILE"] = f"{SERVE_DIR}/ref"  # the operator moves it on a promotion
+    if float(env.get("CUVIL_POLL_INTERVAL_S") or 0) <= 0:
+        env["CUVIL_POLL_INTERVAL_S"] = DEFAULT_POLL_S
     env.setdefault("CUVIL_CACHE_DIR", "/var/cache/cuvil")
     if request.port is not None:
         env["CUVIL_GRPC_PORT"] = str(request.port)
@@ -216,6 +227,7 @@ def build_sidecar_container(
         "volumeMounts": [
             {"name": "cuvil-cache", "mountPath": env["CUVIL_CACHE_DIR"]},
             {"name": "cuvil-tmp", "mountPath": "/tmp"},
+            {"name": "cuvil-serve", "mountPath": SERVE_DIR, "readOnly": True},
         ],
     }
     if metrics_port:
@@ -245,11 +257,18 @@ def build_sidecar_volumes(
     request: SidecarRequest, settings: InjectionSettings
 ) -> list[dict[str, Any]]:
     """The volumes the sidecar mounts: the node cache (a host folder when the chart names
-    one, so the node's pods pull an artifact once), scratch, shared memory, pull credentials."""
+    one, so the node's pods pull an artifact once), scratch, the reference to serve (the pod's
+    ``cuvil.dev/injected`` annotation, which the kubelet rewrites when the operator moves it),
+    shared memory, pull credentials."""
     cache: dict[str, Any] = {"emptyDir": {}}
     if settings.cache_host_path:
         cache = {"hostPath": {"path": settings.cache_host_path, "type": "DirectoryOrCreate"}}
-    volumes = [{"name": "cuvil-cache", **cache}, {"name": "cuvil-tmp", "emptyDir": {}}]
+    annotation = {"fieldRef": {"fieldPath": f"metadata.annotations['{INJECTED_ANNOTATION}']"}}
+    volumes = [
+        {"name": "cuvil-cache", **cache},
+        {"name": "cuvil-tmp", "emptyDir": {}},
+        {"name": "cuvil-serve", "downwardAPI": {"items": [{"path": "ref", **annotation}]}},
+    ]
     if settings.env.get("CUVIL_SHARED_MEMORY", "system") != "off":
         shm = {"medium": "Memory", "sizeLimit": settings.shm_size}
         volumes.append({"name": "cuvil-shm", "emptyDir": shm})

@@ -252,11 +252,17 @@ def served_pods(meta: kopf.Meta, status: kopf.Status, **_: Any) -> dict[Any, Any
 
 
 def on_timer_serving(
-    meta: kopf.Meta, status: kopf.Status, patch: kopf.Patch, **kwargs: Any
+    body: kopf.Body,
+    meta: kopf.Meta,
+    status: kopf.Status,
+    patch: kopf.Patch,
+    memo: kopf.Memo,
+    **kwargs: Any,
 ) -> None:
     index: kopf.Index[Any, Any] = kwargs["served_pods"]  # kopf passes indices by name
     pods: list[Any] = list(index.get((meta.get("namespace"), meta["name"]), []))
-    _write_status(patch, serving.serving_patch(status, pods))
+    move = webhook.pod_mover(memo.kube)
+    _write_status(patch, serving.reconcile_serving(meta, status, pods, move, _notify(body)))
 
 
 def register_webhook() -> None:

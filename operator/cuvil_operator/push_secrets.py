@@ -55,9 +55,18 @@ def _ssl_context(info: kopf.ConnectionInfo) -> ssl.SSLContext | None:
     return context
 
 
-def get_json(info: kopf.ConnectionInfo, path: str) -> dict[str, Any]:
-    """GET ``path`` from the API server with the operator's credentials (HTTPError on 4xx/5xx)."""
-    request = urllib.request.Request(info.server.rstrip("/") + path)
+def get_json(
+    info: kopf.ConnectionInfo, path: str, merge_patch: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """GET ``path`` from the API server with the operator's credentials, or PATCH it with
+    ``merge_patch`` (HTTPError on 4xx/5xx)."""
+    data = None if merge_patch is None else json.dumps(merge_patch).encode()
+    request = urllib.request.Request(
+        info.server.rstrip("/") + path,
+        data=data,
+        method="GET" if data is None else "PATCH",
+        headers={} if data is None else {"Content-Type": "application/merge-patch+json"},
+    )
     if info.token:
         request.add_header("Authorization", f"{info.scheme or 'Bearer'} {info.token}")
     elif info.username and info.password:

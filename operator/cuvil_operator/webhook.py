@@ -23,6 +23,7 @@ import kopf
 from cuvil_operator.crd import GROUP, PLURAL, VERSION
 from cuvil_operator.injection import (
     ADMIT,
+    INJECTED_ANNOTATION,
     InjectionRefused,
     InjectionSettings,
     build_pod_patch,
@@ -99,6 +100,23 @@ def reader(info: kopf.ConnectionInfo | None) -> ReadCompilation:
             raise kopf.AdmissionError(message, code=503) from None
 
     return read
+
+
+def pod_mover(info: kopf.ConnectionInfo | None) -> Callable[[str, str, str], None]:
+    """Re-pins a running pod's sidecar: rewrites its ``cuvil.dev/injected`` annotation (a pod
+    gone meanwhile is skipped)."""
+
+    def move(namespace: str, name: str, ref: str) -> None:
+        if info is None:
+            raise kopf.TemporaryError("the operator has no API connection", delay=10)
+        path = f"/api/v1/namespaces/{urllib.parse.quote(namespace)}/pods/{urllib.parse.quote(name)}"
+        try:
+            get_json(info, path, {"metadata": {"annotations": {INJECTED_ANNOTATION: ref}}})
+        except urllib.error.HTTPError as error:
+            if error.code != 404:
+                raise kopf.TemporaryError(f"pod {namespace}/{name}: HTTP {error.code}") from None
+
+    return move
 
 
 def mutate_pod(

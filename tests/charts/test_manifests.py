@@ -58,7 +58,7 @@ ALLOWED_VERBS = {
     (GROUP, f"{PLURAL}/status"): {"patch"},
     ("", "events"): {"create"},
     ("", "secrets"): {"get"},  # push Secrets by name (operator.pushSecrets); never list/watch
-    ("", "pods"): {"list", "watch"},  # injection.enabled: status.serving counts sidecar pods
+    ("", "pods"): {"list", "watch", "patch"},  # injection.enabled: serving counts, rollout
     ("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"},
     ("", "namespaces"): {"list", "watch"},
     ("kopf.dev", "kopfpeerings"): {"get", "list", "watch", "patch"},

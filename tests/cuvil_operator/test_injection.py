@@ -74,6 +74,11 @@ def test_promoted_wins_over_the_latest_generation() -> None:
         (None, SidecarRequest("minilm"), "does not exist"),
         ({"status": {"phase": "Compiling"}}, SidecarRequest("minilm"), "phase Compiling"),
         ({}, SidecarRequest("minilm"), "phase not started"),
+        (
+            _succeeded(candidate={"generation": 1, "ref": INDEX}),
+            SidecarRequest("minilm"),
+            "generation 1 awaits a measurement",
+        ),
         (_succeeded(), SidecarRequest("minilm", target="cpu-aarch64"), "no artifact for target"),
         (
             _succeeded(index={"ref": f"{REPO}:latest"}),
@@ -176,3 +181,21 @@ def test_settings_from_the_environment_are_checked() -> None:
         InjectionSettings.from_env({"CUVIL_INJECT_ENV": "[1]"})
     with pytest.raises(ValueError, match="CUVIL_INJECT_UNSERVED"):
         InjectionSettings.from_env({"CUVIL_INJECT_UNSERVED": "maybe"})
+
+
+def test_the_sidecar_follows_the_pods_injected_annotation_through_a_downward_api_file() -> None:
+    patch = build_pod_patch(_pod(), INDEX, SidecarRequest("minilm"), InjectionSettings())
+    sidecar = _sidecar(patch)
+    env = _env(sidecar)
+    mount = next(m for m in sidecar["volumeMounts"] if m["name"] == "cuvil-serve")
+    assert env["CUVIL_MODEL_FILE"] == mount["mountPath"] + "/ref" and mount["readOnly"]
+    assert float(env["CUVIL_POLL_INTERVAL_S"]) > 0  # the chart's 0 (SIGHUP only) cannot follow
+    volume = next(v for v in patch["spec"]["volumes"] if v["name"] == "cuvil-serve")
+    (item,) = volume["downwardAPI"]["items"]
+    assert item == {
+        "path": "ref",
+        "fieldRef": {"fieldPath": f"metadata.annotations['{INJECTED_ANNOTATION}']"},
+    }
+    chosen = InjectionSettings(env={"CUVIL_POLL_INTERVAL_S": "60"})
+    sidecar = _sidecar(build_pod_patch(_pod(), INDEX, SidecarRequest("minilm"), chosen))
+    assert _env(sidecar)["CUVIL_POLL_INTERVAL_S"] == "60"

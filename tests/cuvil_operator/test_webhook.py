@@ -5,147 +5,20 @@ flow (kmock, Redis, the stub Celery worker)."""
 
 from __future__ import annotations
 
-import base64
-import json
-import ssl
-import subprocess
-import urllib.request
-import uuid
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import jsonpatch
-import pytest
 import yaml
 from cuvil_operator.injection import CONTAINER_NAME
 
-from tests.cuvil_operator.conftest import Operator, StubWorker, celery_env, get_mc, wait_for
+from tests.cuvil_operator import webhook_server
+from tests.cuvil_operator.conftest import StubWorker, get_mc, wait_for
+from tests.cuvil_operator.webhook_server import Webhook, build_pod, patched_pod
 from tests.fixtures.kube import KubeApi
-from tests.fixtures.ports import free_port
 from tests.fixtures.redis import RedisServer
 from tests.fixtures.validate import validate_strict
 
-SIDECAR_ENV = {"CUVIL_METRICS_PORT": "8002", "OTEL_SERVICE_NAME": "cuvil-sidecar"}
-
-
-@dataclass
-class Webhook:
-    url: str
-    context: ssl.SSLContext
-    operator: Operator
-
-    def review(self, pod: dict[str, Any], namespace: str = "default") -> dict[str, Any]:
-        """Post the AdmissionReview the API server sends for a pod a ReplicaSet creates."""
-        gvr = {"group": "", "version": "v1", "resource": "pods"}
-        review = {
-            "apiVersion": "admission.k8s.io/v1",
-            "kind": "AdmissionReview",
-            "request": {
-                "uid": str(uuid.uuid4()),
-                "kind": {"group": "", "version": "v1", "kind": "Pod"},
-                "resource": gvr,
-                "requestKind": {"group": "", "version": "v1", "kind": "Pod"},
-                "requestResource": gvr,
-                "namespace": namespace,
-                "operation": "CREATE",
-                "userInfo": {
-                    "username": "system:serviceaccount:kube-system:replicaset-controller",
-                    "groups": ["system:serviceaccounts", "system:authenticated"],
-                },
-                "object": pod,
-                "oldObject": None,
-                "dryRun": False,
-                "options": {"kind": "CreateOptions", "apiVersion": "meta.k8s.io/v1"},
-            },
-        }
-        request = urllib.request.Request(
-            f"{self.url}/sidecar",
-            data=json.dumps(review).encode(),
-            headers={"Content-Type": "application/json"},
-            method="POST",
-        )
-        with urllib.request.urlopen(request, timeout=30, context=self.context) as response:
-            answer: dict[str, Any] = json.loads(response.read())
-        assert answer["kind"] == "AdmissionReview"
-        assert answer["response"]["uid"] == review["request"]["uid"]
-        return dict(answer["response"])
-
-
-def _self_signed(folder: Path) -> Path:
-    """tls.crt and tls.key for 127.0.0.1, as the chart's Secret holds them."""
-    folder.mkdir()
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-         "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
-         "-keyout", str(folder / "tls.key"), "-out", str(folder / "tls.crt")],
-        check=True, capture_output=True, timeout=60,
-    )  # fmt: skip
-    return folder
-
-
-def _listening(url: str, context: ssl.SSLContext) -> bool:
-    try:
-        urllib.request.urlopen(url + "/", timeout=2, context=context)
-    except urllib.error.HTTPError:
-        return True  # kopf answers GET with 405: it is up
-    except OSError:
-        return False
-    return True
-
-
-def _start(kube: KubeApi, redis: RedisServer, tmp_path: Path, **settings: str) -> Iterator[Webhook]:
-    certs = _self_signed(tmp_path / "webhook-tls")
-    port = free_port()
-    env = {
-        **celery_env(redis),
-        **kube.env(),
-        "CUVIL_OPERATOR_POLL_INTERVAL": "0.05",
-        "CUVIL_WEBHOOK_LISTEN": f"127.0.0.1:{port}",
-        "CUVIL_WEBHOOK_CERT_DIR": str(certs),
-        "CUVIL_INJECT_IMAGE": "registry.example.com/cuvil-sidecar:0.1.0",
-        "CUVIL_INJECT_ENV": json.dumps(SIDECAR_ENV),
-        **settings,
-    }
-    operator = Operator(env, tmp_path / "operator.log").start()
-    context = ssl.create_default_context(cafile=str(certs / "tls.crt"))
-    url = f"https://127.0.0.1:{port}"
-    try:
-        wait_for(lambda: _listening(url, context), 60, "the webhook server")
-        yield Webhook(url, context, operator)
-    finally:
-        operator.stop()
-        print(operator.text()[-6000:])  # shown on failure
-
-
-@pytest.fixture
-def webhook(kube_api: KubeApi, redis_server: RedisServer, tmp_path: Path) -> Iterator[Webhook]:
-    yield from _start(kube_api, redis_server, tmp_path)
-
-
-@pytest.fixture
-def admitting_webhook(
-    kube_api: KubeApi, redis_server: RedisServer, tmp_path: Path
-) -> Iterator[Webhook]:
-    yield from _start(kube_api, redis_server, tmp_path, CUVIL_INJECT_UNSERVED="admit")
-
-
-def _pod(**annotations: str) -> dict[str, Any]:
-    """A pod as a ReplicaSet sends it: generateName, no name, no namespace yet."""
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"generateName": "app-7d9f-", "annotations": annotations},
-        "spec": {"containers": [{"name": "app", "image": "example/app:1"}]},
-    }
-
-
-def _patched(pod: dict[str, Any], response: dict[str, Any]) -> dict[str, Any]:
-    assert response["allowed"] is True, response
-    assert response["patchType"] == "JSONPatch"
-    ops = json.loads(base64.b64decode(response["patch"]))
-    return dict(jsonpatch.apply_patch(pod, ops))
+webhook, admitting_webhook = webhook_server.webhook, webhook_server.admitting_webhook
 
 
 def _validate_strict(pod: dict[str, Any], tmp_path: Path) -> None:
@@ -183,8 +56,8 @@ def test_an_annotated_pod_gets_the_pinned_sidecar_over_https(
     tmp_path: Path,
 ) -> None:
     status = _succeeded(kube_api, redis_server)
-    pod = _pod(**{"cuvil.dev/model": "minilm-two-targets", "cuvil.dev/cpu": "2"})
-    patched = _patched(pod, webhook.review(pod))
+    pod = build_pod(**{"cuvil.dev/model": "minilm-two-targets", "cuvil.dev/cpu": "2"})
+    patched = patched_pod(pod, webhook.review(pod))
     sidecar = next(c for c in patched["spec"]["containers"] if c["name"] == CONTAINER_NAME)
     env = {e["name"]: e["value"] for e in sidecar["env"]}
     assert env["CUVIL_MODEL"] == status["index"]["ref"]
@@ -217,42 +90,42 @@ def test_an_annotated_pod_gets_the_pinned_sidecar_over_https(
     )
 
     # A named target pins that target's own manifest.
-    pod = _pod(**{"cuvil.dev/model": "minilm-two-targets", "cuvil.dev/target": "cpu-x86_64"})
-    sidecar = _patched(pod, webhook.review(pod))["spec"]["containers"][1]
+    pod = build_pod(**{"cuvil.dev/model": "minilm-two-targets", "cuvil.dev/target": "cpu-x86_64"})
+    sidecar = patched_pod(pod, webhook.review(pod))["spec"]["containers"][1]
     artifact = next(a for a in status["artifacts"] if a["target"] == "cpu-x86_64")
     assert {"name": "CUVIL_MODEL", "value": artifact["ref"]} in sidecar["env"]
 
     # The label the chart's objectSelector matches names the compilation as well.
-    pod = _pod()
+    pod = build_pod()
     pod["metadata"]["labels"] = {"cuvil.dev/model": "minilm-two-targets"}
-    patched = _patched(pod, webhook.review(pod))
+    patched = patched_pod(pod, webhook.review(pod))
     assert patched["metadata"]["annotations"]["cuvil.dev/injected"] == status["index"]["ref"]
     # A pod naming no compilation passes as it is.
-    response = webhook.review(_pod(team="a"))
+    response = webhook.review(build_pod(team="a"))
     assert response["allowed"] is True and "patch" not in response
 
 
 def test_a_pod_naming_a_missing_or_unfinished_compilation_is_refused(
     kube_api: KubeApi, redis_server: RedisServer, webhook: Webhook
 ) -> None:
-    response = webhook.review(_pod(**{"cuvil.dev/model": "nope"}))
+    response = webhook.review(build_pod(**{"cuvil.dev/model": "nope"}))
     assert response["allowed"] is False and "patch" not in response
     assert response["status"]["code"] == 403
     assert "ModelCompilation nope does not exist" in response["status"]["message"]
     # queued, with no worker to run it: not servable yet
     kube_api.kubectl("apply", "--validate=false", "-f", "examples/minilm-cpu.yaml")
     wait_for(lambda: (get_mc(kube_api, "minilm-cpu") or {}).get("status"), 30, "a status")
-    response = webhook.review(_pod(**{"cuvil.dev/model": "minilm-cpu"}))
+    response = webhook.review(build_pod(**{"cuvil.dev/model": "minilm-cpu"}))
     assert response["allowed"] is False
     assert "has no artifact to serve yet (phase Pending)" in response["status"]["message"]
     # a malformed annotation is refused whatever the setting, naming it
-    response = webhook.review(_pod(**{"cuvil.dev/model": "m", "cuvil.dev/cpu": "lots"}))
+    response = webhook.review(build_pod(**{"cuvil.dev/model": "m", "cuvil.dev/cpu": "lots"}))
     assert response["status"]["code"] == 400 and "cuvil.dev/cpu" in response["status"]["message"]
 
 
 def test_admit_setting_lets_the_pod_through_unchanged_with_a_warning(
     kube_api: KubeApi, admitting_webhook: Webhook
 ) -> None:
-    response = admitting_webhook.review(_pod(**{"cuvil.dev/model": "nope"}))
+    response = admitting_webhook.review(build_pod(**{"cuvil.dev/model": "nope"}))
     assert response["allowed"] is True and "patch" not in response
     assert any("does not exist" in w for w in response["warnings"]), response
