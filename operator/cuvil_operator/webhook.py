@@ -131,7 +131,9 @@ def mutate_pod(
     meta = body.get("metadata") or {}
     if not wants_sidecar(meta):
         return
-    namespace = str(meta.get("namespace") or "default")
+    namespace = meta.get("namespace")
+    if not namespace:  # PodWebhookServer fills it in from the request
+        raise kopf.AdmissionError("cuvil sidecar: the request names no namespace", code=400)
     try:
         request = read_request(meta.get("annotations") or {}, meta.get("labels") or {})
     except InjectionRefused as e:

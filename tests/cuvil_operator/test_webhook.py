@@ -89,6 +89,11 @@ def test_an_annotated_pod_gets_the_pinned_sidecar_over_https(
         "status.serving to count the pods",
     )
 
+    # The compilation is looked up in the pod's own namespace (the request's, not the pod's).
+    response = webhook.review(build_pod(**{"cuvil.dev/model": "minilm-two-targets"}), "team-a")
+    assert response["allowed"] is False
+    assert "does not exist in the pod's namespace" in response["status"]["message"]
+
     # A named target pins that target's own manifest.
     pod = build_pod(**{"cuvil.dev/model": "minilm-two-targets", "cuvil.dev/target": "cpu-x86_64"})
     sidecar = patched_pod(pod, webhook.review(pod))["spec"]["containers"][1]
