@@ -87,10 +87,28 @@ def build_targets(
     from cuvil_worker.target_pipeline import build
 
     config = WorkerConfig(work_dir=work_dir, bench_iterations=bench_iterations)
+    fetch = _fetched_once(work_dir / "sources")
     packaged = {
-        target: build(compilation.spec, target, config, on_stage) for target in compilation.targets
+        target: build(compilation.spec, target, config, on_stage, fetch)
+        for target in compilation.targets
     }
     return Compiled(compilation.name, packaged)
+
+
+def _fetched_once(folder: Path) -> Callable[[str], Path]:
+    """The worker's source fetch (``oci`` and ``url`` bundles), once per reference for all
+    targets. No allowlist here: the cluster's ``pushPolicy`` guards what its workers reach,
+    and this machine is the user's own."""
+    from cuvil.frontend.sources import fetch_bundle
+
+    fetched: dict[str, Path] = {}
+
+    def fetch(ref: str) -> Path:
+        if ref not in fetched:
+            fetched[ref] = fetch_bundle(ref, folder / str(len(fetched)))
+        return fetched[ref]
+
+    return fetch
 
 
 def push_targets(

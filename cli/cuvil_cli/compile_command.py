@@ -13,13 +13,11 @@ import argparse
 import json
 from pathlib import Path
 
-from rich.console import Console
-from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
 from cuvil.api import jit
 from cuvil.artifact import push_artifact
 from cuvil.artifact.reference import is_oci_reference
 from cuvil.pipeline import STAGES
+from cuvil_cli.console import stage_progress, stderr_console
 from cuvil_cli.oci_commands import add_registry_arguments, registry_config_from
 from cuvil_cli.spec import SpecError, load_factory_spec
 
@@ -42,7 +40,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--bench-iterations", type=int, default=20, help="a YAML's benchmark: timed runs each"
     )
-    parser.add_argument("--precision", help="fp32 or bf16 (default: the YAML's, else fp32)")
+    parser.add_argument(
+        "--precision",
+        help="fp32, bf16, fp16 or tf32 (last two: CUDA; default: the YAML's, else fp32)",
+    )
     parser.add_argument("--dir", action="store_true", help="write the directory form, not one file")
     parser.add_argument(
         "--dump-ir", type=Path, help="dump the IR after each stage into this folder"
@@ -59,13 +60,12 @@ def run_compile(args: argparse.Namespace) -> int:
         return compile_yaml(args)
     if not args.output:
         raise SpecError("-o PATH_OR_REF is needed for a module:factory SPEC")
-    console = Console(stderr=True)
+    console = stderr_console()
     spec = load_factory_spec(args.spec)
     targets = spec.metadata.get("targets") or []
     args.target = args.target or (targets[0] if targets else "cpu")
     args.precision = args.precision or spec.metadata.get("precision") or "fp32"
-    columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
-    with Progress(*columns, console=console, transient=True) as progress:
+    with stage_progress(console) as progress:
         task = progress.add_task(f"compiling {spec.name}", total=len(STAGES))
 
         def on_stage(stage: str) -> None:

@@ -15,9 +15,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
 from cuvil.artifact.reference import is_oci_reference
 from cuvil.artifact.registry_config import ENV_CA_BUNDLE, ENV_PLAIN_HTTP, ENV_REGISTRY_CONFIG
 from cuvil_cli.compilation import (
@@ -30,20 +27,20 @@ from cuvil_cli.compilation import (
     read_compilation,
     write_target,
 )
+from cuvil_cli.console import stage_progress, stderr_console
 
 
 def compile_yaml(args: argparse.Namespace) -> int:
     from cuvil_worker.errors import CompileFailed
 
-    console = Console(stderr=True)
+    console = stderr_console()
     compilation = _with_overrides(read_compilation(args.spec), args)
     output = args.output or compilation.output
     if not output:
         raise CompilationSpecError(f"{args.spec} has no spec.output: pass -o PATH_OR_REF")
-    columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
     with (
         tempfile.TemporaryDirectory(prefix="cuvil-compile-") as work,
-        Progress(*columns, console=console, transient=True) as progress,
+        stage_progress(console) as progress,
     ):
         task = progress.add_task(f"compiling {compilation.name}")
 
@@ -59,7 +56,7 @@ def compile_yaml(args: argparse.Namespace) -> int:
             )
         except CompileFailed as error:
             progress.stop()
-            console.print(f"[red]{error.reason}[/]: {error}", soft_wrap=True)
+            console.print(f"[red]{error.reason}[/]: {error}")
             return 1
         if is_oci_reference(output):
             _registry_environment(args)
@@ -72,7 +69,7 @@ def compile_yaml(args: argparse.Namespace) -> int:
         print(json.dumps({"artifact": stored, "pushed": compiled.pushed, "report": reports}))
         return 0
     for line in _summary(compiled, stored):
-        console.print(line, soft_wrap=True, highlight=False)
+        console.print(line, highlight=False)
     return 0
 
 
@@ -101,12 +98,19 @@ def _summary(compiled: Compiled, stored: str) -> list[str]:
     for target in compiled.packaged:
         report: dict[str, Any] = compiled.report(target)
         validation, bench = report.get("validation") or {}, report.get("benchmark") or {}
+        p50 = bench.get("compiled_p50_ms", 0.0)
+        speed = (
+            f"{bench.get('speedup', 0.0):.2f}x eager (p50 {p50:.3f} ms)"
+            if bench.get("measured", True)
+            else "speed not measured here"
+        )
         lines.append(
             f"[green]compiled[/] {compiled.name} for {target}: max error "
             f"{validation.get('max_relative_to_scale', 0.0):.2e} of output scale over "
-            f"{validation.get('samples', 0)} samples, {bench.get('speedup', 0.0):.2f}x eager "
-            f"(p50 {bench.get('compiled_p50_ms', 0.0):.3f} ms), {report.get('size', 0)} bytes"
+            f"{validation.get('samples', 0)} samples, {speed}, {report.get('size', 0)} bytes"
         )
+        if not bench.get("measured", True):
+            lines.append(f"  {bench.get('reason', '')}")
         lines += [f"  gate {line}" for line in gate_lines(report)]
     lines.append(f"-> {stored}")
     return lines

@@ -120,9 +120,13 @@ class PushLedger:
         self.client.hset(self.key, ref, target)
         self.client.expire(self.key, self.TTL_S)
 
-    def refs(self, target: str | None = None) -> list[str]:
+    def refs(self, target: str | None = None, labels: list[str] | None = None) -> list[str]:
+        """The recorded refs: all, those of one ``target``, or those under any of ``labels``."""
+        wanted = None if target is None else {target}
+        if labels is not None:
+            wanted = set(labels) | (wanted or set())
         found = {_text(k): _text(v) for k, v in self.client.hgetall(self.key).items()}
-        return sorted(ref for ref, t in found.items() if target is None or t == target)
+        return sorted(ref for ref, t in found.items() if wanted is None or t in wanted)
 
     def drop(self, refs: list[str]) -> None:
         if refs:

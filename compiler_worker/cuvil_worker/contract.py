@@ -10,7 +10,8 @@ and cancel compilations without importing torch or the compiler.
 
 Which request is wanted is recorded in the result backend's Redis, one key per object
 (``cuvil:current:<uid>`` = the chord id of the attempt the operator follows): submit sets it,
-a newer generation or retry replaces it, cancel turns it into a tombstone. A missing key means
+a newer generation or retry replaces it, cancel turns it into a tombstone, and it expires unless
+the operator keeps it while it follows the compile (``keep_current``). A missing key means
 Redis lost its data; the operator then queues the compile again, which sets it. Workers read
 it before they start, at every stage, before each push and before the index is tagged.
 Celery's revoke alone cannot hold a cancel: it reaches only workers alive when it is sent, and
@@ -37,6 +38,7 @@ from cuvil_worker import errors  # noqa: F401
 TASK_COMPILE = "cuvil.compile"
 TASK_INDEX = "cuvil.push_index"
 TASK_CLEANUP = "cuvil.cleanup"  # sent by a cancel: deletes what the cancelled request pushed
+INDEX_LABEL = "index"  # the push ledger's label for the index (targets label their manifests)
 
 # Custom task states; their meta is {"stage": <pipeline stage>, "target": <target>,
 # "worker": <worker hostname>}.
@@ -69,6 +71,10 @@ DEFAULT_RESULT_BACKEND = "redis://127.0.0.1:6379/1"
 SUBMITTED_KEY = "cuvil:submitted:{chord_id}"
 SUBMITTED_TTL_S = 30 * 24 * 3600
 CURRENT_KEY = "cuvil:current:{uid}"
+# How long a current-key lives unless the operator refreshes it (``keep_current``, every poll
+# of a followed compile): a key whose object went away without a cancel (the broker was down
+# past the delete handler's retries) expires, rather than staying for SUBMITTED_TTL_S.
+CURRENT_TTL_S = 24 * 3600
 # The submit marker's two values: set before publishing, then after. A submit that finds
 # "publishing" (the last submitter died in between) publishes again under the same task ids.
 PUBLISHING, PUBLISHED = b"publishing", b"published"
@@ -188,9 +194,11 @@ def _current_key(request: Mapping[str, Any]) -> str:
     return CURRENT_KEY.format(uid=request["uid"])
 
 
-# Cancel: the current-key becomes a tombstone, but only while it names this request (a newer
-# one may own it) or names none (Redis lost it; the tombstone then speaks for the operator).
-_RELEASE = """
+# The current-key is written (ARGV[2], for ARGV[3] seconds) only while it names this request
+# (ARGV[1]) or names none: a newer request's key, or a tombstone, is left as it is. A cancel
+# writes the tombstone (where Redis lost the key, it then speaks for the operator); the
+# operator's keep writes the request's own id again, refreshing its TTL.
+_SET_IF_OURS = """
 local now = redis.call('get', KEYS[1])
 if now == false or now == ARGV[1] then
   return redis.call('set', KEYS[1], ARGV[2], 'EX', ARGV[3])
@@ -200,13 +208,20 @@ return 0
 TOMBSTONE = "cancelled"
 
 
-def mark_current(app: Celery, request: Mapping[str, Any]) -> None:
-    app.backend.client.set(_current_key(request), chord_task_id(request), ex=SUBMITTED_TTL_S)
+def mark_current(app: Celery, request: Mapping[str, Any], ttl: float = CURRENT_TTL_S) -> None:
+    app.backend.client.set(_current_key(request), chord_task_id(request), ex=int(ttl))
+
+
+def keep_current(app: Celery, request: Mapping[str, Any], ttl: float = CURRENT_TTL_S) -> bool:
+    """The operator still follows this request: its current-key lives ``ttl`` seconds more.
+    False when another request (or a cancel) owns the key."""
+    own = chord_task_id(request)
+    return bool(app.backend.client.eval(_SET_IF_OURS, 1, _current_key(request), own, own, int(ttl)))
 
 
 def release_current(app: Celery, request: Mapping[str, Any]) -> None:
     app.backend.client.eval(
-        _RELEASE, 1, _current_key(request), chord_task_id(request), TOMBSTONE, SUBMITTED_TTL_S
+        _SET_IF_OURS, 1, _current_key(request), chord_task_id(request), TOMBSTONE, SUBMITTED_TTL_S
     )
 
 
@@ -230,7 +245,9 @@ def is_current_known(app: Celery, request: Mapping[str, Any]) -> bool:
     return bool(app.backend.client.exists(_current_key(request)))
 
 
-def submit_compilation(app: Celery, request: Mapping[str, Any]) -> str:
+def submit_compilation(
+    app: Celery, request: Mapping[str, Any], current_ttl: float = CURRENT_TTL_S
+) -> str:
     """Queue one compile per target and the index chord; returns the chord id.
 
     Idempotent and recoverable: a marker in the result backend's Redis says "publishing"
@@ -248,7 +265,7 @@ def submit_compilation(app: Celery, request: Mapping[str, Any]) -> str:
     first = client.set(key, PUBLISHING, nx=True, ex=SUBMITTED_TTL_S)
     if not first and client.get(key) != PUBLISHING:
         return chord_task_id(request)
-    mark_current(app, request)
+    mark_current(app, request, current_ttl)
     header = [
         app.signature(
             TASK_COMPILE,
@@ -263,7 +280,7 @@ def submit_compilation(app: Celery, request: Mapping[str, Any]) -> str:
         TASK_INDEX,
         args=(request,),
         task_id=chord_task_id(request),
-        queue=queue_for_target(targets[0], override),
+        queue=index_queue(request),
         priority=PRIORITY_INDEX,
         immutable=True,
     )
@@ -271,6 +288,23 @@ def submit_compilation(app: Celery, request: Mapping[str, Any]) -> str:
     client.set(key, PUBLISHED, ex=SUBMITTED_TTL_S)
     _stop_listening(app, [target_task_id(request, t) for t in targets] + [chord_task_id(request)])
     return chord_task_id(request)
+
+
+def index_queue(request: Mapping[str, Any]) -> str:
+    """The index task's queue: the first target's."""
+    return queue_for_target(targets_of(request)[0], request["spec"].get("queue") or None)
+
+
+def cleanup_plan(request: Mapping[str, Any]) -> dict[str, list[str]]:
+    """Queue -> the push-ledger labels (targets, and ``INDEX_LABEL``) whose manifests a
+    cleanup on that queue deletes: each on the queue whose workers pushed them, so that a
+    queue without a live worker cannot hold back the cleanup of another's pushes."""
+    override = request["spec"].get("queue") or None
+    plan: dict[str, list[str]] = {}
+    for target in targets_of(request):
+        plan.setdefault(queue_for_target(target, override), []).append(target)
+    plan.setdefault(index_queue(request), []).append(INDEX_LABEL)
+    return plan
 
 
 def _stop_listening(app: Celery, task_ids: list[str]) -> None:
@@ -320,9 +354,9 @@ def cancel_compilation(app: Celery, request: Mapping[str, Any]) -> None:
     for task_id in ids:
         if app.backend.get_task_meta(task_id).get("status") not in ("SUCCESS", "FAILURE"):
             app.backend.mark_as_revoked(task_id, reason="cancelled")
-    override = request["spec"].get("queue") or None
-    app.send_task(TASK_CLEANUP, args=(dict(request),), queue=queue_for_target(targets[0], override),
-                  priority=PRIORITY_INDEX)  # fmt: skip
+    for queue, labels in cleanup_plan(request).items():
+        app.send_task(TASK_CLEANUP, args=(dict(request), labels), queue=queue,
+                      priority=PRIORITY_INDEX)  # fmt: skip
 
 
 # Reading progress lives in its own module; its names stay importable from here.

@@ -13,17 +13,12 @@ import sys
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from importlib.metadata import version
-
+    from cuvil.entry_point import build_parser
     from cuvil_worker import config
 
-    parser = argparse.ArgumentParser(
-        prog="cuvil-worker",
-        description="A Celery worker for Cuvil compile tasks.",
-        epilog="settings (environment):\n" + (config.__doc__ or "").split("\n", 2)[2],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = build_parser(
+        "cuvil-worker", "A Celery worker for Cuvil compile tasks.", config.__doc__
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {version('cuvil')}")
     parser.add_argument(
         "--queues",
         "-Q",

@@ -35,6 +35,7 @@ from cuvil_worker.cancellation import (
     undo_recorded,
 )
 from cuvil_worker.contract import (
+    INDEX_LABEL,
     TASK_CLEANUP,
     TASK_COMPILE,
     TASK_INDEX,
@@ -103,12 +104,15 @@ def _annotations(request: dict[str, Any], trace_id: str | None) -> dict[str, str
 
 
 def _fetcher(task_id: str) -> Callable[[str], Path]:
-    """Pulls an ``oci`` source bundle into this task's scratch folder."""
+    """Brings a source bundle into this task's scratch folder: an ``oci`` one pulled from
+    its registry, a ``url`` one downloaded (the operator checked it against the allowlist)."""
 
     def fetch(ref: str) -> Path:
-        from cuvil.frontend.source_bundle import fetch_source_bundle
+        from cuvil.frontend.sources import fetch_bundle
 
-        return fetch_source_bundle(ref, config.work_dir / "sources" / task_id)
+        folder = config.work_dir / "sources" / task_id
+        shutil.rmtree(folder, ignore_errors=True)  # what a killed run of this task left
+        return fetch_bundle(ref, folder)
 
     return fetch
 
@@ -292,7 +296,7 @@ def _push_index(
                 index = push_compilation_index(
                     f"{repository}:{tag}", results, annotations, registry_config=credentials
                 )
-                ledger.record(index.ref, "index")
+                ledger.record(index.ref, INDEX_LABEL)
                 _undo_unless_current(guard, ledger, None, credentials, "after its index")
         except RegistryError as error:
             if not error.retryable:
@@ -332,11 +336,14 @@ def _delete_orphans(ledger: PushLedger, kept: set[str], registry_config: Any = N
 
 
 @app.task(bind=True, name=TASK_CLEANUP, acks_late=True)
-def cleanup_task(self: Task, request: dict[str, Any]) -> dict[str, Any]:
-    """Sent by a cancel: deletes what the cancelled request pushed, for the case no task of
-    it runs again to do so (a compile that finished its push before the cancel, whose index
-    task the revoke then discards). A request that succeeded, or is current again, keeps
-    everything."""
+def cleanup_task(
+    self: Task, request: dict[str, Any], labels: list[str] | None = None
+) -> dict[str, Any]:
+    """Sent by a cancel, one per queue the request used (``contract.cleanup_plan``): deletes
+    what the cancelled request pushed under ``labels`` (its targets there, and the index;
+    None: everything), for the case no task of it runs again to do so (a compile that
+    finished its push before the cancel, whose index task the revoke then discards). A
+    request that succeeded, or is current again, keeps everything."""
     check_request(request)
     if not_current(app, request) is None:
         return {"kept": "the request is current"}
@@ -344,12 +351,13 @@ def cleanup_task(self: Task, request: dict[str, Any]) -> dict[str, Any]:
     if finished.state == "SUCCESS" and "cancelled" not in (finished.result or {}):
         return {"kept": "the compilation succeeded"}
     ledger = PushLedger(app, request)
-    refs = ledger.refs()
+    refs = ledger.refs(labels=labels)
     try:
         credentials = registry_config_for(app, request, config.work_dir)
     except CompileFailed:
         credentials = None
-    undo_recorded(ledger, None, credentials)
+    undo_push(refs, credentials)
+    ledger.drop(refs)
     log.info("%s: deleted %d manifest(s) of cancelled %s", self.name, len(refs),
              chord_task_id(request))  # fmt: skip
     return {"deleted": refs}

@@ -27,7 +27,7 @@ SOURCE_CONFIG = "application/vnd.cuvil.source.config.v1+json"
 SOURCE_FILE = "application/vnd.cuvil.source.file.v1"
 SOURCE_META_FILE = "cuvil-source.json"  # written next to the fetched files: the config blob
 ALLOWED_SUFFIXES = (".json", ".safetensors", ".txt")
-_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
+SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")  # a bundle file name: no paths
 
 ConfigArg = RegistryConfig | str | Path | None
 
@@ -36,7 +36,9 @@ class SourceBundleError(ValueError):
     """A bundle that is not one (missing config.json, a file that is not plain data)."""
 
 
-def _bundle_files(directory: Path) -> list[Path]:
+def bundle_files(directory: Path) -> list[Path]:
+    """The files of a bundle folder, refused unless they are data only with a config.json
+    and safetensors weights."""
     files = sorted(p for p in directory.iterdir() if p.is_file())
     refused = [p.name for p in files if not p.name.endswith(ALLOWED_SUFFIXES)]
     if refused:
@@ -58,7 +60,7 @@ def push_source_bundle(
 ) -> str:
     """Push the HF directory ``directory`` as a source bundle to ``ref``; returns its digest."""
     directory = Path(directory)
-    files = _bundle_files(directory)
+    files = bundle_files(directory)
     if model_class is None:
         architectures = json.loads((directory / "config.json").read_text()).get("architectures")
         model_class = (architectures or [None])[0]
@@ -99,7 +101,7 @@ def fetch_source_bundle(
     store.fetch_blob(manifest["config"]["digest"], destination / SOURCE_META_FILE)
     for layer in manifest.get("layers", []):
         name = (layer.get("annotations") or {}).get(mt.ANNOTATION_TITLE, "")
-        if not _SAFE_NAME.match(name) or not name.endswith(ALLOWED_SUFFIXES):
+        if not SAFE_NAME.match(name) or not name.endswith(ALLOWED_SUFFIXES):
             raise SourceBundleError(f"{ref}: layer file name {name!r} refused")
         store.fetch_blob(layer["digest"], destination / name)
     return destination

@@ -5,11 +5,13 @@
                  pvc {claimName, path}           a HF directory on a mounted volume
                  oci {ref}                        a source bundle (fetched by the caller; see
                                                   ``load_source_bundle``)
-                 url                              refused: nothing is downloaded at run time
+                 url                              a source bundle as a tar archive (fetched by
+                                                  the caller; see ``cuvil.frontend.url_bundle``)
     spec.inputs / spec.dynamicDims  ->  example inputs (dynamic dims at sizes >= 2, inside their
                  ranges, so that torch.export keeps them symbolic) and ``torch.export.Dim``s.
 
-Everything here is local and offline; nothing runs remote code (no ``trust_remote_code``).
+Everything here reads local files (a caller's fetcher brings ``oci`` and ``url`` bundles in);
+nothing runs remote code (no ``trust_remote_code``).
 """
 
 from __future__ import annotations
@@ -69,17 +71,22 @@ class LoadedSource:
         generator = torch.Generator().manual_seed(seed)
         return {spec.name: _tensor(spec, sizes, self.vocab_size, generator) for spec in self.inputs}
 
-    def sample_inputs(self, count: int, seed: int = 1) -> list[Any]:
-        """``count`` golden input sets: the example first, then sizes drawn inside the ranges."""
+    def sample_inputs(self, count: int, seed: int = 1, largest: int | None = None) -> list[Any]:
+        """``count`` golden input sets: the example first, then sizes drawn inside the ranges
+        (each dynamic dim at most ``largest`` where given, but never under its minimum)."""
         samples: list[Any] = [self.example_inputs]
         generator = torch.Generator().manual_seed(seed)
         for index in range(1, count):
             if not self.inputs:
                 samples.append(_perturbed(self.example_inputs, generator))
                 continue
+            bounded = {
+                name: (low, high if largest is None else max(low, min(high, largest)))
+                for name, (low, high) in self.dims.items()
+            }
             sizes = {
                 name: int(torch.randint(low, high + 1, (1,), generator=generator))
-                for name, (low, high) in self.dims.items()
+                for name, (low, high) in bounded.items()
             }
             samples.append(self.make_inputs(sizes, seed=seed + index))
         return samples
@@ -258,13 +265,26 @@ def _is_transformers_model(model: torch.nn.Module) -> bool:
     return any(cls.__module__.startswith("transformers.") for cls in type(model).__mro__)
 
 
+def fetch_bundle(ref: str, folder: Path) -> Path:
+    """A source bundle into ``folder``: a URL (``http(s)://``) downloaded as a tar archive,
+    anything else pulled as an OCI reference; the fetcher workers and ``cuvil compile`` pass
+    to ``load_source``."""
+    from cuvil.frontend.source_bundle import fetch_source_bundle
+    from cuvil.frontend.url_bundle import fetch_url_bundle
+
+    if ref.startswith(("http://", "https://")):
+        return fetch_url_bundle(ref, folder)
+    return fetch_source_bundle(ref, folder)
+
+
 def load_source(
     spec: Mapping[str, Any], *, bundle_fetcher: Callable[[str], Path] | None = None
 ) -> LoadedSource:
     """The model of a ModelCompilation ``spec`` with its example inputs and dynamic shapes.
 
-    ``bundle_fetcher(ref) -> directory`` pulls an ``oci`` source bundle (the worker passes the
-    registry client); without one, ``oci`` sources are refused.
+    ``bundle_fetcher(ref) -> directory`` brings an ``oci`` source bundle (``ref`` its
+    reference) or a ``url`` one (``ref`` the URL) into a folder: the worker passes one that
+    pulls from the registry or downloads; without one, both kinds are refused.
     """
     source = spec.get("source") or {}
     kinds = [key for key in ("builtin", "huggingface", "pvc", "oci", "url") if key in source]
@@ -290,10 +310,13 @@ def load_source(
         bundle = bundle_fetcher(str(body.get("ref", "")))
         name, model = bundle.name, load_source_bundle(bundle, body.get("className"))
     else:
-        raise SourceError(
-            "url sources are refused: nothing is downloaded at run time; "
-            "use huggingface (local cache), pvc or oci"
-        )
+        from cuvil.frontend.url_bundle import bundle_name
+
+        if bundle_fetcher is None:
+            raise SourceError("url sources need a fetcher (run them on a worker)")
+        url = str(body)
+        bundle = bundle_fetcher(url)
+        name, model = bundle_name(url), load_source_bundle(bundle)
     if not inputs:
         raise SourceError(f"a {kind} source needs spec.inputs (names, dtypes, shapes)")
     check_input_names(model, inputs)

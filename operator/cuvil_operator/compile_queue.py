@@ -70,15 +70,23 @@ class CompileQueue:
     consumer is asked of the workers at most once per ``consumers_ttl`` seconds, for every
     compilation the operator follows."""
 
-    def __init__(self, app: Celery, consumers_ttl: float = 10.0) -> None:
+    def __init__(
+        self,
+        app: Celery,
+        consumers_ttl: float = 10.0,
+        current_ttl: float = contract.CURRENT_TTL_S,
+    ) -> None:
         self.app = app
         self.consumers_ttl = consumers_ttl
+        self.current_ttl = current_ttl
         self._consumed: tuple[float, set[str]] | None = None
 
     @classmethod
     def from_config(cls, config: OperatorConfig) -> CompileQueue:
         app = contract.create_app(config.broker_url, config.result_backend)
-        return cls(app, consumers_ttl=min(10.0, config.stall_after / 2))
+        return cls(
+            app, consumers_ttl=min(10.0, config.stall_after / 2), current_ttl=config.current_ttl
+        )
 
     def idle_queues(self, queues: Iterable[str]) -> set[str]:
         """Those of ``queues`` no live worker consumes."""
@@ -88,7 +96,11 @@ class CompileQueue:
         return set(queues) - self._consumed[1]
 
     def submit(self, request: Mapping[str, Any]) -> str:
-        return contract.submit_compilation(self.app, request)
+        return contract.submit_compilation(self.app, request, self.current_ttl)
+
+    def keep_current(self, request: Mapping[str, Any]) -> None:
+        """The followed request stays current for another ``current_ttl`` seconds."""
+        contract.keep_current(self.app, request, self.current_ttl)
 
     def progress(self, request: Mapping[str, Any]) -> dict[str, Any]:
         return contract.read_progress(self.app, request).to_json()

@@ -12,6 +12,7 @@
 | ``CUVIL_OPERATOR_LOG_FORMAT`` | ``text`` | ``text`` (timestamp, level, object) or ``json`` |
 | ``CUVIL_OPERATOR_PUSH_POLICY`` | (none) | JSON: repositories per namespace, shared credential |
 | ``CUVIL_OPERATOR_STALL_SECONDS`` | ``120`` | a queue with no worker, a registry fault: Warning |
+| ``CUVIL_OPERATOR_CURRENT_TTL`` | ``86400`` | how long a current-key outlives the last poll |
 | ``CUVIL_WEBHOOK_LISTEN`` | (off) | serve the sidecar-injection webhook, e.g. ``0.0.0.0:9443`` |
 | ``CUVIL_WEBHOOK_CERT_DIR`` | ``/etc/cuvil/webhook`` | its ``tls.crt`` and ``tls.key`` |
 | ``CUVIL_INJECT_*`` | | what injected sidecars get (``injection.InjectionSettings``) |
@@ -43,6 +44,9 @@ class OperatorConfig:
     stall_after: float = 120.0
     log_format: str = "text"
     push_policy: PushPolicy = field(default_factory=PushPolicy)
+    # The current-key of a followed compile is refreshed every poll; it outlives the last one
+    # by this long (an operator outage must stay shorter, or in-flight pushes are given up).
+    current_ttl: float = 86400.0
     webhook: WebhookSettings | None = None
     injection: InjectionSettings = field(default_factory=InjectionSettings)
 
@@ -52,6 +56,9 @@ class OperatorConfig:
         interval = float(env.get("CUVIL_OPERATOR_POLL_INTERVAL", "2"))
         if interval <= 0:
             raise ValueError("CUVIL_OPERATOR_POLL_INTERVAL must be positive")
+        current_ttl = float(env.get("CUVIL_OPERATOR_CURRENT_TTL", "86400"))
+        if current_ttl < 10 * interval:
+            raise ValueError("CUVIL_OPERATOR_CURRENT_TTL must be at least 10 poll intervals")
         return cls(
             broker_url=env.get("CUVIL_BROKER_URL") or DEFAULT_BROKER_URL,
             result_backend=env.get("CUVIL_RESULT_BACKEND") or DEFAULT_RESULT_BACKEND,
@@ -63,6 +70,7 @@ class OperatorConfig:
             stall_after=float(env.get("CUVIL_OPERATOR_STALL_SECONDS", "120")),
             log_format=env.get("CUVIL_OPERATOR_LOG_FORMAT", "text").lower(),
             push_policy=PushPolicy.from_json(env.get("CUVIL_OPERATOR_PUSH_POLICY")),
+            current_ttl=current_ttl,
             webhook=WebhookSettings.from_env(env),
             injection=InjectionSettings.from_env(env),
         )

@@ -113,7 +113,12 @@ def build_source_schema() -> dict[str, Any]:
             "huggingface": hf,
             "oci": oci,
             "url": _string(
-                "An https URL to a source bundle.", pattern="^https?://", maxLength=2048
+                "An http(s) URL of a source bundle as a tar archive (config.json,"
+                " *.safetensors, *.txt; optionally #sha256=<hex> pinning its digest). Only"
+                " under the URL prefixes the chart's operator.pushPolicy.urls allows the"
+                " namespace; redirects are not followed.",
+                pattern="^https?://",
+                maxLength=2048,
             ),
             "pvc": pvc,
             "builtin": builtin,

@@ -276,18 +276,15 @@ def register_webhook() -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """``--help`` (the settings, from the environment) and ``--version``; nothing else runs."""
-    from importlib.metadata import version
-
+    from cuvil.entry_point import build_parser
     from cuvil_operator import config
 
-    parser = argparse.ArgumentParser(
-        prog="cuvil-operator",
-        description="The Cuvil operator: turns ModelCompilations into Celery compile tasks"
-        " and follows them (kopf; the cluster from KUBECONFIG or the in-cluster config).",
-        epilog="settings (environment):\n" + (config.__doc__ or "").split("\n", 2)[2],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = build_parser(
+        "cuvil-operator",
+        "The Cuvil operator: turns ModelCompilations into Celery compile tasks and follows"
+        " them (kopf; the cluster from KUBECONFIG or the in-cluster config).",
+        config.__doc__,
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {version('cuvil')}")
     return parser.parse_args(argv)
 
 

@@ -42,6 +42,8 @@ class Queue(Protocol):
 
     def is_submitted(self, request: Mapping[str, Any]) -> bool: ...
 
+    def keep_current(self, request: Mapping[str, Any]) -> None: ...
+
     def idle_queues(self, queues: Iterable[str]) -> set[str]: ...
 
     def store_push_config(self, request: Mapping[str, Any], docker_config: str) -> None: ...
@@ -177,7 +179,8 @@ def reconcile_progress(
 
     A followed compile whose submit marker is gone was lost by the broker (Redis restarted
     without its data: tasks, chord join and results with it): it is queued again under the
-    same task ids, and whatever part of it still runs somewhere is not done twice."""
+    same task ids, and whatever part of it still runs somewhere is not done twice. Each poll
+    keeps the request current (its key expires once nothing follows it: ``contract``)."""
     if not is_following(status):
         return None
     generation = int(status.get("observedGeneration") or 0)
@@ -191,6 +194,8 @@ def reconcile_progress(
             notify(WARNING, "PushSecretNotFound", str(error))
         task_id = queue.submit(request)
         notify(WARNING, "Resubmitted", f"the broker had no record of {task_id}: queued again")
+    else:
+        queue.keep_current(request)
     progress = queue.progress(request)
     patch = build_progress_status(status, generation, progress, now)
     patch = _with_stall(spec, status, patch, progress, queue, generation, now, stall_after)

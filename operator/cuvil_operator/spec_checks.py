@@ -15,6 +15,7 @@ from typing import Any
 
 import jsonschema
 
+from cuvil.source_urls import url_problem
 from cuvil_operator.crd import TARGETS, spec_schema
 
 # OCI distribution reference grammar (distribution/reference), repository part only.
@@ -116,12 +117,8 @@ def check_output(spec: Mapping[str, Any]) -> list[SpecProblem]:
 def check_source(spec: Mapping[str, Any]) -> list[SpecProblem]:
     source = spec.get("source") or {}
     if "url" in source:
-        return [
-            SpecProblem(
-                "spec.source.url",
-                "workers download nothing at run time; use huggingface (local cache), pvc or oci",
-            )
-        ]
+        problem = url_problem(str(source["url"]))
+        return [SpecProblem("spec.source.url", problem)] if problem else []
     pvc = source.get("pvc") or {}
     path = str(pvc.get("path") or "")
     if path.startswith("/") or ".." in path.split("/"):

@@ -57,18 +57,15 @@ def run(config: SidecarConfig) -> int:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """``--help`` (every setting, from the environment) and ``--version``; nothing else runs."""
-    from importlib.metadata import version
-
+    from cuvil.entry_point import build_parser
     from cuvil_sidecar import config
 
-    parser = argparse.ArgumentParser(
-        prog="cuvil-sidecar",
-        description="Serves one Cuvil artifact over the Open Inference Protocol v2 (gRPC),"
+    parser = build_parser(
+        "cuvil-sidecar",
+        "Serves one Cuvil artifact over the Open Inference Protocol v2 (gRPC),"
         " with Prometheus metrics and health endpoints.",
-        epilog="settings (environment):\n" + (config.__doc__ or "").split("\n", 2)[2],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        config.__doc__,
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {version('cuvil')}")
     return parser.parse_args(argv)
 
 

@@ -91,9 +91,10 @@ class ModelManager:
             raise ModelNotFound(
                 f"no model named {name!r}; this sidecar serves only {current.name!r}"
             )
-        if version not in ("", current.version):
+        if version and version not in current.versions:
             raise ModelNotFound(
-                f"model {name!r} has no version {version!r}; it serves version {current.version!r}"
+                f"model {name!r} has no version {version!r}; it serves version"
+                f" {current.version!r} ({', '.join(current.versions[1:])})"
             )
         return current.acquire()
 

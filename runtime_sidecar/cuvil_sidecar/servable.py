@@ -33,6 +33,13 @@ class ServedModel:
         self.version = VERSION
         self.digest = loaded.served_digest
         self.index_digest = loaded.index_digest
+        # The names the served version answers to: "1", the manifest digest it serves (what
+        # status.artifacts[] shows; a local artifact's config digest) and the index digest when
+        # the reference resolved one. ModelMetadata lists them, as Triton lists a model's
+        # versions, so a client sees which artifact answers; a request may name any of them
+        # (model_version=sha256:... is refused once a reload serves another digest).
+        digests = (self.digest, self.index_digest) if self.index_digest else (self.digest,)
+        self.versions: tuple[str, ...] = (self.version, *digests)
         self.signature = model.signature
         self.binder = InputBinder(model.signature)
         self.input_datatypes = {s.name: datatype_of(s.dtype) for s in model.signature.inputs}
@@ -75,7 +82,7 @@ class ServedModel:
 
         return ModelMetadata(
             name=self.name,
-            versions=(self.version,),
+            versions=self.versions,
             platform=f"cuvil_{self.model.config.get('target', 'cpu')}",
             inputs=tensors(self.signature.inputs),
             outputs=tensors(self.signature.outputs),

@@ -73,7 +73,7 @@ def test_operator_image_has_no_torch_but_every_operator_import() -> None:
     assert third_party <= set(OPERATOR_IMPORTS), third_party - set(OPERATOR_IMPORTS)
 
 
-LIGHT_MODULES = ("cuvil.targets", "cuvil.precisions")
+LIGHT_MODULES = ("cuvil.targets", "cuvil.precisions", "cuvil.source_urls", "cuvil.entry_point")
 
 
 def _imports_of(package: Path) -> set[str]:

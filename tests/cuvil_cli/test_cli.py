@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -78,3 +79,30 @@ def test_bad_spec_is_a_clear_error(spec: str, message: str, tmp_path: Path) -> N
     result = cuvil("compile", spec, "-o", str(tmp_path / "x.cuvil"))
     assert result.returncode == 2
     assert message in result.stderr
+
+
+def test_piped_output_keeps_every_digest_on_one_line(tmp_path: Path) -> None:
+    """Stdout and stderr are pipes here, as in ``cuvil … | grep``: no line is broken at a
+    console width, so each ``sha256:`` is followed by its 64 hex digits on the same line."""
+    layout = tmp_path / ("a-folder-name-long-enough-to-pass-eighty-columns-" * 2) / "layout"
+    spec = tmp_path / "mlp.yaml"
+    spec.write_text(
+        "apiVersion: cuvil.dev/v1alpha1\nkind: ModelCompilation\n"
+        "metadata: {name: mlp-piped}\nspec:\n  source: {builtin: {name: mlp}}\n"
+        f"  targets: [cpu-x86_64]\n  output: {{repository: 'oci:{layout}', tag: v1}}\n"
+    )
+    runs = [
+        cuvil("compile", "tests.cuvil.factories:small", "-o", f"oci:{layout}:small"),
+        cuvil("compile", str(spec), "--bench-iterations", "2"),
+        cuvil("inspect", f"oci:{layout}:v1"),
+        cuvil("pull", f"oci:{layout}:small", "-o", str(tmp_path / "pulled.cuvil")),
+    ]
+    digests = 0
+    for run in runs:
+        assert run.returncode == 0, run.stderr
+        for line in (run.stdout + run.stderr).splitlines():
+            found = re.findall(r"sha256:([0-9a-f]*)", line)
+            assert all(len(hexdigest) == 64 for hexdigest in found), line
+            digests += len(found)
+        assert not (run.stdout + run.stderr).startswith("\n"), "a spinner's blank line"
+    assert digests >= 5, [run.stdout + run.stderr for run in runs]

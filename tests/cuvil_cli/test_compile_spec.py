@@ -89,3 +89,15 @@ def test_a_cuda_target_compiles_here_with_its_speed_gates_deferred(
     assert report["gates"]["maxAbsError"]["passed"] is True
     loaded = cuvil.load(path)
     assert loaded.config["target"] == "cuda-sm_90" and loaded.execution()["kernels"]
+
+
+def test_the_summary_of_a_cuda_target_says_its_speed_was_not_measured(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec = _spec(tmp_path, "")
+    path = tmp_path / "mlp.cuvil"
+    assert main(["compile", str(spec), "-o", str(path), "--target", "cuda-sm_87"]) == 0
+    captured = capsys.readouterr()
+    out = " ".join((captured.out + captured.err).split())  # the console may wrap
+    assert "for cuda-sm_87" in out and "speed not measured here" in out and "x eager" not in out
+    assert "verified on CPU by interpretation" in out

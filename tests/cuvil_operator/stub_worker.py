@@ -97,6 +97,6 @@ def push_index(self: Any, request: dict[str, Any]) -> dict[str, Any]:
 
 
 @app.task(name=contract.TASK_CLEANUP)
-def cleanup(request: dict[str, Any]) -> dict[str, Any]:
+def cleanup(request: dict[str, Any], labels: list[str] | None = None) -> dict[str, Any]:
     """A cancel's clean-up: the stub pushes nothing, so there is nothing to delete."""
     return {"deleted": []}

@@ -68,6 +68,7 @@ def test_one_index_with_a_cpu_and_two_cuda_manifests_and_the_cpu_node_serves_the
     report = status["report"]
     for target in ("cuda-sm_90", "cuda-sm_87"):  # how it was checked, and that speed was not
         assert "verified on CPU by interpretation" in json.dumps(report["targets"][target])
+        assert "at most 16" in json.dumps(report["targets"][target])  # small samples
 
     sidecar = Sidecar(f"{repository}:v1", tmp_path / "sidecar.log",
                       CUVIL_CACHE_DIR=str(tmp_path / "cache"))  # fmt: skip

@@ -1,5 +1,6 @@
 """One digest story: the ModelCompilation's status, ``kubectl get mc -o wide`` and the sidecar
-serving the artifact name the same manifest and index. kmock as the API, ``cuvil-operator``,
+serving the artifact (readiness body, ``/metrics``, log, and the ``versions`` of ModelMetadata
+through tritonclient) name the same manifest and index. kmock as the API, ``cuvil-operator``,
 real Redis, the real registry, a real ``cuvil-worker`` and ``cuvil-sidecar``."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import tritonclient.grpc as grpcclient
 
 from tests.cuvil_operator.compilations import app, apply, mlp_compilation, phase_of, workers
 from tests.cuvil_operator.conftest import Operator, wait_for
@@ -58,8 +60,12 @@ def test_status_kubectl_and_the_sidecar_agree_on_the_digests(
         sidecar.wait_until(lambda: (_get(ready_url) or "").startswith("ready"), 180)
         body = _get(ready_url) or ""
         metrics = _get(f"{sidecar.metrics_url}/metrics") or ""
+        client = grpcclient.InferenceServerClient(sidecar.url)
+        versions = list(client.get_model_metadata(body.split()[1]).versions)
+        pinned = client.is_model_ready(body.split()[1], manifest)
     finally:
         sidecar.stop()
     assert body.split()[2:] == [manifest, "index", index], body
+    assert versions == ["1", manifest, index] and pinned, "ModelMetadata names what it serves"
     assert f'digest="{manifest}"' in metrics and f'index="{index}"' in metrics
     assert f"manifest {manifest}, index {index}" in sidecar.log()

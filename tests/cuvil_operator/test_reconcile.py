@@ -42,6 +42,9 @@ class RecordingQueue:
     def is_submitted(self, request: Mapping[str, Any]) -> bool:
         return f"{request['uid']}-{request['generation']}" in self.submitted
 
+    def keep_current(self, request: Mapping[str, Any]) -> None:
+        self.calls.append(("keep", f"{request['uid']}-{request['generation']}"))
+
     def progress(self, request: Mapping[str, Any]) -> dict[str, Any]:
         self.calls.append(("progress", f"{request['uid']}-{request['generation']}"))
         return self.next_progress
@@ -157,10 +160,10 @@ def test_progress_resubmits_a_compile_the_broker_lost() -> None:
     status = reconcile_submit(obj["metadata"], obj["spec"], {}, queue, events, NOW)
     assert status is not None
     reconcile_progress(obj["metadata"], obj["spec"], status, queue, events, NOW)
-    assert [c[0] for c in queue.calls] == ["submit", "progress"]
+    assert [c[0] for c in queue.calls] == ["submit", "keep", "progress"]
     queue.submitted.clear()  # Redis restarted without its data
     reconcile_progress(obj["metadata"], obj["spec"], status, queue, events, NOW)
-    assert [c[0] for c in queue.calls] == ["submit", "progress", "submit", "progress"]
+    assert [c[0] for c in queue.calls] == ["submit", "keep", "progress", "submit", "progress"]
     assert events.posted[-1][:2] == ("Warning", "Resubmitted"), events.posted
 
 
@@ -174,8 +177,12 @@ def test_config_from_environment() -> None:
     )
     assert config.broker_url == "redis://h:1/0" and config.poll_interval == 0.5
     assert config.namespace == "ml" and config.result_backend.endswith("/1")
+    assert config.current_ttl == 86400
     with pytest.raises(ValueError):
         OperatorConfig.from_env({"CUVIL_OPERATOR_POLL_INTERVAL": "0"})
+    assert OperatorConfig.from_env({"CUVIL_OPERATOR_CURRENT_TTL": "30"}).current_ttl == 30
+    with pytest.raises(ValueError, match="CUVIL_OPERATOR_CURRENT_TTL"):
+        OperatorConfig.from_env({"CUVIL_OPERATOR_CURRENT_TTL": "5"})  # 2.5 polls
 
 
 def test_fixing_an_invalid_spec_submits_the_new_generation() -> None:

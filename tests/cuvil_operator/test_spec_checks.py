@@ -6,6 +6,7 @@ import copy
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 from cuvil_operator.spec_checks import check_spec
 
@@ -70,4 +71,21 @@ def test_fp16_on_cpu_and_pvc_escape() -> None:
     spec["source"] = {"pvc": {"claimName": "models", "path": "../etc"}}
     assert _fields(spec) == ["spec.source.pvc.path"]
     spec["source"] = {"url": "https://example.com/model.tar"}
-    assert _fields(spec) == ["spec.source.url"]
+    assert _fields(spec) == []  # its form is fine; the push policy's allowlist decides
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("https://user:pw@models.example.com/a.tar", "no credentials"),
+        ("https://models.example.com/team-a/../team-b/a.tar", "path segments"),
+        ("https://models.example.com/team-a/%2e%2e/team-b/a.tar", "path segments"),
+        ("https://models.example.com/team-a/.\\a.tar", "backslashes"),
+        ("https://models.example.com/a.tar#md5=00", "only fragment"),
+        ("https:///a.tar", "with a host"),
+    ],
+)
+def test_a_url_source_of_the_wrong_form_names_the_field(url: str, message: str) -> None:
+    spec = {**_spec(), "source": {"url": url}}
+    (problem,) = check_spec(spec)
+    assert problem.field == "spec.source.url" and message in problem.message

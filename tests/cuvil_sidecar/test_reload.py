@@ -14,8 +14,10 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
 
 from cuvil.artifact.files import read_artifact, write_artifact
 from cuvil.models import catalog
@@ -105,12 +107,18 @@ def test_hot_reload_under_load(
 
     sidecar = Sidecar(served, tmp_path / "sidecar.log", CUVIL_MAX_QUEUE_DELAY_US="200")
     try:
-        sidecar.wait_ready(grpcclient.InferenceServerClient(sidecar.url))
+        client = grpcclient.InferenceServerClient(sidecar.url)
+        sidecar.wait_ready(client)
+        first = client.get_model_metadata("mlp").versions[1]  # the digest served
         with ClientLoop(sidecar.url, x, old, new) as loop:
             loop.wait_for("old", 20)
             replace_atomically(mlp_artifact_v2, served)
             sidecar.hangup()
             loop.wait_for("new", 20)
+            second = client.get_model_metadata("mlp").versions[1]
+            assert second != first and client.is_model_ready("mlp", second)
+            with pytest.raises(InferenceServerException, match=f"has no version '{first}'"):
+                client.get_model_metadata("mlp", first)  # pinned to what no longer serves
             for bad, reason in ((corrupt, r"refused the new artifact"), (wrong_golden, "golden")):
                 refused_before = len(re.findall("refused the new artifact", sidecar.log()))
                 replace_atomically(bad, served)

@@ -46,7 +46,13 @@ def test_health_metadata_and_inference(mlp_sidecar: Sidecar, mlp_spec) -> None:
     server = client.get_server_metadata()
     assert server.name == "cuvil"
     metadata = client.get_model_metadata("mlp")
-    assert metadata.name == "mlp" and list(metadata.versions) == ["1"]
+    with urllib.request.urlopen(mlp_sidecar.metrics_url + "/v2/health/ready", timeout=10) as r:
+        served = r.read().decode().split()[2]  # "ready: mlp sha256:…": the digest it serves
+    assert metadata.name == "mlp" and list(metadata.versions) == ["1", served]
+    assert served.startswith("sha256:") and client.is_model_ready("mlp", served)
+    assert client.get_model_metadata("mlp", served).versions == metadata.versions
+    with pytest.raises(InferenceServerException, match=f"has no version 'sha256:0+'.*{served}"):
+        client.get_model_metadata("mlp", "sha256:" + "0" * 64)
     assert [(t.name, t.datatype, list(t.shape)) for t in metadata.inputs] == [
         ("x", "FP32", [-1, 784])
     ]

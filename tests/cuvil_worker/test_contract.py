@@ -101,3 +101,67 @@ def test_a_submit_left_publishing_is_published_again(redis_server: RedisServer) 
     assert contract.is_submitted(app, request)
     contract.submit_compilation(app, request)
     assert queued(broker) == before + 2
+
+
+def queued_cleanups(broker: redis.Redis, queue: str) -> list[list[str]]:
+    """The ledger labels of each ``cuvil.cleanup`` message waiting on ``queue``."""
+    import base64
+    import json
+
+    found = []
+    for key in broker.keys(f"{queue}*"):
+        if b"binding" in key or key.decode().split(":")[0] != queue:
+            continue
+        for raw in broker.lrange(key, 0, -1):
+            message = json.loads(raw)
+            if message["headers"]["task"] == contract.TASK_CLEANUP:
+                args, _kwargs, _embed = json.loads(base64.b64decode(message["body"]))
+                found.append(args[1])
+    return found
+
+
+def test_a_cancel_sends_a_cleanup_to_every_queue_the_request_used(
+    redis_server: RedisServer,
+) -> None:
+    """Each cleanup goes where the workers that pushed its manifests consume: a GPU queue
+    without a live worker does not hold back the CPU target's cleanup."""
+    app = contract.create_app(redis_server.url(0), redis_server.url(1))
+    broker = redis.Redis.from_url(redis_server.url(0))
+    request = _request(uid="u4")
+    request["spec"]["targets"] = ["cuda-sm_90", "cpu-x86_64", "cpu-x86_64-amx"]
+    contract.submit_compilation(app, request)
+    contract.cancel_compilation(app, request)
+    assert queued_cleanups(broker, "cuvil.cuda.sm_90") == [["cuda-sm_90", contract.INDEX_LABEL]]
+    assert queued_cleanups(broker, "cuvil.cpu") == [["cpu-x86_64", "cpu-x86_64-amx"]]
+    request["spec"]["queue"] = "gpu-big"  # one queue for all: one cleanup for everything
+    assert contract.cleanup_plan(request) == {
+        "gpu-big": ["cuda-sm_90", "cpu-x86_64", "cpu-x86_64-amx", contract.INDEX_LABEL]
+    }
+
+
+def test_the_current_key_expires_unless_the_operator_keeps_it(
+    redis_server: RedisServer,
+) -> None:
+    """An object that went away without a cancel (the broker was down past the delete
+    handler's retries) leaves a current-key that nobody refreshes: it expires."""
+    import time
+
+    app = contract.create_app(redis_server.url(0), redis_server.url(1))
+    client = app.backend.client
+    first, second = _request(uid="u5"), _request(uid="u5", generation=2)
+    contract.submit_compilation(app, first, current_ttl=2)
+    assert 0 < client.ttl("cuvil:current:u5") <= 2
+    time.sleep(1.5)
+    assert contract.keep_current(app, first, ttl=2)
+    time.sleep(1.0)  # 2.5 s after the submit: alive only because it was kept
+    assert contract.not_current(app, first) is None and contract.is_current_known(app, first)
+    time.sleep(1.5)
+    assert not contract.is_current_known(app, first), "the unkept key did not expire"
+    assert contract.keep_current(app, first, ttl=2), "a followed request's key is written again"
+    assert contract.not_current(app, first) is None
+    contract.submit_compilation(app, second, current_ttl=2)
+    assert not contract.keep_current(app, first, ttl=60), "a stale request kept the key"
+    assert client.get("cuvil:current:u5") == b"cuvil-u5-2" and client.ttl("cuvil:current:u5") <= 2
+    contract.cancel_compilation(app, second)
+    assert not contract.keep_current(app, second, ttl=60)
+    assert "was deleted or cancelled" in (contract.not_current(app, second) or "")

@@ -140,3 +140,97 @@ def test_a_cancel_while_the_artifact_is_pushed_leaves_nothing(
     time.sleep(1.0)  # a push still in flight re-checks and undoes itself
     assert registry.manifests(repository) == set()
     assert registry.tags(repository) == {}
+
+
+def test_a_cancels_cleanup_runs_on_each_queue_that_pushed(
+    redis_server: RedisServer, registry: RunningRegistry, tmp_path: Path
+) -> None:
+    """A two-queue compile (a GPU target first, whose queue no worker consumes yet, and the
+    CPU): what the CPU worker pushed is deleted by the CPU queue's cleanup at once; the GPU
+    target's manifest waits for a worker on its own queue, which deletes it on arrival."""
+    app = contract.create_app(redis_server.url(0), redis_server.url(1))
+    spec = mlp_spec(registry, targets=["cuda-sm_90", "cpu-x86_64"])
+    repository = spec["output"]["repository"]
+    request = compilation_request(spec)
+    model = mlp()
+    compiled = cuvil.jit(model.model, model.example_inputs, dynamic_shapes=model.dynamic_shapes)
+    ledger_key = f"cuvil:pushed:{contract.chord_task_id(request)}"
+    pushed = {}
+    for target in ("cuda-sm_90", "cpu-x86_64"):  # what each queue's worker pushed
+        leftover = push_artifact(compiled.contents, repository, annotations={"t": target})
+        app.backend.client.hset(ledger_key, leftover.ref, target)
+        pushed[target] = leftover.digest
+    contract.mark_current(app, request)
+    env = worker_env(redis_server.url(0), redis_server.url(1), tmp_path / "work")
+    cpu = start_worker(env, tmp_path, queues="cuvil.cpu", name="cpu-cleanup")
+    gpu = None
+    try:
+        cpu.wait_ready()
+        contract.cancel_compilation(app, request)
+        deadline = time.monotonic() + 60
+        while registry.manifests(repository) != {pushed["cuda-sm_90"]}:
+            assert time.monotonic() < deadline, (registry.manifests(repository), cpu.log[-3000:])
+            time.sleep(0.2)
+        gpu = start_worker(env, tmp_path, queues="cuvil.cuda.sm_90", name="gpu-cleanup")
+        gpu.wait_ready()
+        while registry.manifests(repository):
+            assert time.monotonic() < deadline, (registry.manifests(repository), gpu.log[-3000:])
+            time.sleep(0.2)
+    finally:
+        for worker in (cpu, gpu):
+            if worker is not None:
+                worker.stop()
+    assert app.backend.client.hkeys(ledger_key) == []
+
+
+def test_a_worker_sigkilled_after_its_artifact_push_leaves_one_manifest(
+    app: Celery, redis_session: RedisServer, registry: RunningRegistry, tmp_path: Path
+) -> None:
+    """A real kill -9 between the artifact's manifest PUT and the task's result: the compile
+    is redelivered to a worker on another node, which pushes its own manifest (other benchmark
+    figures, another digest); the index task then deletes the killed attempt's. Should a try
+    miss that window (the task stored its result before the kill landed) it runs again, up to
+    3 times."""
+    from celery.result import AsyncResult
+
+    env = worker_env(redis_session.url(0), redis_session.url(1), tmp_path / "work",
+                     CUVIL_WARM_UP="0", CUVIL_BENCH_ITERATIONS="3")  # fmt: skip
+    for attempt in range(3):
+        queue = f"cuvil.test.kill-after-push-{attempt}"
+        spec = mlp_spec(registry, queue=queue)
+        repository = spec["output"]["repository"]
+        path = repository.split("/", 1)[1]
+        request = compilation_request(spec)
+        doomed = start_worker(env, tmp_path, queues=queue, name=f"doomed-{attempt}")
+        try:
+            doomed.wait_ready()
+            contract.submit_compilation(app, request)
+            deadline = time.monotonic() + 90
+            while not registry.requests(rf'"PUT /v2/{path}/manifests/sha256:'):
+                assert time.monotonic() < deadline, doomed.log[-3000:]
+                time.sleep(0.001)
+        finally:
+            doomed.kill_hard()
+        target_id = contract.target_task_id(request, "cpu-x86_64")
+        if AsyncResult(target_id, app=app).state != "SUCCESS":
+            break
+    else:
+        pytest.fail("3 tries, and the kill never landed between the push and the result")
+    left = registry.manifests(repository)
+    assert left, "the killed attempt pushed nothing"
+    # On another node: no packaged artifact of the killed attempt in its work dir to reuse.
+    elsewhere = {**env, "CUVIL_WORK_DIR": str(tmp_path / "work-elsewhere")}
+    rescuer = start_worker(elsewhere, tmp_path, queues=queue, name="rescuer")
+    try:
+        rescuer.wait_ready()
+        progress = wait_done(app, request, timeout=120, workers=[rescuer])
+    finally:
+        rescuer.stop()
+    assert progress.phase == contract.PHASE_SUCCEEDED, progress.error
+    assert f"cuvil.compile[{target_id}] received" in rescuer.log, "not redelivered"
+    assert progress.result is not None
+    (artifact,) = progress.result["artifacts"]
+    kept = {progress.result["index"]["digest"], artifact["digest"]}
+    kept |= _referrers(registry, repository, artifact["digest"])
+    assert registry.manifests(repository) == kept, f"left by the killed attempt: {left - kept}"
+    assert left - kept, "the redelivered compile pushed the same digest: nothing was orphaned"

@@ -54,6 +54,21 @@ def test_builtin_with_spec_inputs_keeps_dims_symbolic() -> None:
     assert (dim.min, dim.max) == (1, 64)
     samples = loaded.sample_inputs(4)
     assert len(samples) == 4 and all(1 <= s["x"].shape[0] <= 64 for s in samples)
+    assert max(s["x"].shape[0] for s in loaded.sample_inputs(20)) > 16
+
+
+def test_samples_can_keep_every_dynamic_dim_small() -> None:
+    """What a CUDA target verified by interpretation draws: dims at most the limit, never under
+    their minimum."""
+    spec = {
+        "source": {"builtin": {"name": "mlp"}},
+        "inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", 784]}],
+        "dynamicDims": {"batch": {"min": 1, "max": 64}},
+    }
+    small = load_source(spec).sample_inputs(20, largest=16)
+    assert all(s["x"].shape[0] <= 16 for s in small[1:])
+    spec["dynamicDims"] = {"batch": {"min": 32, "max": 64}}
+    assert all(s["x"].shape[0] == 32 for s in load_source(spec).sample_inputs(5, largest=16)[1:])
 
 
 def test_builtin_without_inputs_uses_the_factory_examples() -> None:
@@ -65,7 +80,7 @@ def test_builtin_without_inputs_uses_the_factory_examples() -> None:
     ("spec", "message"),
     [
         ({"source": {"builtin": {"name": "nope"}}}, "no bundled model"),
-        ({"source": {"url": "https://example.com/m"}}, "refused"),
+        ({"source": {"url": "https://example.com/m"}}, "need a fetcher"),
         ({"source": {}}, "exactly one"),
         ({"source": {"builtin": {"name": "mlp"}, "url": "x"}}, "exactly one"),
         (

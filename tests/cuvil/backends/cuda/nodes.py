@@ -1,5 +1,7 @@
 """Helpers for the CUDA backend's tests: one fused node as a graph, the manifest the executor
-reads for a spec (what codegen writes, less what only a compile knows), and a kernel run."""
+reads for a spec (what codegen writes, less what only a compile knows), and a kernel run.
+Triton's interpreter is imported only where a kernel runs by it: the GPU tests import this too,
+under the GPU image's Triton."""
 
 from __future__ import annotations
 
@@ -11,7 +13,6 @@ import torch
 
 from cuvil.backends.cuda.backend import FALLBACKS
 from cuvil.backends.cuda.codegen import plan_kernels
-from cuvil.backends.cuda.interpreter import Interpreted
 from cuvil.backends.cuda.launches import LAUNCHES
 from cuvil.backends.cuda.layer import GuardedLauncher
 from cuvil.backends.cuda.specs import KernelSpec
@@ -88,6 +89,8 @@ def run_kernel(
 
 def guarded_launcher(spec: KernelSpec) -> GuardedLauncher:
     """The spec's kernel and its generic variant through the interpreter, as the layer has."""
+    from cuvil.backends.cuda.interpreter import Interpreted  # Triton 3.9's; not on GPU images
+
     generic = Interpreted(manifest_for(spec.generic()))
     return GuardedLauncher(Interpreted(manifest_for(spec)), generic, spec.div16)
 
