@@ -67,6 +67,7 @@ def start(
         "CUVIL_GRPC_HOST": "127.0.0.1",
         "CUVIL_GRPC_PORT": str(port),
         "CUVIL_METRICS_PORT": "0",
+        "CUVIL_HTTP_PORT": "0",
         "CUVIL_MAX_BATCH_SIZE": str(batch),
         "CUVIL_MAX_QUEUE_DELAY_US": "2000",
         "CUVIL_WARMUP_SHAPES": load_test.WARMUP_SHAPES.get(name, ""),

@@ -1,6 +1,7 @@
-"""Load test of the gRPC sidecar with NVIDIA's tritonclient (aio): QPS and latency percentiles
-against concurrency, dynamic batching on vs off, and the sidecar's overhead over calling the
-compiled model in process. Prints one JSON document.
+"""Load test of the sidecar with NVIDIA's tritonclient (aio): QPS and latency percentiles
+against concurrency, dynamic batching on vs off, over gRPC and over REST (``batching_off_http``,
+``batching_on_http``: the same sidecar's REST port, binary tensors), and the sidecar's overhead
+over calling the compiled model in process. Prints one JSON document.
 
     .venv/bin/python benchmarks/sidecar_load.py --models mlp,minilm,resnet50 --duration 3
 
@@ -175,7 +176,9 @@ def start_sidecar(
     warmup_shapes: str = "",
     frontend: str = "native",
     command: Sequence[str] = ("-m", "cuvil_sidecar.main"),
+    http_port: int = 0,
 ) -> tuple[subprocess.Popen, str]:
+    """A ready sidecar and its gRPC address; with ``http_port`` its REST port there too."""
     port = free_port()
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("CUVIL_", "OTEL_"))}
     environ |= {
@@ -183,6 +186,7 @@ def start_sidecar(
         "CUVIL_GRPC_HOST": "127.0.0.1",
         "CUVIL_GRPC_PORT": str(port),
         "CUVIL_METRICS_PORT": str(metrics_port),
+        "CUVIL_HTTP_PORT": str(http_port),
         "CUVIL_MAX_BATCH_SIZE": str(batch),
         "CUVIL_MAX_QUEUE_DELAY_US": str(delay_us),
         "CUVIL_TORCH_THREADS": str(threads),
@@ -349,9 +353,19 @@ def shared_memory_infer(
 
 
 async def load(
-    url: str, model: str, inputs: dict[str, np.ndarray], concurrency: int, duration_s: float
+    url: str,
+    model: str,
+    inputs: dict[str, np.ndarray],
+    concurrency: int,
+    duration_s: float,
+    protocol: str = "grpc",
 ) -> dict[str, float]:
-    import tritonclient.grpc.aio as aioclient
+    """Closed loop: ``concurrency`` callers on one aio client, each sending its next request
+    when its last is answered; over REST (``protocol="http"``) with binary tensors."""
+    if protocol == "http":
+        import tritonclient.http.aio as aioclient
+    else:
+        import tritonclient.grpc.aio as aioclient
 
     client = aioclient.InferenceServerClient(url)
     items = infer_inputs(aioclient.InferInput, inputs)
@@ -495,7 +509,7 @@ def main() -> int:
         entry: dict[str, object] = {"frontend": frontends[0]}
         for mode, batch in (("batching_off", 1), ("batching_on", args.max_batch_size)):
             log = args.artifacts / f"{name}-{mode}.log"
-            metrics_port = free_port()
+            metrics_port, http_port = free_port(), free_port()
             process, url = start_sidecar(
                 path,
                 batch,
@@ -505,6 +519,7 @@ def main() -> int:
                 args.torch_threads,
                 WARMUP_SHAPES.get(name, ""),
                 frontends[0],
+                http_port=http_port,
             )
             try:
                 if mode == "batching_off":
@@ -519,6 +534,10 @@ def main() -> int:
                     if mode == "batching_off" and c == 1:
                         now = server_counters(metrics_port)
                         entry["server_c1"] = server_split(counted, now, rows[-1]["p50_ms"])
+                rest = f"127.0.0.1:{http_port}"
+                entry[f"{mode}_http"] = [
+                    asyncio.run(load(rest, name, inputs, c, args.duration, "http")) for c in levels
+                ]
             finally:
                 process.send_signal(signal.SIGTERM)
                 process.wait(30)

@@ -110,5 +110,5 @@ def graph_from_json(data: dict[str, Any]) -> Graph:
         )
         outputs = tuple((str(name), Value(str(v[0]), int(v[1]))) for name, v in data["outputs"])
         return Graph(str(data["name"]), nodes, tuple(map(str, data["inputs"])), outputs, symbols)
-    except (KeyError, TypeError, ValueError) as error:
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as error:
         raise GraphFormatError(f"malformed graph JSON: {error}") from error

@@ -27,6 +27,7 @@ from opentelemetry import trace
 from torch.utils import _pytree as pytree
 
 import cuvil
+from cuvil.allowed_ops import check_allowed_ops
 from cuvil.analysis.memory import plan_memory
 from cuvil.artifact.files import ArtifactContents
 from cuvil.artifact.kernels_layer import pack_kernels
@@ -204,8 +205,12 @@ class VerificationError(AssertionError):
 def lower(
     program: Program, run: _Run, disabled: frozenset[str]
 ) -> tuple[Program, list[dict[str, Any]]]:
+    """The passes the options ask for, minus ``disabled``; the result may hold only allowlisted
+    ops, so a model needing another op fails here rather than on the node that loads it."""
     active = tuple((name, apply) for name, apply in passes_for(run.options) if name not in disabled)
-    return run_passes(program, run, active)
+    lowered, applied = run_passes(program, run, active)
+    check_allowed_ops(lowered.graph)
+    return lowered, applied
 
 
 def build(

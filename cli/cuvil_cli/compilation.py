@@ -10,6 +10,7 @@ or a local OCI layout.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -120,10 +121,12 @@ def push_targets(
     trace_id: str | None = None,
 ) -> Compiled:
     """Every target pushed by digest, then one index over them tagged at ``reference``
-    (``REPOSITORY:TAG``, a registry or ``oci:DIR:TAG``), as the worker's tasks push them."""
+    (``REPOSITORY:TAG``, a registry or ``oci:DIR:TAG``), as the worker's tasks push them;
+    signed as the worker signs them when ``CUVIL_SIGNING_KEY`` is set."""
     from cuvil_worker.target_pipeline import annotations_for, publish, push_compilation_index
 
     from cuvil.artifact.reference import parse_target_reference
+    from cuvil.artifact.trust import Signer
 
     location = parse_target_reference(reference)
     if location.digest:
@@ -131,8 +134,9 @@ def push_targets(
     tag = location.tag or "latest"
     spec = dict(compilation.spec) | {"output": {"repository": location.name, "tag": tag}}
     annotations = annotations_for(f"local/{compilation.name}", trace_id)
+    signer = Signer.from_env(os.environ)
     compiled.pushed = [
-        publish(packaged, spec, target, on_stage, annotations)
+        publish(packaged, spec, target, on_stage, annotations, signer=signer)
         for target, packaged in compiled.packaged.items()
     ]
     on_stage("index")

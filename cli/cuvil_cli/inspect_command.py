@@ -1,4 +1,5 @@
-"""``cuvil inspect PATH``: signature, op histogram, report and IR text of an artifact."""
+"""``cuvil inspect PATH``: signature, op histogram, report and IR text of an artifact; for a
+reference also who signed each manifest, checked against ``--trusted-key``."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from cuvil.ir_dot import graph_to_dot, render_svg
 from cuvil.ir_text import print_graph
 from cuvil.runtime.signature import Signature
 from cuvil_cli.oci_commands import add_registry_arguments, print_description, registry_config_from
+from cuvil_cli.trust_commands import add_trust_arguments, trust_from
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -24,13 +26,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--dot", type=Path, help="write a Graphviz picture of the graph (DOT)")
     parser.add_argument("--svg", type=Path, help="write the picture as SVG (needs Graphviz)")
     add_registry_arguments(parser)
+    add_trust_arguments(parser, policy=False)
     parser.set_defaults(handler=run_inspect)
 
 
 def run_inspect(args: argparse.Namespace) -> int:
     if is_oci_reference(args.path) and not is_artifact_path(args.path):
         registry = registry_config_from(args)
-        described = describe_reference(args.path, registry_config=registry)
+        keys = trust_from(args, policy="warn").keys
+        described = describe_reference(args.path, registry_config=registry, trusted_keys=keys)
         if args.json and not args.ir:
             print(json.dumps(described, indent=2))
             return 0

@@ -18,6 +18,7 @@ COMMANDS = (
     "cuvil_cli.demo_command",
     "cuvil_cli.serve_command",
     "cuvil_cli.oci_commands",
+    "cuvil_cli.trust_commands",
 )
 
 

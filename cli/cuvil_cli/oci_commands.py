@@ -42,6 +42,8 @@ def registry_config_from(args: argparse.Namespace) -> RegistryConfig:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from cuvil_cli.trust_commands import add_trust_arguments  # it imports this module
+
     push = subparsers.add_parser("push", help="push an artifact (or several targets) to a registry")
     push.add_argument("paths", nargs="+", metavar="PATH", help="artifact file(s) or directories")
     push.add_argument("ref", help="host[:port]/repo[:tag] or oci:DIR[:tag]")
@@ -56,6 +58,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     pull.add_argument("--target", help="pick this index entry instead of probing the machine")
     pull.add_argument("--cache-dir", type=Path, help="node cache (default $CUVIL_CACHE_DIR)")
     add_registry_arguments(pull)
+    add_trust_arguments(pull)
     pull.set_defaults(handler=run_pull)
 
 
@@ -88,11 +91,20 @@ def run_push(args: argparse.Namespace) -> int:
 def run_pull(args: argparse.Namespace) -> int:
     from cuvil.artifact import pull_artifact
     from cuvil.artifact.api import resolve
+    from cuvil_cli.trust_commands import trust_from
 
     config = registry_config_from(args)
-    found = resolve(args.ref, cache_dir=args.cache_dir, registry_config=config, target=args.target)
+    trust = trust_from(args)
+    found = resolve(
+        args.ref, cache_dir=args.cache_dir, registry_config=config, target=args.target, trust=trust
+    )
     path = pull_artifact(
-        args.ref, args.output, registry_config=config, target=args.target, cache_dir=args.cache_dir
+        args.ref,
+        args.output,
+        registry_config=config,
+        target=args.target,
+        cache_dir=args.cache_dir,
+        trust=trust,
     )
     how = "downloaded" if found.downloaded else "from the node cache"
     print(f"pulled {args.ref} ({found.digest}, {how}) -> {path}")
@@ -110,6 +122,8 @@ def print_description(described: dict[str, Any]) -> None:
         print(f" {mark}target {entry['target']}  precision={entry['precision']}  {entry['digest']}")
         for referrer in entry["referrers"]:
             print(f"      referrer {referrer['artifact_type']}  {referrer['digest']}")
+        for signature in entry.get("signatures", []):
+            print(f"      {describe_signature(signature)}")
     if "targets" in described:
         print(f"  (* = picked for this machine: {', '.join(described['machine_targets'])})")
     config = described.get("config")
@@ -122,3 +136,15 @@ def print_description(described: dict[str, Any]) -> None:
         print(f"  {name}: {entry['size']} bytes {entry['digest']}")
     for referrer in described.get("referrers", []):
         print(f"  referrer {referrer['artifact_type']}  {referrer['digest']}")
+    for signature in described.get("signatures", []):
+        print(f"  {describe_signature(signature)}")
+    if not described.get("signatures") and "targets" not in described:
+        print("  signed: no")
+
+
+def describe_signature(check: dict[str, Any]) -> str:
+    """One signature as inspect shows it: who it claims, and whether a trusted key verified it."""
+    signer = check["signer"] or "(no signer named)"
+    if check["problem"] is None:
+        return f"signed by {signer}: verified with {check['trusted_key']} ({check['key_id']})"
+    return f"signed by {signer}: NOT verified: {check['problem']}"

@@ -14,6 +14,9 @@
 | CUVIL_BENCH_ITERATIONS | 30 | timed runs each of eager and compiled |
 | CUVIL_TORCH_THREADS | (torch's default) | intra-op threads per worker process |
 | CUVIL_WARM_UP | 1 | run one tiny torch.export before forking (first compile ~10 s faster) |
+| CUVIL_SIGNING_KEY | (unsigned) | ECDSA P-256 key (PEM, a mounted secret) signing pushes |
+| CUVIL_SIGNING_KEY_PASSWORD_FILE | (none) | file holding the key's password, if it is encrypted |
+| CUVIL_SIGNER | cuvil-worker | the signer name the signatures claim (shown by `cuvil inspect`) |
 """
 
 from __future__ import annotations
@@ -22,8 +25,12 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cuvil_worker.contract import DEFAULT_BROKER_URL, DEFAULT_RESULT_BACKEND
+
+if TYPE_CHECKING:
+    from cuvil.artifact.trust import Signer
 
 
 @dataclass(frozen=True)
@@ -40,6 +47,9 @@ class WorkerConfig:
     bench_iterations: int = 30
     torch_threads: int | None = None
     warm_up: bool = True
+    signing_key: Path | None = None
+    signing_key_password_file: Path | None = None
+    signer_name: str = "cuvil-worker"
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> WorkerConfig:
@@ -62,7 +72,21 @@ class WorkerConfig:
             bench_iterations=int(env.get("CUVIL_BENCH_ITERATIONS", default.bench_iterations)),
             torch_threads=int(threads) if threads else None,
             warm_up=env.get("CUVIL_WARM_UP", "1").lower() not in ("0", "false", "no"),
+            signing_key=_path(env.get("CUVIL_SIGNING_KEY")),
+            signing_key_password_file=_path(env.get("CUVIL_SIGNING_KEY_PASSWORD_FILE")),
+            signer_name=env.get("CUVIL_SIGNER") or default.signer_name,
         )
+
+    def signer(self) -> Signer | None:
+        """The key pushed manifests are signed with (read when a push needs it), or None."""
+        if self.signing_key is None:
+            return None
+        from cuvil.artifact.trust import Signer
+
+        environ = {"CUVIL_SIGNING_KEY": str(self.signing_key), "CUVIL_SIGNER": self.signer_name}
+        if self.signing_key_password_file is not None:
+            environ["CUVIL_SIGNING_KEY_PASSWORD_FILE"] = str(self.signing_key_password_file)
+        return Signer.from_env(environ)
 
     @property
     def soft_time_limit(self) -> float:
@@ -72,3 +96,7 @@ class WorkerConfig:
     def backoff(self, retries: int) -> float:
         """Seconds before registry retry number ``retries`` (0-based): 2, 4, 8, … capped."""
         return float(min(2.0 ** (retries + 1), self.retry_backoff_max))
+
+
+def _path(text: str | None) -> Path | None:
+    return Path(text) if text and text.strip() else None

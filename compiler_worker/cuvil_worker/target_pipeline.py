@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
 
@@ -28,6 +28,9 @@ from cuvil_worker import checks
 from cuvil_worker.config import WorkerConfig
 from cuvil_worker.contract import STATE_COMPILING, STATE_PUSHING, STATE_VALIDATING
 from cuvil_worker.errors import InvalidSpec, ModelNotCompilable, caused_by
+
+if TYPE_CHECKING:
+    from cuvil.artifact.trust import Signer
 
 STAGES = ("load", *COMPILE_STAGES, "validate", "benchmark", "gates", "package", "push")
 STATE_OF_STAGE = {
@@ -201,9 +204,11 @@ def publish(
     on_stage: StageFn,
     annotations: Mapping[str, str],
     registry_config: Any = None,
+    signer: Signer | None = None,
 ) -> dict[str, Any]:
-    """Push the artifact by digest (untagged) and attach its report as a referrer
-    (``registry_config``: the compilation's own push credentials; None: the worker's)."""
+    """Push the artifact by digest (untagged), attach its report as a referrer and, with a
+    ``signer``, sign both manifests (``registry_config``: the compilation's own push
+    credentials; None: the worker's)."""
     from cuvil.artifact import attach_referrer, push_artifact
     from cuvil.artifact.media_types import REPORT
 
@@ -228,6 +233,10 @@ def publish(
             annotations=dict(annotations),
             registry_config=registry_config,
         )
+        if signer is not None:
+            repository_ref = pushed.ref.rpartition("@")[0]
+            for signed in (pushed.ref, f"{repository_ref}@{referrer}"):
+                signer.sign(signed, registry_config=registry_config)
     return {
         "target": target,
         "ref": pushed.ref,
@@ -236,6 +245,7 @@ def publish(
         "mediaType": pushed.media_type,
         "precision": pushed.precision,
         "reportReferrer": referrer,
+        "signedBy": signer.name if signer is not None else None,
         "pushSeconds": seconds["push"],
         "report": packaged.report,
     }

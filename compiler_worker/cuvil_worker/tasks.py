@@ -222,7 +222,9 @@ def _compile_and_push(
                 if repository:
                     ledger.record(_planned_ref(packaged.files, repository, annotations), target)
                 credentials = registry_config_for(app, request, config.work_dir)
-                result = publish(packaged, spec, target, on_stage, annotations, credentials)
+                result = publish(
+                    packaged, spec, target, on_stage, annotations, credentials, config.signer()
+                )
                 ledger.record(result["ref"], target)
                 _undo_unless_current(guard, ledger, target, credentials, "after its push")
         except RegistryError as error:

@@ -20,18 +20,25 @@ Public API (``from cuvil.artifact import …``)::
         under the referrers tag schema (tag ``sha256-<hex>``); returns the referrer's digest.
     list_referrers(subject, *, artifact_type=None, registry_config=None) -> list[Referrer]
     fetch_referrer(subject, digest, *, registry_config=None) -> bytes   (the referrer's data)
-    resolve_model(reference, *, cache_dir=None, registry_config=None, target=None) -> Path
+    resolve_model(reference, *, cache_dir=None, registry_config=None, target=None,
+                  trust=None) -> Path
         What ``CUVIL_MODEL`` holds -> a local artifact directory for ``cuvil.runtime.model.load``:
         an artifact path is returned as is; a layout or registry reference (tag or digest) is
         resolved, an index entry picked for this machine (or ``target``), every blob verified,
         stored in the node cache (``cache_dir``, default ``$CUVIL_CACHE_DIR`` or
-        ``~/.cache/cuvil``); a cached digest loads with the registry unreachable.
+        ``~/.cache/cuvil``); a cached digest loads with the registry unreachable. ``trust``
+        (``trust.TrustSettings``: policy and trusted keys) checks the picked manifest's
+        signatures before anything is downloaded.
     resolve_digest(reference, *, registry_config=None) -> str
         The manifest (or index) digest a tag points to now: poll it for hot reload.
     pull_artifact(reference, output, *, registry_config=None, target=None,
                   cache_dir=None) -> Path   (resolve_model, then a copy at ``output``)
-    describe_reference(reference, *, registry_config=None) -> dict
-        Manifest or index, targets, annotations and referrers, for ``cuvil inspect REF``.
+    describe_reference(reference, *, registry_config=None, trusted_keys=()) -> dict
+        Manifest or index, targets, annotations, referrers and signatures (checked against
+        ``trusted_keys``), for ``cuvil inspect REF``.
+    trust.sign_reference(reference, key, signer, *, registry_config=None) -> list[str]
+        Sign a manifest (an index: it and its entries) in cosign's format (``signing.py``);
+        ``trust.TrustSettings.from_env`` reads CUVIL_TRUST_POLICY and CUVIL_TRUSTED_KEYS.
     probe_targets() -> list[str]; select_entry(entries, candidates) -> dict
     RegistryConfig(docker_config=None, ca_bundle=None, plain_http=None, timeout_s=30.0,
                    attempts=2); RegistryConfig.from_env() reads CUVIL_REGISTRY_CONFIG

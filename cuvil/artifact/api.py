@@ -14,7 +14,7 @@ import tarfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cuvil.artifact import media_types as mt
 from cuvil.artifact.cache import NodeCache
@@ -43,6 +43,9 @@ from cuvil.artifact.reference import (
 from cuvil.artifact.registry_config import RegistryConfig
 from cuvil.artifact.store import Store, open_store
 from cuvil.artifact.targets import entry_target, select_entry
+
+if TYPE_CHECKING:
+    from cuvil.artifact.trust import TrustSettings
 
 ConfigArg = RegistryConfig | str | Path | None
 log = logging.getLogger(__name__)
@@ -159,9 +162,10 @@ def resolve_model(
     cache_dir: str | Path | None = None,
     registry_config: ConfigArg = None,
     target: str | None = None,
+    trust: TrustSettings | None = None,
 ) -> Path:
     return resolve(
-        reference, cache_dir=cache_dir, registry_config=registry_config, target=target
+        reference, cache_dir=cache_dir, registry_config=registry_config, target=target, trust=trust
     ).path
 
 
@@ -179,9 +183,13 @@ def resolve(
     cache_dir: str | Path | None = None,
     registry_config: ConfigArg = None,
     target: str | None = None,
+    trust: TrustSettings | None = None,
 ) -> Resolution:
-    """``resolve_model`` with what happened (downloaded, offline) — for tests and benchmarks."""
+    """``resolve_model`` with what happened (downloaded, offline). With ``trust``, the
+    manifest's signatures are checked by its policy before anything is downloaded."""
     if not reference.startswith("oci:") and is_artifact_path(reference):
+        if trust is not None:
+            trust.check_path(reference)
         return Resolution(Path(reference), None)
     ref = parse_model_reference(reference)
     cache = NodeCache(cache_dir)
@@ -213,6 +221,8 @@ def resolve(
         raise RegistryError(
             f"{ref} is not a Cuvil artifact (artifactType {document.get('artifactType')!r})"
         )
+    if trust is not None:
+        trust.check(store, ref, digest)
     try:
         hit = cache.lookup(digest)
     except DigestMismatchError as error:
@@ -243,11 +253,12 @@ def pull_artifact(
     registry_config: ConfigArg = None,
     target: str | None = None,
     cache_dir: str | Path | None = None,
+    trust: TrustSettings | None = None,
 ) -> Path:
-    """Resolve through the node cache, then copy: a directory, or a tar when ``output`` ends in
-    ``.tar`` or ``.cuvil`` (the form ``CompiledModel.save`` writes)."""
+    """Resolve through the node cache (checking signatures by ``trust``), then copy: a
+    directory, or a tar when ``output`` ends in ``.tar`` or ``.cuvil`` (``save``'s form)."""
     source = resolve_model(
-        reference, cache_dir=cache_dir, registry_config=registry_config, target=target
+        reference, cache_dir=cache_dir, registry_config=registry_config, target=target, trust=trust
     )
     names = [mt.CONFIG_FILE, *sorted(n for n in mt.FILE_MEDIA_TYPES if (source / n).is_file())]
     output = Path(output)

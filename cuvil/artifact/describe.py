@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +19,19 @@ from cuvil.artifact.store import open_store
 from cuvil.artifact.targets import entry_target, probe_targets, select_entry
 
 
-def describe_reference(reference: str, *, registry_config: ConfigArg = None) -> dict[str, Any]:
-    """Manifest or index, targets, annotations and referrers of a reference."""
+def describe_reference(
+    reference: str, *, registry_config: ConfigArg = None, trusted_keys: Sequence[Any] = ()
+) -> dict[str, Any]:
+    """Manifest or index, targets, annotations, referrers and signatures of a reference (each
+    signature checked against ``trusted_keys``, ``cuvil.artifact.signing.TrustedKey``s)."""
+    from cuvil.artifact.trust import signature_checks
+
     ref = parse_model_reference(reference)
     store = open_store(ref, RegistryConfig.coerce(registry_config))
+
+    def signatures(digest: str) -> list[dict[str, Any]]:
+        return [vars(check) for check in signature_checks(store, ref, digest, trusted_keys)]
+
     digest = store.resolve(ref.reference)
     data, _ = store.get_manifest(digest)
     document = parse_manifest(data, str(ref))
@@ -32,6 +42,7 @@ def describe_reference(reference: str, *, registry_config: ConfigArg = None) -> 
         "artifactType": document.get("artifactType"),
         "annotations": document.get("annotations", {}),
         "referrers": [vars(r) for r in list_referrers_in(store, digest, None)],
+        "signatures": signatures(digest),
     }
     children = document.get("manifests") if document.get("mediaType") == mt.OCI_INDEX else None
     if children is None:
@@ -50,6 +61,7 @@ def describe_reference(reference: str, *, registry_config: ConfigArg = None) -> 
             "digest": entry["digest"],
             "size": entry["size"],
             "referrers": [vars(r) for r in list_referrers_in(store, entry["digest"], None)],
+            "signatures": signatures(entry["digest"]),
         }
         for entry in children
     ]

@@ -22,6 +22,14 @@ from safetensors.torch import save as save_safetensors
 
 from cuvil.artifact import media_types as mt
 from cuvil.artifact.errors import ArtifactError
+from cuvil.artifact.limits import (
+    DEFAULT_LIMITS,
+    LoadLimits,
+    check_contents,
+    check_declared_sizes,
+    check_graph,
+    check_node_count,
+)
 from cuvil.artifact.plain_tar import read_plain_tar, write_plain_tar
 from cuvil.ir import Graph
 from cuvil.ir_json import graph_from_json, graph_to_json
@@ -116,8 +124,11 @@ def read_files(path: str | Path) -> dict[str, bytes]:
         )
 
 
-def decode_files(files: Mapping[str, bytes], origin: str = "artifact") -> ArtifactContents:
-    """Check every file against the config's digests, then parse; refuse anything that differs."""
+def decode_files(
+    files: Mapping[str, bytes], origin: str = "artifact", limits: LoadLimits = DEFAULT_LIMITS
+) -> ArtifactContents:
+    """Check every file against the config's digests, then parse within ``limits``; refuse
+    anything that differs or asks for more (``cuvil.artifact.limits``)."""
     if mt.CONFIG_FILE not in files:
         raise ArtifactError(f"{origin}: missing {mt.CONFIG_FILE}")
     try:
@@ -141,14 +152,23 @@ def decode_files(files: Mapping[str, bytes], origin: str = "artifact") -> Artifa
                 f"{origin}: {name} has digest {actual}, the config records {entry.get('digest')}: "
                 "refusing a modified or corrupt artifact"
             )
+    check_declared_sizes(config, files, origin)
     try:
-        graph = verify_graph(graph_from_json(json.loads(files[mt.GRAPH_FILE])))
+        graph_json = json.loads(files[mt.GRAPH_FILE])
+        if not isinstance(graph_json, dict):
+            raise ValueError(f"{mt.GRAPH_FILE} is not a JSON object")
+        check_node_count(graph_json, limits, origin)
+        graph = verify_graph(graph_from_json(graph_json))
+        check_graph(graph, limits, origin)
         weights = dict(load_safetensors(files[mt.WEIGHTS_FILE]))
         golden = dict(load_safetensors(files[mt.GOLDEN_FILE])) if mt.GOLDEN_FILE in recorded else {}
-    except ValueError as error:
+    except ArtifactError:
+        raise
+    except (ValueError, RecursionError) as error:
         raise ArtifactError(f"{origin}: {error}") from None
+    check_contents(graph, weights, golden, len(files[mt.WEIGHTS_FILE]), limits, origin)
     return ArtifactContents(config, graph, weights, golden, files.get(mt.KERNELS_FILE))
 
 
-def read_artifact(path: str | Path) -> ArtifactContents:
-    return decode_files(read_files(path), origin=str(path))
+def read_artifact(path: str | Path, limits: LoadLimits = DEFAULT_LIMITS) -> ArtifactContents:
+    return decode_files(read_files(path), origin=str(path), limits=limits)

@@ -54,6 +54,7 @@ class InjectionSettings:
     | ``CUVIL_INJECT_CACHE_HOST_PATH`` | (emptyDir) | a node folder shared by the node's pods |
     | ``CUVIL_INJECT_SHM_SIZE`` | ``256Mi`` | the shared-memory volume's size |
     | ``CUVIL_INJECT_REGISTRY_SECRET`` | (none) | pull Secret, in the pod's own namespace |
+    | ``CUVIL_INJECT_TRUSTED_KEYS`` | (none) | ConfigMap of signing keys, in the pod's namespace |
     | ``CUVIL_INJECT_UNSERVED`` | ``refuse`` | nothing to serve: ``refuse`` or ``admit`` the pod |
     """
 
@@ -62,6 +63,7 @@ class InjectionSettings:
     cache_host_path: str | None = None
     shm_size: str = "256Mi"
     registry_secret: str | None = None
+    trusted_keys: str | None = None
     unserved: str = REFUSE
 
     @classmethod
@@ -81,6 +83,7 @@ class InjectionSettings:
             cache_host_path=env.get("CUVIL_INJECT_CACHE_HOST_PATH") or None,
             shm_size=env.get("CUVIL_INJECT_SHM_SIZE") or cls.shm_size,
             registry_secret=env.get("CUVIL_INJECT_REGISTRY_SECRET") or None,
+            trusted_keys=env.get("CUVIL_INJECT_TRUSTED_KEYS") or None,
             unserved=unserved,
         )
 
@@ -209,6 +212,8 @@ def build_sidecar_container(
     secret = request.registry_secret or settings.registry_secret
     if secret:
         env["CUVIL_REGISTRY_CONFIG"] = "/etc/cuvil/registry/config.json"
+    if settings.trusted_keys:
+        env["CUVIL_TRUSTED_KEYS"] = "/etc/cuvil/trust"
     grpc_port = int(env.get("CUVIL_GRPC_PORT") or 8001)
     metrics_port = int(env.get("CUVIL_METRICS_PORT") or 8002)
     container: dict[str, Any] = {
@@ -230,6 +235,9 @@ def build_sidecar_container(
             {"name": "cuvil-serve", "mountPath": SERVE_DIR, "readOnly": True},
         ],
     }
+    http_port = int(env.get("CUVIL_HTTP_PORT") or 0)
+    if http_port:
+        container["ports"].append({"name": "oip-http", "containerPort": http_port})
     if metrics_port:
         container["ports"].append({"name": "metrics", "containerPort": metrics_port})
         ready, live = "/v2/health/ready", "/v2/health/live"
@@ -250,6 +258,10 @@ def build_sidecar_container(
         container["volumeMounts"].append(
             {"name": "cuvil-registry", "mountPath": "/etc/cuvil/registry", "readOnly": True}
         )
+    if settings.trusted_keys:
+        container["volumeMounts"].append(
+            {"name": "cuvil-trust", "mountPath": "/etc/cuvil/trust", "readOnly": True}
+        )
     return container
 
 
@@ -259,7 +271,7 @@ def build_sidecar_volumes(
     """The volumes the sidecar mounts: the node cache (a host folder when the chart names
     one, so the node's pods pull an artifact once), scratch, the reference to serve (the pod's
     ``cuvil.dev/injected`` annotation, which the kubelet rewrites when the operator moves it),
-    shared memory, pull credentials."""
+    shared memory, pull credentials, the public keys signatures are checked with."""
     cache: dict[str, Any] = {"emptyDir": {}}
     if settings.cache_host_path:
         cache = {"hostPath": {"path": settings.cache_host_path, "type": "DirectoryOrCreate"}}
@@ -276,6 +288,8 @@ def build_sidecar_volumes(
     if secret:
         items = [{"key": ".dockerconfigjson", "path": "config.json"}]
         volumes.append({"name": "cuvil-registry", "secret": {"secretName": secret, "items": items}})
+    if settings.trusted_keys:
+        volumes.append({"name": "cuvil-trust", "configMap": {"name": settings.trusted_keys}})
     return volumes
 
 

@@ -15,6 +15,14 @@ Requests that could not join stay at the head of the line for the next batch. Wi
 ``max_rows <= 1`` (batching off, or a model without a shared batch dim) every request runs alone:
 straight on the worker threads, whose queue is then the request queue, or, when nothing else is
 executing and the model's recent runs took under ``INLINE_RUN_S``, on the event loop itself.
+
+Bounds (Triton's ``default_queue_policy``): with ``max_queue`` a request that finds that many
+waiting already (``pending``: queued, held back, or handed to a worker without batching) is
+refused at once (``QueueFull``); a request carries an
+expiry, the sooner of ``queue_timeout_s`` after it arrived and its client's deadline, and one
+whose expiry passed before its run starts is dropped unrun (``QueueTimeout`` or
+``DeadlinePassed``): a client that gave up costs no model run, nor does a request whose call
+was cancelled while it waited. ``on_reject`` counts each, by reason.
 Handing a run to a worker thread and waking the loop when it is done costs a thread wake-up each
 way, more than a tiny model's whole run; a long run stays on the worker so that the loop keeps
 answering health checks and decoding the next request meanwhile.
@@ -32,7 +40,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cuvil_sidecar.errors import ShuttingDown
+from cuvil_sidecar.errors import (
+    CallCancelled,
+    DeadlinePassed,
+    QueueFull,
+    QueueTimeout,
+    ShuttingDown,
+    SidecarError,
+)
 from cuvil_sidecar.handoff import Handoff
 
 # Runs shorter than this (recent average) skip the worker thread when batching is off and the
@@ -62,6 +77,31 @@ class _Job:
     key: Hashable
     future: asyncio.Future[BatchResult]
     enqueued_ns: int = field(default_factory=time.time_ns)
+    timeout_ns: int | None = None  # queue timeout: when it stops waiting (epoch ns)
+    deadline_ns: int | None = None  # the client's deadline (epoch ns)
+    abandoned: bool = False  # its call was cancelled while it waited for a worker
+    started: bool = False  # a worker began to run it (batching off)
+
+    def expired(self) -> SidecarError | None:
+        """Why this job must not run now, if its queue timeout or its client's deadline passed."""
+        now = time.time_ns()
+        if self.deadline_ns is not None and now >= self.deadline_ns:
+            waited = (now - self.enqueued_ns) / 1e6
+            return DeadlinePassed(f"the client's deadline passed after {waited:.1f} ms in queue")
+        if self.timeout_ns is not None and now >= self.timeout_ns:
+            waited = (now - self.enqueued_ns) / 1e6
+            return QueueTimeout(
+                f"the request waited {waited:.1f} ms in queue, past the queue timeout"
+            )
+        return None
+
+
+REJECT_REASONS: dict[type[SidecarError], str] = {
+    CallCancelled: "cancelled",
+    QueueFull: "queue_full",
+    QueueTimeout: "queue_timeout",
+    DeadlinePassed: "deadline",
+}
 
 
 class Batcher:
@@ -75,8 +115,14 @@ class Batcher:
         on_execute: Callable[[int, int], None] | None = None,
         name: str = "model",
         in_flight: Callable[[], int] | None = None,
+        max_queue: int = 0,
+        queue_timeout_s: float = 0.0,
+        on_reject: Callable[[str], None] | None = None,
     ) -> None:
         self._run = run
+        self.max_queue = max_queue  # 0: unbounded
+        self._queue_timeout_ns = int(queue_timeout_s * 1e9) or None
+        self._on_reject = on_reject  # the reason (REJECT_REASONS), on the loop or a worker
         self._in_flight = in_flight  # None: unknown, so a batch always waits its delay
         self.max_rows = max(1, max_rows)
         self.max_delay_s = max_delay_s
@@ -111,13 +157,23 @@ class Batcher:
         return self._queue.qsize() + len(self._held) + self._direct
 
     async def submit(
-        self, inputs: Mapping[str, torch.Tensor], *, rows: int = 1, key: Hashable = None
+        self,
+        inputs: Mapping[str, torch.Tensor],
+        *,
+        rows: int = 1,
+        key: Hashable = None,
+        deadline_ns: int | None = None,
     ) -> BatchResult:
-        """Queue one request; ``rows`` is its batch-dim size, ``key`` what must match to join."""
+        """Queue one request; ``rows`` is its batch-dim size, ``key`` what must match to join,
+        ``deadline_ns`` when its client stops waiting (epoch ns)."""
         if self._closed:
             raise ShuttingDown("the model is being unloaded")
+        if self.max_queue and self.pending >= self.max_queue:
+            self._reject(QueueFull(f"the model holds {self.max_queue} requests already"))
         loop = asyncio.get_running_loop()
-        job = _Job(inputs, rows, key, loop.create_future())
+        job = _Job(inputs, rows, key, loop.create_future(), deadline_ns=deadline_ns)
+        if self._queue_timeout_ns is not None:
+            job.timeout_ns = job.enqueued_ns + self._queue_timeout_ns
         if not self._tasks:
             with self._direct_lock:  # (a call resumed on a worker lowers it there)
                 alone = self._direct == 0
@@ -147,10 +203,37 @@ class Batcher:
                 started, results, finished = await Handoff(
                     self._executor, self._execute, [job], resume_on_worker=resume_on_worker
                 )
+        except asyncio.CancelledError:
+            with self._direct_lock:  # the worker skips it unless it has started it already
+                job.abandoned = True
+                unrun = not job.started
+            if unrun and self._on_reject is not None:
+                self._on_reject(REJECT_REASONS[CallCancelled])
+            raise
         finally:
             with self._direct_lock:
                 self._direct -= 1
         return BatchResult(results[0], job.enqueued_ns, started, finished, 1, job.rows, inline)
+
+    def _reject(self, error: SidecarError) -> None:
+        if self._on_reject is not None:
+            self._on_reject(REJECT_REASONS[type(error)])
+        raise error
+
+    def _drop_if_expired(self, job: _Job) -> bool:
+        """On the loop: answer a job whose expiry passed (True), or leave it (False)."""
+        if job.future.done():  # the caller gave up (its call was cancelled) while queued
+            if self._on_reject is not None:
+                self._on_reject("cancelled")
+            return True
+        error = job.expired()
+        if error is None:
+            return False
+        try:
+            self._reject(error)
+        except SidecarError as raised:
+            job.future.set_exception(raised)
+        return True
 
     async def close(self) -> None:
         """Stop the instances; anything still queued is answered ShuttingDown."""
@@ -170,7 +253,7 @@ class Batcher:
         loop = asyncio.get_running_loop()
         while True:
             first = self._held.popleft() if self._held else await self._queue.get()
-            if first.future.done():  # the caller gave up (cancelled) while queued
+            if self._drop_if_expired(first):
                 continue
             batch = [first]
             if self.max_rows > 1 and first.rows < self.max_rows:
@@ -217,7 +300,9 @@ class Batcher:
             0.0, self.max_delay_s - (time.time_ns() - first.enqueued_ns) / 1e9
         )
         for job in list(self._held):
-            if job.key == first.key and rows + job.rows <= self.max_rows:
+            if self._drop_if_expired(job):
+                self._held.remove(job)
+            elif job.key == first.key and rows + job.rows <= self.max_rows:
                 self._held.remove(job)
                 batch.append(job)
                 rows += job.rows
@@ -232,7 +317,7 @@ class Batcher:
                     break
             else:
                 job = self._queue.get_nowait()
-            if job.future.done():
+            if self._drop_if_expired(job):
                 continue
             if job.key == first.key and rows + job.rows <= self.max_rows:
                 batch.append(job)
@@ -247,7 +332,16 @@ class Batcher:
         return self._in_flight() > len(batch) + len(self._held)
 
     def _execute(self, batch: list[_Job]) -> tuple[int, list[dict[str, torch.Tensor]], int]:
+        """Runs ``batch`` (on a worker, or inline). A lone job whose expiry passed while it
+        waited for the worker is refused instead (jobs joined on the loop were checked there)."""
         if len(batch) == 1:
+            with self._direct_lock:
+                if batch[0].abandoned:  # counted where its call was cancelled
+                    raise CallCancelled("the call was cancelled before it ran")
+                batch[0].started = True
+            expired = batch[0].expired()
+            if expired is not None:
+                self._reject(expired)
             inputs = batch[0].inputs
         else:
             inputs = {

@@ -9,10 +9,16 @@
   promoted digest by annotating their pods; with ``CUVIL_POLL_INTERVAL_S`` the sidecar reloads
   without dropping requests, and keeps serving the old model if the new one fails.
 - ``CUVIL_MODEL_NAME``: the model name clients use (default: the artifact's name).
-- ``CUVIL_GRPC_HOST`` (``0.0.0.0``): address the gRPC and metrics servers bind.
+- ``CUVIL_GRPC_HOST`` (``0.0.0.0``): address the gRPC, REST and metrics servers bind.
 - ``CUVIL_GRPC_PORT`` (8001): Open Inference Protocol v2 over gRPC, plus health and reflection.
+- ``CUVIL_HTTP_PORT`` (8000): the same protocol over REST/JSON (``rest.py``), with Triton's
+  binary-data extension; 0 turns it off.
 - ``CUVIL_METRICS_PORT`` (8002): HTTP ``/metrics`` (Prometheus), ``/v2/health/live`` and
   ``/v2/health/ready`` (503 with the reason while not ready); 0 turns it off.
+- ``CUVIL_HTTP_MAX_CONNECTIONS`` (1024): open connections each HTTP port keeps; more are
+  answered 503 and closed.
+- ``CUVIL_HTTP_TIMEOUT_S`` (30): how long an HTTP connection may take to send a request's
+  headers (idle keep-alive time included) and then its body, before it is closed.
 - ``CUVIL_CACHE_DIR`` (``~/.cache/cuvil``): node cache for pulled artifacts.
 - ``CUVIL_TACTICS_CACHE`` (``$CUVIL_CACHE_DIR/tactics``): where the kernel choices timed at
   warm-up are kept per artifact and machine (``cuvil/backends/cpu/tactics_cache.py``), so that a
@@ -25,7 +31,16 @@
   ``wait`` makes it wait out the delay all the same, for requests not sent yet (Triton's
   behaviour: for GPUs, where a fuller batch costs little more time than one row).
 - ``CUVIL_MODEL_INSTANCES`` (1): batches executed at once (Triton's instance count).
+- ``CUVIL_MAX_QUEUE_SIZE`` (0 = unbounded): requests waiting for a run at once (Triton's
+  ``default_queue_policy.max_queue_size``; ``nv_inference_pending_request_count``); one more is
+  refused at once with
+  UNAVAILABLE (HTTP 503), counted in ``cuvil_inference_rejected{reason="queue_full"}``.
+- ``CUVIL_QUEUE_TIMEOUT_US`` (0 = none): how long a request may wait before it runs; past it
+  it is refused UNAVAILABLE (Triton's REJECT timeout action). A client's own gRPC deadline is
+  honoured too: a request whose deadline passed while it waited never runs.
 - ``CUVIL_MAX_MESSAGE_BYTES`` (64 MiB): largest gRPC message received or sent.
+- ``CUVIL_START_RETRY_MAX_S`` (60): longest wait between tries of a first load that failed
+  (the wait starts at 1 s and doubles); the sidecar keeps trying until a model serves.
 - ``CUVIL_POLL_INTERVAL_S`` (0): poll ``CUVIL_MODEL`` for a new digest every N seconds
   (0: reload only on SIGHUP).
 - ``CUVIL_GOLDEN_TOLERANCE`` (0.001): start-up golden check, max abs error / output scale.
@@ -36,10 +51,34 @@
   semicolon between shapes, e.g. ``seq=128;seq=384``. Each is swept over the batch sizes too.
   Sizes clients send but warm-up never met are timed and built on the first requests instead.
 - ``CUVIL_SHARED_MEMORY`` (``system``): Triton's system shared-memory extension, for clients on
-  the same node (``shared_memory.py``); ``off`` answers its RPCs UNIMPLEMENTED.
+  the same node (``shared_memory.py``); ``off`` answers its RPCs UNIMPLEMENTED. A region is
+  registered only for a client on this host (a loopback or Unix-socket peer), and with
+  authentication on only for a client with a token.
+- ``CUVIL_TLS_CERT``, ``CUVIL_TLS_KEY`` (none): PEM files; TLS on the gRPC and REST ports
+  (``tls.py``). ``CUVIL_TLS_CLIENT_CA``: mutual TLS, clients need a certificate it signed.
+  Renewed files apply without a restart (the gRPC port looks every ``CUVIL_TLS_RELOAD_S``, 30).
+- ``CUVIL_AUTH_TOKENS_FILE`` (none): bearer tokens, one a line (a mounted secret); every call
+  then needs ``authorization: Bearer <token>`` (UNAUTHENTICATED / 401 without one), re-read
+  when the file changes (``policy.py``). ``CUVIL_AUTH_HEALTH`` (``exempt``): ``required``
+  makes health and readiness checks need a token too.
+- ``CUVIL_RATE_LIMIT`` (0 = none): calls a second per client (its bearer token, else its host);
+  past it RESOURCE_EXHAUSTED / 429 with the seconds to wait. ``CUVIL_RATE_BURST`` (the rate):
+  how many may come at once.
 - ``CUVIL_GRPC_FRONTEND`` (``auto``): the gRPC server: ``native`` (gRPC C++, built on first use
   from the system's ``libgrpc++-dev``; less Python per call), ``grpcio`` (grpcio's asyncio
   server), or ``auto``: native where it builds, else grpcio with a warning saying why.
+- ``CUVIL_LOAD_TIMEOUT_S`` (600): wall-clock limit on one load (fetch, verify, load, warm-up,
+  golden check); past it the load is refused with that reason (readiness stays 503 with it on
+  the first load; a reload keeps the running model); 0 turns the limit off.
+- ``CUVIL_MAX_TENSOR_BYTES`` (16 GiB) and ``CUVIL_MAX_GRAPH_NODES`` (100000): an artifact whose
+  tensors could, inside its symbols' declared ranges, grow past the first, or whose graph has
+  more nodes than the second, is refused at load (``cuvil/artifact/limits.py``).
+- ``CUVIL_TRUST_POLICY`` (``off``): check the artifact's signatures (cosign's format,
+  ``cuvil/artifact/trust.py``) before anything is downloaded: ``warn`` logs an unsigned or
+  wrongly signed artifact and serves it, ``require`` refuses it (readiness says why on the first
+  load; a reload keeps the running model). A local artifact path has no signature.
+- ``CUVIL_TRUSTED_KEYS`` (none): ECDSA P-256 public keys (PEM) to trust, comma-separated files
+  or folders of ``*.pub``/``*.pem`` (a mounted secret); read again on every load.
 - ``CUVIL_TORCH_THREADS`` (0 = torch's default, one per core): intra-op threads per model run
   (ONNX Runtime's ``intra_op_num_threads``). On a node shared with other busy pods, fewer
   threads than cores avoids runs stalling on a thread the scheduler has parked.
@@ -59,6 +98,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+from cuvil_sidecar.tls import TlsFiles
+
 T = TypeVar("T")
 
 
@@ -73,13 +114,18 @@ class SidecarConfig:
     model_name: str | None = None
     host: str = "0.0.0.0"
     grpc_port: int = 8001
+    http_port: int = 8000
     metrics_port: int = 8002
+    http_max_connections: int = 1024
+    http_timeout_s: float = 30.0
     cache_dir: Path | None = None
     tactics_cache: Path | None = None
     max_batch_size: int = 8
     max_queue_delay_us: int = 500
     lone_requests_wait: bool = False
     model_instances: int = 1
+    max_queue_size: int = 0
+    queue_timeout_us: int = 0
     max_message_bytes: int = 64 * 2**20
     poll_interval_s: float = 0.0
     golden_tolerance: float = 1e-3
@@ -88,6 +134,17 @@ class SidecarConfig:
     torch_threads: int = 0
     shared_memory: bool = True
     grpc_frontend: str = "auto"
+    tls: TlsFiles | None = None
+    auth_tokens_file: Path | None = None
+    auth_health: bool = False  # health checks need a token too
+    rate_limit: float = 0.0
+    rate_burst: int = 0
+    start_retry_max_s: float = 60.0
+    load_timeout_s: float = 600.0
+    max_tensor_bytes: int = 16 * 2**30  # the defaults of cuvil.artifact.limits.LoadLimits
+    max_graph_nodes: int = 100_000
+    trust_policy: str = "off"
+    trusted_keys: tuple[str, ...] = ()
 
     @property
     def batching(self) -> bool:
@@ -111,7 +168,12 @@ class SidecarConfig:
             model_name=env.get("CUVIL_MODEL_NAME") or None,
             host=env.get("CUVIL_GRPC_HOST", cls.host),
             grpc_port=_integer(env, "CUVIL_GRPC_PORT", cls.grpc_port, low=0),
+            http_port=_integer(env, "CUVIL_HTTP_PORT", cls.http_port, low=0),
             metrics_port=_integer(env, "CUVIL_METRICS_PORT", cls.metrics_port, low=0),
+            http_max_connections=_integer(
+                env, "CUVIL_HTTP_MAX_CONNECTIONS", cls.http_max_connections, low=1
+            ),
+            http_timeout_s=_number(env, "CUVIL_HTTP_TIMEOUT_S", cls.http_timeout_s),
             cache_dir=Path(cache) if cache else None,
             tactics_cache=None if tactics.lower() == "off" else Path(tactics),
             max_batch_size=_integer(env, "CUVIL_MAX_BATCH_SIZE", cls.max_batch_size, low=0),
@@ -120,6 +182,8 @@ class SidecarConfig:
             ),
             lone_requests_wait=_choice(env, "CUVIL_LONE_REQUESTS", {"run": False, "wait": True}),
             model_instances=_integer(env, "CUVIL_MODEL_INSTANCES", cls.model_instances, low=1),
+            max_queue_size=_integer(env, "CUVIL_MAX_QUEUE_SIZE", cls.max_queue_size, low=0),
+            queue_timeout_us=_integer(env, "CUVIL_QUEUE_TIMEOUT_US", cls.queue_timeout_us, low=0),
             max_message_bytes=_integer(
                 env, "CUVIL_MAX_MESSAGE_BYTES", cls.max_message_bytes, low=1024
             ),
@@ -132,7 +196,47 @@ class SidecarConfig:
             grpc_frontend=_choice(
                 env, "CUVIL_GRPC_FRONTEND", {"auto": "auto", "native": "native", "grpcio": "grpcio"}
             ),
+            tls=_tls(env),
+            auth_tokens_file=_path(env, "CUVIL_AUTH_TOKENS_FILE"),
+            auth_health=_choice(env, "CUVIL_AUTH_HEALTH", {"exempt": False, "required": True}),
+            rate_limit=_number(env, "CUVIL_RATE_LIMIT", cls.rate_limit),
+            rate_burst=_integer(env, "CUVIL_RATE_BURST", cls.rate_burst, low=0),
+            start_retry_max_s=_number(env, "CUVIL_START_RETRY_MAX_S", cls.start_retry_max_s),
+            load_timeout_s=_number(env, "CUVIL_LOAD_TIMEOUT_S", cls.load_timeout_s),
+            max_tensor_bytes=_integer(env, "CUVIL_MAX_TENSOR_BYTES", cls.max_tensor_bytes, low=1),
+            max_graph_nodes=_integer(env, "CUVIL_MAX_GRAPH_NODES", cls.max_graph_nodes, low=1),
+            trust_policy=_choice(
+                env, "CUVIL_TRUST_POLICY", {"off": "off", "warn": "warn", "require": "require"}
+            ),
+            trusted_keys=tuple(
+                path.strip()
+                for path in env.get("CUVIL_TRUSTED_KEYS", "").split(",")
+                if path.strip()
+            ),
         )
+
+
+def _path(env: Mapping[str, str], key: str) -> Path | None:
+    """A file that must exist when set."""
+    text = env.get(key, "").strip()
+    if not text:
+        return None
+    if not Path(text).is_file():
+        raise ConfigError(f"{key}={text!r} is not a file")
+    return Path(text)
+
+
+def _tls(env: Mapping[str, str]) -> TlsFiles | None:
+    cert, key = _path(env, "CUVIL_TLS_CERT"), _path(env, "CUVIL_TLS_KEY")
+    client_ca = _path(env, "CUVIL_TLS_CLIENT_CA")
+    if (cert is None) != (key is None):
+        raise ConfigError("CUVIL_TLS_CERT and CUVIL_TLS_KEY go together: set both or neither")
+    if cert is None or key is None:
+        if client_ca is not None:
+            raise ConfigError("CUVIL_TLS_CLIENT_CA needs CUVIL_TLS_CERT and CUVIL_TLS_KEY")
+        return None
+    reload_s = _integer(env, "CUVIL_TLS_RELOAD_S", 30, low=1)
+    return TlsFiles(cert, key, client_ca, reload_s)
 
 
 def _integer(env: Mapping[str, str], key: str, default: int, *, low: int) -> int:

@@ -29,6 +29,14 @@ from cuvil_sidecar.messages import (
     ServerMetadata,
 )
 from cuvil_sidecar.metrics import Metrics
+from cuvil_sidecar.repository import (
+    IndexEntry,
+    ModelConfig,
+    ModelStatistics,
+    model_config,
+    model_statistics,
+    repository_index,
+)
 from cuvil_sidecar.servable import ServedModel
 from cuvil_sidecar.shared_memory import BYTE_SIZE, Region, SharedMemoryRegistry
 
@@ -87,11 +95,49 @@ class DataPlane:
         finally:
             model.release()
 
-    async def infer(self, request: InferRequest) -> InferResponse:
+    def model_config(self, name: str, version: str) -> ModelConfig:
+        model = self.manager.acquire(name, version)
+        try:
+            return model_config(model, self.config)
+        finally:
+            model.release()
+
+    def model_statistics(self, name: str, version: str) -> list[ModelStatistics]:
+        """Every model's statistics (one here) when ``name`` is empty, else that model's."""
+        current = self.manager.current
+        if not name:
+            if current is None:
+                return []
+            name = current.name
+        model = self.manager.acquire(name, version)
+        try:
+            return [model_statistics(model, self.metrics)]
+        finally:
+            model.release()
+
+    def repository_index(self, ready_only: bool) -> list[IndexEntry]:
+        return repository_index(
+            self.manager.current, self.config, self.manager.reason, ready_only=ready_only
+        )
+
+    def load_model(self, name: str) -> None:
+        raise NotSupported(
+            f"loading models by request is not supported: this sidecar serves the one artifact "
+            f"CUVIL_MODEL names ({self.manager.source}); it reloads on SIGHUP or by polling "
+            "(CUVIL_POLL_INTERVAL_S)"
+        )
+
+    def unload_model(self, name: str) -> None:
+        raise NotSupported(
+            "unloading models by request is not supported: stop the sidecar to stop serving"
+        )
+
+    async def infer(self, request: InferRequest, deadline_ns: int | None = None) -> InferResponse:
+        """One inference; ``deadline_ns`` is when the client stops waiting (epoch ns)."""
         model = self.manager.acquire(request.model_name, request.model_version)
         try:
             with tracing.infer_span(model.name, model.digest, model.links):
-                response = await self._infer(model, request)
+                response = await self._infer(model, request, deadline_ns)
         except Exception:
             self.metrics.add("nv_inference_request_failure", model.name, model.version)
             raise
@@ -105,7 +151,9 @@ class DataPlane:
         if current is not None and current.name == name:
             self.metrics.add("nv_inference_request_failure", current.name, current.version)
 
-    async def _infer(self, model: ServedModel, request: InferRequest) -> InferResponse:
+    async def _infer(
+        self, model: ServedModel, request: InferRequest, deadline_ns: int | None
+    ) -> InferResponse:
         started = time.time_ns()
         inputs = self._decode(model, request)
         wanted = request.outputs or model.output_names
@@ -124,7 +172,7 @@ class DataPlane:
             first = next(iter(inputs.values()))
             rows = int(first.shape[0])
             key = tuple((name, tuple(t.shape[1:])) for name, t in sorted(inputs.items()))
-        result = await model.batcher.submit(inputs, rows=rows, key=key)
+        result = await model.batcher.submit(inputs, rows=rows, key=key, deadline_ns=deadline_ns)
         tracing.record_batch_spans(
             enqueued_ns=result.enqueued_ns,
             started_ns=result.started_ns,

@@ -42,6 +42,7 @@ class GrpcioFrontend:
     name = "grpcio"
 
     def __init__(self, servicer: InferenceServicer, config: SidecarConfig, provider: Any) -> None:
+        self._tls = config.tls
         self._health = health.aio.HealthServicer()
         self._server = grpc.aio.server(
             interceptors=tracing.server_interceptors(provider),
@@ -57,7 +58,10 @@ class GrpcioFrontend:
         )
 
     async def start(self, address: str) -> int:
-        port = self._server.add_insecure_port(address)
+        if self._tls is None:
+            port = self._server.add_insecure_port(address)
+        else:
+            port = self._server.add_secure_port(address, self._tls.grpc_credentials())
         await self._server.start()
         return port
 
@@ -73,17 +77,19 @@ def _inference_service(servicer: InferenceServicer) -> grpc.GenericRpcHandler:
     """The inference service for grpcio. Its answers are serialized by their own
     ``SerializeToString``: a large ModelInfer answer is a ``wire.EncodedInferResponse``."""
     service = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
-    return grpc.method_handlers_generic_handler(
-        service.full_name,
-        {
-            method.name: grpc.unary_unary_rpc_method_handler(
-                getattr(servicer, method.name),
-                request_deserializer=getattr(pb, method.input_type.name).FromString,
-                response_serializer=_serialized,
-            )
-            for method in service.methods
-        },
-    )
+    handlers = {}
+    for method in service.methods:
+        kind = (
+            grpc.stream_stream_rpc_method_handler
+            if method.client_streaming
+            else grpc.unary_unary_rpc_method_handler
+        )
+        handlers[method.name] = kind(
+            getattr(servicer, method.name),
+            request_deserializer=getattr(pb, method.input_type.name).FromString,
+            response_serializer=_serialized,
+        )
+    return grpc.method_handlers_generic_handler(service.full_name, handlers)
 
 
 def _serialized(response: Any) -> bytes:
@@ -109,6 +115,7 @@ def _native(servicer: InferenceServicer, config: SidecarConfig) -> Frontend:
 
     service = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
     infer = pb.ModelInferRequest
+    split = functools.partial(split_infer_request, request_type=infer, owned_tensors=True)
     methods = [
         Method(
             f"/{service.full_name}/{method.name}",
@@ -116,16 +123,30 @@ def _native(servicer: InferenceServicer, config: SidecarConfig) -> Frontend:
             getattr(servicer, method.name),
         )
         for method in service.methods
-        if method.name != "ModelInfer"
+        if method.name not in ("ModelInfer", "ModelStreamInfer")
     ]
+    methods.append(
+        Method(
+            f"/{service.full_name}/ModelStreamInfer",
+            infer,
+            servicer.stream_message,
+            split,
+            streaming=True,
+        )
+    )
     methods.append(
         Method(
             f"/{service.full_name}/ModelInfer",
             infer,
             servicer.ModelInfer,
-            functools.partial(split_infer_request, request_type=infer, owned_tensors=True),
+            split,
             RAW_INPUT_CONTENTS,
             functools.partial(infer_request_from_split, request_type=infer),
         )
     )
-    return NativeFrontend(methods, (pb.DESCRIPTOR, health_pb2.DESCRIPTOR), config.max_message_bytes)
+    return NativeFrontend(
+        methods,
+        (pb.DESCRIPTOR, health_pb2.DESCRIPTOR),
+        config.max_message_bytes,
+        tls=config.tls,
+    )

@@ -62,7 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     parser = build_parser(
         "cuvil-sidecar",
-        "Serves one Cuvil artifact over the Open Inference Protocol v2 (gRPC),"
+        "Serves one Cuvil artifact over the Open Inference Protocol v2 (gRPC and REST),"
         " with Prometheus metrics and health endpoints.",
         config.__doc__,
     )

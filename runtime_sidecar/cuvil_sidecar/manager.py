@@ -6,7 +6,8 @@ the swap is one assignment on the event loop: a request that already holds the o
 finishes on it (``ServedModel.retire`` waits for it), every later request gets the new one. A
 new artifact that fails any step is refused, counted and logged; the old model keeps serving.
 
-Reloads are triggered by SIGHUP (reload if the source's digest differs from the served one,
+A first load that fails is tried again with backoff until one succeeds (``start``). Reloads are
+triggered by SIGHUP (reload if the source's digest differs from the served one,
 including a retry of a digest that failed before) or by polling every ``CUVIL_POLL_INTERVAL_S``
 (reload if the digest differs from the last one tried, so a bad artifact is not retried forever).
 """
@@ -19,6 +20,8 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+from cuvil.artifact.limits import LoadLimits
+from cuvil.artifact.trust import TrustSettings
 from cuvil_sidecar.config import SidecarConfig
 from cuvil_sidecar.errors import ModelNotFound, ModelNotReady
 from cuvil_sidecar.metrics import Metrics
@@ -120,7 +123,8 @@ class ModelManager:
                 return False
             self._tried_digest = digest
             try:
-                loaded = await in_own_thread(
+                trust = TrustSettings.load(self.config.trust_policy, self.config.trusted_keys)
+                loaded = await self._within_time_limit(
                     lambda: load_checked(
                         self.source,
                         source_digest=digest,
@@ -130,6 +134,12 @@ class ModelManager:
                         progress=self._progress,
                         warmup_shapes=self.config.warmup_shapes,
                         tactics_cache_dir=self.config.tactics_cache,
+                        limits=LoadLimits(
+                            max_tensor_bytes=self.config.max_tensor_bytes,
+                            max_nodes=self.config.max_graph_nodes,
+                        ),
+                        time_limit_s=self.config.load_timeout_s,
+                        trust=trust,
                     ),
                 )
             except Exception as error:
@@ -163,6 +173,33 @@ class ModelManager:
                 self._retiring.add(task)
                 task.add_done_callback(self._retiring.discard)
             return True
+
+    async def start(self, first_delay_s: float = 1.0, max_delay_s: float = 60.0) -> None:
+        """The first load, tried again with exponential backoff (``first_delay_s`` doubling up
+        to ``max_delay_s``) until a model serves or the sidecar stops: a registry that is down,
+        or an artifact not pushed yet, delays readiness instead of ending it. Each failure says
+        why and when the next try comes (readiness answers 503 with it meanwhile)."""
+        delay = first_delay_s
+        while self.current is None:
+            if await self.load():
+                return
+            log.warning("the first load failed; trying again in %.0f s", delay)
+            self.reason = f"{self.reason} (next try in {delay:.0f} s)"
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, max_delay_s)
+
+    async def _within_time_limit(self, work: Callable[[], T]) -> T:
+        """``work()`` in its own thread, given up after ``CUVIL_LOAD_TIMEOUT_S``: the event loop
+        (health, readiness, the running model) never waits on it longer. A thread cannot be
+        stopped from outside; ``load_checked`` checks the same limit between its steps and
+        ends itself."""
+        limit = self.config.load_timeout_s
+        try:
+            return await asyncio.wait_for(in_own_thread(work), timeout=limit or None)
+        except TimeoutError:
+            raise TimeoutError(
+                f"loading and warming up took longer than CUVIL_LOAD_TIMEOUT_S={limit:g} s"
+            ) from None
 
     async def reload_on_signal(self) -> bool:
         served = self.current.loaded.source_digest if self.current else None

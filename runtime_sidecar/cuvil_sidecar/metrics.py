@@ -1,4 +1,4 @@
-"""Prometheus metrics under Triton's names, and the sidecar's small HTTP endpoint.
+"""Prometheus metrics under Triton's names.
 
 Triton exposes its counters without the ``_total`` suffix (``nv_inference_count{model="m",
 version="1"} 12``); prometheus_client always appends ``_total`` to counters, so dashboards built
@@ -19,13 +19,15 @@ from, empty when none).
 
 from __future__ import annotations
 
-import http.server
+import bisect
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable
-from typing import Any
 
 import prometheus_client
+
+from cuvil_sidecar.http_server import Handler, HttpRequest, HttpResponse, error_response
 
 COUNTERS = {
     "nv_inference_request_success": "Number of successful inference requests, all batch sizes",
@@ -44,6 +46,13 @@ GAUGES = {
 }
 RELOADS = "cuvil_model_reloads"
 INFO = "cuvil_model_info"
+REJECTED = "cuvil_inference_rejected"
+HISTOGRAMS = {
+    "cuvil_request_duration_seconds": "Time from a request's arrival to its answer",
+    "cuvil_queue_duration_seconds": "Time a request waited before its batch ran",
+    "cuvil_compute_duration_seconds": "Time the model ran for the batch a request rode in",
+}
+BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 Labels = tuple[tuple[str, str], ...]
 
@@ -53,6 +62,9 @@ class Metrics:
         self._lock = threading.Lock()
         self._values: dict[str, dict[Labels, float]] = defaultdict(lambda: defaultdict(float))
         self._gauges: dict[str, dict[Labels, Callable[[], float]]] = defaultdict(dict)
+        # per histogram and labels: a count per bucket (the last: above every bound), and the sum
+        self._histograms: dict[str, dict[Labels, list[float]]] = defaultdict(dict)
+        self._last_inference_ms: dict[Labels, int] = {}
 
     def add(self, name: str, model: str, version: str, value: float = 1.0) -> None:
         with self._lock:
@@ -67,6 +79,27 @@ class Metrics:
             self._values["nv_inference_request_duration_us"][labels] += request_us
             self._values["nv_inference_queue_duration_us"][labels] += queue_us
             self._values["nv_inference_compute_infer_duration_us"][labels] += compute_us
+            for name, us in zip(HISTOGRAMS, (request_us, queue_us, compute_us), strict=True):
+                self._observe(name, labels, us / 1e6)
+            self._last_inference_ms[labels] = time.time_ns() // 1_000_000
+
+    def _observe(self, name: str, labels: Labels, seconds: float) -> None:
+        counts = self._histograms[name].get(labels)
+        if counts is None:
+            counts = self._histograms[name][labels] = [0.0] * (len(BUCKETS_S) + 2)
+        counts[bisect.bisect_left(BUCKETS_S, seconds)] += 1
+        counts[-1] += seconds
+
+    def rejected(self, model: str, version: str, reason: str) -> None:
+        with self._lock:
+            self._values[REJECTED][
+                (("model", model), ("version", version), ("reason", reason))
+            ] += 1
+
+    def last_inference_ms(self, model: str, version: str) -> int:
+        """Milliseconds since the epoch of the last success; 0 before the first."""
+        with self._lock:
+            return self._last_inference_ms.get((("model", model), ("version", version)), 0)
 
     def served(self, model: str, version: str, digest: str, index: str) -> None:
         """The artifact now served (one at a time: a reload replaces the entry)."""
@@ -98,6 +131,15 @@ class Metrics:
                 lines, RELOADS, "Model reloads by result", "counter", self._values[RELOADS]
             )
             self._family(lines, INFO, "The artifact served", "gauge", self._values[INFO])
+            self._family(
+                lines,
+                REJECTED,
+                "Requests refused before they ran",
+                "counter",
+                self._values[REJECTED],
+            )
+            for name, help_text in HISTOGRAMS.items():
+                self._histogram(lines, name, help_text, self._histograms[name])
         return "".join(lines).encode() + prometheus_client.generate_latest()
 
     @staticmethod
@@ -109,42 +151,40 @@ class Metrics:
             text = ",".join(f'{key}="{_escape(val)}"' for key, val in labels)
             lines.append(f"{name}{{{text}}} {value:g}\n")
 
+    @staticmethod
+    def _histogram(
+        lines: list[str], name: str, help_text: str, values: dict[Labels, list[float]]
+    ) -> None:
+        lines.append(f"# HELP {name} {help_text}\n# TYPE {name} histogram\n")
+        for labels, counts in sorted(values.items()):
+            text = ",".join(f'{key}="{_escape(val)}"' for key, val in labels)
+            total = 0.0
+            for bound, count in zip([*BUCKETS_S, float("inf")], counts, strict=False):
+                total += count
+                le = "+Inf" if bound == float("inf") else f"{bound:g}"
+                lines.append(f'{name}_bucket{{{text},le="{le}"}} {total:g}\n')
+            lines.append(f"{name}_sum{{{text}}} {counts[-1]:.9g}\n")
+            lines.append(f"{name}_count{{{text}}} {total:g}\n")
+
 
 def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
-Readiness = Callable[[], tuple[bool, str]]
+def metrics_handler(metrics: Metrics, readiness: Callable[[], tuple[bool, str]]) -> Handler:
+    """The metrics port: ``/metrics``, ``/v2/health/live``, ``/v2/health/ready`` (503 with the
+    reason while not ready)."""
 
+    async def handle(request: HttpRequest) -> HttpResponse:
+        if request.method != "GET":
+            return error_response(405, "the metrics port takes GET")
+        if request.path == "/metrics":
+            return HttpResponse(200, [metrics.render()], prometheus_client.CONTENT_TYPE_LATEST)
+        if request.path == "/v2/health/live":
+            return HttpResponse(200, [b"live\n"], "text/plain; charset=utf-8")
+        if request.path == "/v2/health/ready":
+            ready, reason = readiness()
+            return HttpResponse(200 if ready else 503, [(reason + "\n").encode()], "text/plain")
+        return error_response(404, "not found: try /metrics or /v2/health/ready")
 
-def serve_http(host: str, port: int, metrics: Metrics, readiness: Readiness) -> Any:
-    """``/metrics``, ``/v2/health/live`` and ``/v2/health/ready`` on a daemon thread; returns the
-    server (``shutdown()`` stops it)."""
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            path = self.path.split("?", 1)[0]
-            if path == "/metrics":
-                self._answer(200, metrics.render(), prometheus_client.CONTENT_TYPE_LATEST)
-            elif path == "/v2/health/live":
-                self._answer(200, b"live\n")
-            elif path == "/v2/health/ready":
-                ready, reason = readiness()
-                self._answer(200 if ready else 503, (reason + "\n").encode())
-            else:
-                self._answer(404, b"not found: try /metrics or /v2/health/ready\n")
-
-        def _answer(self, code: int, body: bytes, kind: str = "text/plain; charset=utf-8") -> None:
-            self.send_response(code)
-            self.send_header("Content-Type", kind)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format: str, *args: Any) -> None:  # scrapes are not news
-            pass
-
-    server = http.server.ThreadingHTTPServer((host, port), Handler)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, name="cuvil-metrics", daemon=True).start()
-    return server
+    return handle

@@ -17,6 +17,10 @@ buffer over (freed when the last tensor made from it goes). A large request arri
 slices; joining them into one string and copying each tensor out of it would copy every byte
 twice more.
 
+A method marked ``streaming`` (ModelStreamInfer) is a bidirectional stream on the native side;
+each message read from it comes here as a call of its own, answered by ``handler`` like a unary
+call, and the answer is written to the stream (an abort status ends the stream).
+
 Every call is finished exactly once: with the method's answer, with its abort status, INTERNAL
 for a bug, INVALID_ARGUMENT for bytes that do not parse, or UNAVAILABLE when the server stops
 before the method ran to the end.
@@ -30,6 +34,7 @@ import ctypes
 import logging
 import struct
 import threading
+import time
 import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
@@ -41,11 +46,13 @@ from google.protobuf.message import DecodeError
 
 from cuvil_sidecar import handoff, tracing
 from cuvil_sidecar.native import DISPATCH, load
+from cuvil_sidecar.tls import TlsFiles
 from cuvil_sidecar.wire import SPLIT_FROM
 
 log = logging.getLogger("cuvil_sidecar.native_frontend")
 
 _LENGTH = struct.Struct("=I")
+PEER = ":peer"  # the native side appends the peer's address to the metadata under this name
 
 
 @dataclass(frozen=True)
@@ -62,6 +69,7 @@ class Method:
     # cut field's contents, in order, as uint8 arrays it owns
     tensor_field: int = 0
     from_split: Callable[[memoryview, list[np.ndarray]], Any] | None = None
+    streaming: bool = False  # a bidirectional stream; ``handler`` answers each message
 
 
 @dataclass(frozen=True)
@@ -81,8 +89,28 @@ class Aborted(Exception):
 class NativeContext:
     """The part of ``grpc.aio.ServicerContext`` the servicer uses."""
 
+    def __init__(self, deadline_ns: int = 0, metadata: bytes = b"") -> None:
+        self._deadline_ns = deadline_ns
+        self._metadata = metadata
+
+    def invocation_metadata(self) -> tuple[tuple[str, str | bytes], ...]:
+        return tuple(pair for pair in parse_metadata(self._metadata) if pair[0] != PEER)
+
+    def peer(self) -> str:
+        """As grpc names it: ``ipv4:127.0.0.1:5000``, ``ipv6:[::1]:5000``, ``unix:PATH``."""
+        for key, value in parse_metadata(self._metadata):
+            if key == PEER:
+                return value if isinstance(value, str) else value.decode("latin-1")
+        return ""
+
     async def abort(self, code: grpc.StatusCode, details: str = "") -> NoReturn:
         raise Aborted(code, details)
+
+    def time_remaining(self) -> float | None:
+        """Seconds until the client's deadline (negative once passed), None without one."""
+        if not self._deadline_ns:
+            return None
+        return (self._deadline_ns - time.time_ns()) / 1e9
 
 
 def parse_metadata(blob: bytes) -> tuple[tuple[str, str | bytes], ...]:
@@ -113,8 +141,10 @@ class NativeFrontend:
         descriptors: Sequence[Any],
         max_message_bytes: int,
         split_from: int = SPLIT_FROM,
+        tls: TlsFiles | None = None,
     ) -> None:
         self._library = load()
+        self._tls = tls.native_arguments() if tls is not None else (b"", b"", b"", 0)
         self._methods = tuple(methods)
         self._max_message_bytes = max_message_bytes
         self._split_from = split_from
@@ -137,14 +167,17 @@ class NativeFrontend:
         self._loop_thread = threading.get_ident()
         names = b"".join(method.path.encode() + b"\0" for method in self._methods)
         fields = (ctypes.c_int * len(self._methods))(*(m.tensor_field for m in self._methods))
+        streaming = (ctypes.c_int * len(self._methods))(*(m.streaming for m in self._methods))
         error = ctypes.create_string_buffer(512)
         handle = self._library.cuvil_frontend_start(
             address.encode(),
             names,
             len(names),
             fields,
+            streaming,
             self._split_from,
             self._max_message_bytes,
+            *self._tls,
             self._dispatch,
             error,
             512,
@@ -195,13 +228,14 @@ class NativeFrontend:
         tensors: int | None,
         entries: Any,
         count: int,
+        deadline_ns: int,
     ) -> None:
         try:
             owned = self._take_tensors(tensors, entries, count) if count >= 0 else None
             request = self._parse(self._methods[index], data, size, owned)
             blob = ctypes.string_at(metadata, metadata_size) if metadata_size else b""
             assert self._loop is not None
-            self._loop.call_soon_threadsafe(self._begin, call, index, request, blob)
+            self._loop.call_soon_threadsafe(self._begin, call, index, request, blob, deadline_ns)
         except BaseException:  # the loop is closed: the server is going away
             self._finish(call, grpc.StatusCode.UNAVAILABLE, "the server is stopping", b"")
 
@@ -233,13 +267,15 @@ class NativeFrontend:
 
     # --- on the event loop ---------------------------------------------------------------------
 
-    def _begin(self, call: int, index: int, request: Any, metadata: bytes) -> None:
+    def _begin(
+        self, call: int, index: int, request: Any, metadata: bytes, deadline_ns: int
+    ) -> None:
         """Runs the call at once, up to its first wait. A call answered without waiting (health,
         metadata, a small model's inline run) needs no task, which saves a turn of the loop (a
         task object and a pass through the loop's scheduler); one that waits becomes a task when
         what it waits for is done, as Python 3.12's eager tasks do. A model run handed to a worker
         thread (``handoff``) goes on from that thread, to the end of the call."""
-        coroutine = self._serve(call, self._methods[index], request, metadata)
+        coroutine = self._serve(call, self._methods[index], request, metadata, deadline_ns)
         with self._alive_lock:
             self._alive += 1
         handoff.drive(coroutine, contextvars.copy_context(), self._on_wait)
@@ -272,19 +308,25 @@ class NativeFrontend:
         self._parked.add(waited)
         waited.add_done_callback(adopt, context=context)
 
-    async def _serve(self, call: int, method: Method, request: Any, metadata: bytes) -> None:
+    async def _serve(
+        self, call: int, method: Method, request: Any, metadata: bytes, deadline_ns: int
+    ) -> None:
         """The whole call, on the loop or (after a handoff) on a worker thread."""
         code, details, response = grpc.StatusCode.UNAVAILABLE, "the server is stopping", b""
         try:
             with tracing.server_span(method.path, lambda: parse_metadata(metadata)) as span:
-                code, details, response = await self._answer(method, request)
+                code, details, response = await self._answer(
+                    method, request, NativeContext(deadline_ns, metadata)
+                )
                 tracing.set_rpc_status(span, code.value[0], details)
         finally:
             self._finish(call, code, details, response)
             with self._alive_lock:
                 self._alive -= 1
 
-    async def _answer(self, method: Method, request: Any) -> tuple[grpc.StatusCode, str, bytes]:
+    async def _answer(
+        self, method: Method, request: Any, context: NativeContext
+    ) -> tuple[grpc.StatusCode, str, bytes]:
         if isinstance(request, Unparsed):
             if isinstance(request.error, DecodeError):
                 name = method.request_type.DESCRIPTOR.name
@@ -292,7 +334,7 @@ class NativeFrontend:
             log.error("%s: parsing failed", method.path, exc_info=request.error)
             return grpc.StatusCode.INTERNAL, f"internal error in {method.path}: parsing failed", b""
         try:
-            response = await method.handler(request, NativeContext())
+            response = await method.handler(request, context)
         except Aborted as aborted:
             return aborted.code, aborted.details, b""
         except Exception as error:

@@ -60,6 +60,9 @@ class ServedModel:
             on_execute=self._count_execution,
             name=self.name,
             in_flight=None if config.lone_requests_wait else lambda: self.in_flight,
+            max_queue=config.max_queue_size,
+            queue_timeout_s=config.queue_timeout_us / 1e6,
+            on_reject=lambda reason: metrics.rejected(self.name, self.version, reason),
         )
         self._metrics = metrics
         self.in_flight = 0

@@ -17,8 +17,11 @@ from cuvil_sidecar import tracing
 from cuvil_sidecar.config import SidecarConfig
 from cuvil_sidecar.dataplane import DataPlane
 from cuvil_sidecar.frontend import open_frontend
+from cuvil_sidecar.http_server import HttpLimits, HttpServer
 from cuvil_sidecar.manager import ModelManager
-from cuvil_sidecar.metrics import Metrics, serve_http
+from cuvil_sidecar.metrics import Metrics, metrics_handler
+from cuvil_sidecar.policy import policies_from_config
+from cuvil_sidecar.rest import RestApi
 from cuvil_sidecar.servicer import SERVICE_NAME, InferenceServicer
 from cuvil_sidecar.source import ModelSource
 
@@ -38,20 +41,34 @@ async def serve(config: SidecarConfig) -> None:
     source = ModelSource(config.model, config.cache_dir, config.model_file)
     manager = ModelManager(config, source, metrics, on_ready)
     dataplane = DataPlane(manager, metrics, config)
-    server = open_frontend(InferenceServicer(dataplane), config, provider)
+    policies = policies_from_config(config)
+    server = open_frontend(InferenceServicer(dataplane, policies), config, provider)
     port = await server.start(f"{config.host}:{config.grpc_port}")
     await on_ready(False)
-    http = (
-        serve_http(config.host, config.metrics_port, metrics, manager.readiness)
-        if config.metrics_port
-        else None
+    limits = HttpLimits(
+        config.http_max_connections, config.http_timeout_s, config.max_message_bytes
     )
+    tls = config.tls.server_context() if config.tls is not None else None
+    http_servers = {
+        "metrics": (
+            HttpServer(metrics_handler(metrics, manager.readiness), limits, "metrics"),
+            config.metrics_port,
+            None,
+        ),
+        "REST": (HttpServer(RestApi(dataplane, policies), limits, "REST"), config.http_port, tls),
+    }
+    listening = []
+    for name, (http, http_port, context) in http_servers.items():
+        bound = await http.start(config.host, http_port, context) if http_port else 0
+        listening.append(f"{name} {config.host}:{bound}" if bound else f"{name} off")
     log.info(
-        "cuvil-sidecar listening: gRPC %s:%d (%s), metrics %s; loading %s",
+        "cuvil-sidecar listening: gRPC %s:%d (%s), %s; %s; %s; loading %s",
         config.host,
         port,
         server.name,
-        f"{config.host}:{config.metrics_port}" if http else "off",
+        ", ".join(listening),
+        "TLS on gRPC and REST" if config.tls else "no TLS",
+        "bearer tokens required" if policies.authenticates else "no authentication",
         config.model,
     )
     stop = asyncio.Event()
@@ -66,7 +83,7 @@ async def serve(config: SidecarConfig) -> None:
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     loop.add_signal_handler(signal.SIGINT, stop.set)
     loop.add_signal_handler(signal.SIGHUP, lambda: spawn(manager.reload_on_signal()))
-    spawn(manager.load())
+    spawn(manager.start(max_delay_s=config.start_retry_max_s))
     if config.poll_interval_s > 0:
         spawn(manager.poll(config.poll_interval_s))
     await stop.wait()
@@ -78,7 +95,7 @@ async def serve(config: SidecarConfig) -> None:
     await asyncio.gather(*tasks, return_exceptions=True)
     await manager.close()
     dataplane.close()
-    if http is not None:
-        http.shutdown()
+    for http, _, _ in http_servers.values():
+        await http.stop()
     if provider is not None:
         provider.shutdown()

@@ -2,14 +2,20 @@
 
 Every RPC goes through ``_rpc``: a ``SidecarError`` becomes the status code from
 ``errors.STATUS_CODES`` with its message; any other exception is logged with its traceback and
-answered INTERNAL, so no request can take the server down.
+answered INTERNAL, so no request can take the server down. Before the method runs, the
+configured ``policy.Policies`` see the call (its metadata and peer) and may refuse it.
+ModelStreamInfer's messages are answered by ``stream_message``, which never aborts: errors go
+into the stream, one per request.
+A client's gRPC deadline goes with its request to the data plane, which drops the request unrun
+once the deadline has passed.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
@@ -17,8 +23,12 @@ import grpc
 from cuvil_sidecar._generated import grpc_service_pb2 as pb
 from cuvil_sidecar._generated import grpc_service_pb2_grpc as pb_grpc
 from cuvil_sidecar.dataplane import DataPlane
-from cuvil_sidecar.errors import SidecarError, grpc_status
+from cuvil_sidecar.errors import PermissionDenied, SidecarError, grpc_status
 from cuvil_sidecar.messages import InferRequest
+from cuvil_sidecar.policy import Call, Policies, grpc_peer_host, is_local_peer
+from cuvil_sidecar.repository import index_pb, statistics_pb
+from cuvil_sidecar.streaming import serve_stream
+from cuvil_sidecar.wire import EncodedInferResponse, EncodedStreamResponse, encode_response_header
 
 log = logging.getLogger("cuvil_sidecar.servicer")
 
@@ -31,6 +41,8 @@ def _rpc(method: Handler) -> Handler:
     @functools.wraps(method)
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
+            if self.policies.active:
+                self.policies.check(_call_of(context, method.__name__))
             return await method(self, request, context)
         except SidecarError as error:
             await context.abort(grpc_status(error), str(error))
@@ -43,9 +55,26 @@ def _rpc(method: Handler) -> Handler:
     return wrapper  # type: ignore[return-value]
 
 
+def deadline_ns(context: Any) -> int | None:
+    """The client's deadline (epoch ns), from the call's remaining time; None without one."""
+    remaining = context.time_remaining()
+    return None if remaining is None else time.time_ns() + int(remaining * 1e9)
+
+
+def _call_of(context: Any, method: str) -> Call:
+    """What the policies see of a gRPC call."""
+    headers = {
+        key.lower(): value
+        for key, value in context.invocation_metadata() or ()
+        if isinstance(value, str)
+    }
+    return Call("grpc", method, headers, grpc_peer_host(context.peer()))
+
+
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, dataplane: DataPlane) -> None:
+    def __init__(self, dataplane: DataPlane, policies: Policies | None = None) -> None:
         self.dataplane = dataplane
+        self.policies = policies or Policies()
 
     @_rpc
     async def ServerLive(self, request: Any, context: Any) -> Any:
@@ -69,16 +98,59 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return self.dataplane.model_metadata(request.name, request.version).to_pb()
 
     @_rpc
+    async def ModelConfig(self, request: Any, context: Any) -> Any:
+        return self.dataplane.model_config(request.name, request.version).to_pb()
+
+    @_rpc
+    async def ModelStatistics(self, request: Any, context: Any) -> Any:
+        return statistics_pb(self.dataplane.model_statistics(request.name, request.version))
+
+    @_rpc
+    async def RepositoryIndex(self, request: Any, context: Any) -> Any:
+        return index_pb(self.dataplane.repository_index(request.ready))
+
+    @_rpc
+    async def RepositoryModelLoad(self, request: Any, context: Any) -> Any:
+        self.dataplane.load_model(request.model_name)
+
+    @_rpc
+    async def RepositoryModelUnload(self, request: Any, context: Any) -> Any:
+        self.dataplane.unload_model(request.model_name)
+
+    @_rpc
     async def ModelInfer(self, request: Any, context: Any) -> Any:
         try:
             neutral = InferRequest.from_pb(request)
         except SidecarError:
             self.dataplane.count_failure(request.model_name)
             raise
-        return (await self.dataplane.infer(neutral)).to_pb()
+        return (await self.dataplane.infer(neutral, deadline_ns(context))).to_pb()
+
+    async def ModelStreamInfer(self, requests: AsyncIterator[Any], context: Any) -> Any:
+        """grpcio's stream: each request answered by ``stream_message`` as it completes."""
+        async for answer in serve_stream(requests, lambda r: self.stream_message(r, context)):
+            yield answer
+
+    async def stream_message(self, request: Any, context: Any) -> EncodedStreamResponse:
+        """One message of ModelStreamInfer: its response, or its error in the stream."""
+        try:
+            return EncodedStreamResponse("", await self.ModelInfer(request, _InStream(context)))
+        except _StreamAbort as abort:
+            error = abort.details
+        except Exception as failure:  # answered in the stream all the same
+            log.exception("ModelStreamInfer failed")
+            error = f"internal error in ModelStreamInfer: {failure!r}"
+        header = encode_response_header(request.model_name, request.model_version, request.id, [])
+        return EncodedStreamResponse(error, EncodedInferResponse(header, []))
 
     @_rpc
     async def SystemSharedMemoryRegister(self, request: Any, context: Any) -> Any:
+        peer = grpc_peer_host(context.peer())
+        if not is_local_peer(peer):
+            raise PermissionDenied(
+                "shared memory is registered only for clients on this host; "
+                f"{peer or 'this client'} is not a loopback or Unix-socket peer"
+            )
         self.dataplane.register_shared_memory(
             request.name, request.key, request.offset, request.byte_size
         )
@@ -103,3 +175,30 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 for region in self.dataplane.shared_memory_status(request.name)
             }
         )
+
+
+class _StreamAbort(Exception):
+    def __init__(self, details: str) -> None:
+        super().__init__(details)
+        self.details = details
+
+
+class _InStream:
+    """A stream's context for one of its messages: an abort becomes that message's error, and
+    the stream goes on."""
+
+    def __init__(self, context: Any) -> None:
+        self._context = context
+
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
+        raise _StreamAbort(details)
+
+    def time_remaining(self) -> float | None:
+        remaining: float | None = self._context.time_remaining()
+        return remaining
+
+    def invocation_metadata(self) -> Any:
+        return self._context.invocation_metadata()
+
+    def peer(self) -> str:
+        return str(self._context.peer())

@@ -10,10 +10,18 @@ every other file, so it changes whenever any part of the artifact does.
 from __future__ import annotations
 
 import hashlib
+import logging
 import tarfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cuvil.artifact import media_types as mt
+
+if TYPE_CHECKING:
+    from cuvil.artifact.trust import TrustSettings
+
+
+log = logging.getLogger("cuvil_sidecar.source")
 
 
 class SourceError(OSError):
@@ -47,21 +55,38 @@ class ModelSource:
         return not self.reference.startswith("oci:") and Path(self.reference).exists()
 
     def digest(self) -> str:
+        """What the reference names now. A tag whose registry cannot be reached names the
+        digest it last resolved to on this node (the node cache keeps it, and the artifact),
+        saying so: a sidecar restarts while its registry is down."""
         if self.is_local:
             return config_digest(Path(self.reference))
         from cuvil.artifact import resolve_digest
+        from cuvil.artifact.api import parse_model_reference
+        from cuvil.artifact.cache import NodeCache
+        from cuvil.artifact.errors import RegistryUnavailableError
 
-        return str(resolve_digest(self.reference))
+        try:
+            return str(resolve_digest(self.reference))
+        except RegistryUnavailableError as error:
+            ref = parse_model_reference(self.reference)
+            remembered = ref.digest or NodeCache(self.cache_dir).lookup_tag(str(ref))
+            if remembered is None:
+                raise
+            log.warning(
+                "%s; %s last resolved to %s on this node: using that", error, ref, remembered
+            )
+            return remembered
 
     def fetch(self) -> Path:
         return self.fetch_resolved()[0]
 
-    def fetch_resolved(self) -> tuple[Path, str | None]:
+    def fetch_resolved(self, trust: TrustSettings | None = None) -> tuple[Path, str | None]:
         """The local artifact and the digest of the OCI manifest it came from (None for a
-        local artifact path): the per-target manifest, also when the reference names an index."""
+        local artifact path): the per-target manifest, also when the reference names an index.
+        With ``trust``, its signatures are checked by policy before it is downloaded."""
         from cuvil.artifact.api import resolve
 
-        resolution = resolve(self.reference, cache_dir=self.cache_dir)
+        resolution = resolve(self.reference, cache_dir=self.cache_dir, trust=trust)
         return Path(resolution.path), resolution.digest
 
     def __str__(self) -> str:

@@ -35,6 +35,8 @@ import torch
 
 from cuvil.artifact import media_types as mt
 from cuvil.artifact.files import ArtifactError, decode_files, read_files
+from cuvil.artifact.limits import DEFAULT_LIMITS, LoadLimits
+from cuvil.artifact.trust import TrustSettings, UntrustedArtifactError
 from cuvil.backends.base import TargetUnavailableError
 from cuvil.backends.cpu import tactics_cache
 from cuvil.backends.cuda.backend import EXECUTOR_SETTING
@@ -87,17 +89,28 @@ def load_checked(
     progress: Progress = lambda message: None,
     warmup_shapes: tuple[Mapping[str, int], ...] = (),
     tactics_cache_dir: Path | None = None,
+    limits: LoadLimits = DEFAULT_LIMITS,
+    time_limit_s: float = 0.0,
+    trust: TrustSettings | None = None,
 ) -> LoadedModel:
     started = time.perf_counter()
-    progress(f"fetching {source}")
+    in_time = _time_keeper(started, time_limit_s)
+
+    def step(message: str) -> None:
+        in_time()
+        progress(message)
+
+    step(f"fetching {source}")
     try:
-        path, manifest_digest = source.fetch_resolved()
+        path, manifest_digest = source.fetch_resolved(trust)
+    except UntrustedArtifactError as error:
+        raise StartupError(f"trust check of {source} failed: {error}") from error
     except Exception as error:
         raise StartupError(f"fetching {source} failed: {error}") from error
-    progress(f"verifying and loading {path}")
+    step(f"verifying and loading {path}")
     try:
         files = read_files(path)
-        model = CompiledModel(decode_files(files, origin=str(path)))
+        model = CompiledModel(decode_files(files, origin=str(path), limits=limits))
     except (ArtifactError, OSError, ValueError, KeyError, TargetUnavailableError) as error:
         raise StartupError(f"loading {path} failed: {error}") from error
     digest = "sha256:" + hashlib.sha256(files[mt.CONFIG_FILE]).hexdigest()
@@ -110,22 +123,26 @@ def load_checked(
     buckets = shape_buckets(model, symbol, max_rows, warmup_shapes)
     fastest = float("inf")
     for index, bucket in enumerate(buckets, 1):
-        progress(f"warming up bucket {index}/{len(buckets)} {bucket}")
+        step(f"warming up bucket {index}/{len(buckets)} {bucket}")
         inputs = bucket_inputs(model, bucket)
         try:
             for _ in range(warmup_runs):
+                in_time()
                 run_started = time.perf_counter()
                 model.run(inputs)
                 fastest = min(fastest, (time.perf_counter() - run_started) * 1e3)
             model.prepare(inputs)  # kernel choices made: served results are bit-stable
+        except StartupError:
+            raise
         except Exception as error:
             raise StartupError(f"warm-up at {bucket} failed: {error}") from error
     for bucket in primed_buckets(model, symbol, buckets):
+        in_time()
         try:
             model.run(bucket_inputs(model, bucket))
         except Exception as error:
             raise StartupError(f"warm-up at {bucket} failed: {error}") from error
-    progress("checking golden outputs")
+    step("checking golden outputs")
     check_golden(model, golden_tolerance)
     tactics_cache.keep(model, digest, tactics_cache_dir, cached)
     before = resident_mib()
@@ -146,6 +163,19 @@ def load_checked(
         model, digest, source_digest, path, symbol, tuple(buckets), seconds, fastest,
         manifest_digest, index_digest,
     )  # fmt: skip
+
+
+def _time_keeper(started: float, limit_s: float) -> Callable[[], None]:
+    """A check to call between steps: raises StartupError once ``limit_s`` has passed (0: no
+    limit), so a load past the limit ends its thread instead of warming up on."""
+
+    def in_time() -> None:
+        if limit_s and time.perf_counter() - started > limit_s:
+            raise StartupError(
+                f"loading and warming up took longer than CUVIL_LOAD_TIMEOUT_S={limit_s:g} s"
+            )
+
+    return in_time
 
 
 def check_device(model: CompiledModel, path: Path) -> None:

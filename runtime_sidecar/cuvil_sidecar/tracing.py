@@ -2,8 +2,8 @@
 per-request child spans, and the link to the trace that compiled the artifact.
 
 Span tree per ModelInfer (the server span comes from opentelemetry-instrumentation-grpc on the
-grpcio front end, from ``server_span`` on the native one; both continue the caller's W3C
-``traceparent``)::
+grpcio front end, from ``server_span`` on the native one, from ``http_span`` over REST; all
+continue the caller's W3C ``traceparent``)::
 
     /inference.GRPCInferenceService/ModelInfer     (server span, kind SERVER)
       cuvil.infer      decode, wait, encode; linked to the compile trace when the artifact has one
@@ -115,6 +115,19 @@ def server_span(
         context=propagate.extract(carrier),
         kind=SpanKind.SERVER,
         attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": method},
+    )
+
+
+def http_span(route: str, headers: Mapping[str, str]) -> AbstractContextManager[Any]:
+    """The SERVER span of one REST request, continuing the caller's ``traceparent`` header."""
+    if not _enabled:
+        return _NO_SPAN
+    method, _, _ = route.partition(" ")
+    return tracer.start_as_current_span(
+        route,
+        context=propagate.extract(dict(headers)),
+        kind=SpanKind.SERVER,
+        attributes={"http.request.method": method, "http.route": route.partition(" ")[2]},
     )
 
 

@@ -66,6 +66,21 @@ class EncodedInferResponse:
         return b"".join(parts)
 
 
+class EncodedStreamResponse:
+    """A ModelStreamInferResponse: an error message, or an answer (an ``EncodedInferResponse``)
+    written as its ``infer_response`` without being parsed or copied into a message."""
+
+    def __init__(self, error_message: str, infer_response: Any) -> None:
+        self.error_message = error_message
+        self.infer_response = infer_response
+
+    def SerializeToString(self) -> bytes:
+        parts = [_string_field(1, self.error_message)] if self.error_message else []
+        inner = self.infer_response.SerializeToString()
+        parts.append(_sized_field(2, inner))
+        return b"".join(parts)
+
+
 def encode_response_header(
     model_name: str, model_version: str, id: str, outputs: Sequence[tuple[str, str, Sequence[int]]]
 ) -> bytes:

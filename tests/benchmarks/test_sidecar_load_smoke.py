@@ -1,7 +1,8 @@
 """The sidecar load benchmark end to end on the MLP: sidecar subprocesses, tritonclient load at
-two concurrencies with batching off and on, the synchronous and shared-memory clients (whose
-outputs must equal the raw ones) on both gRPC front ends beside in-process runs and the echo
-servers' floors (answering at once, and after running the model), and the JSON it prints."""
+two concurrencies with batching off and on, over gRPC and REST, the synchronous and
+shared-memory clients (whose outputs must equal the raw ones) on both gRPC front ends beside
+in-process runs and the echo servers' floors (answering at once, and after running the model),
+and the JSON it prints."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ def test_mlp_load_report(tmp_path: Path) -> None:
         *("--artifacts", str(tmp_path)),
     )
     mlp = report["models"]["mlp"]
-    for mode in ("batching_off", "batching_on"):
+    for mode in ("batching_off", "batching_on", "batching_off_http", "batching_on_http"):
         rows = mlp[mode]
         assert [row["concurrency"] for row in rows] == [1, 2]
         for row in rows:

@@ -129,7 +129,9 @@ def test_injected_sidecars_get_the_sidecar_settings_the_configmap_holds(render: 
     manifests = render(INJECTION, CHART / "ci" / "sidecar-config-values.yaml")
     settings = InjectionSettings.from_env(_operator_env(manifests))
     data = _one(manifests, "ConfigMap", "cuvil-sidecar")["data"]
-    per_pod = {"CUVIL_MODEL", "CUVIL_MODEL_NAME", "CUVIL_REGISTRY_CONFIG", "HOME"}
+    # per pod: the model, and files the webhook mounts itself (pull Secret, trusted keys)
+    per_pod = {"CUVIL_MODEL", "CUVIL_MODEL_NAME", "CUVIL_REGISTRY_CONFIG", "CUVIL_TRUSTED_KEYS"}
+    per_pod.add("HOME")
     assert dict(settings.env) == {k: v for k, v in data.items() if k not in per_pod}
     assert settings.env["CUVIL_MAX_BATCH_SIZE"] == "16"
     assert (
@@ -138,6 +140,9 @@ def test_injected_sidecars_get_the_sidecar_settings_the_configmap_holds(render: 
     )
     assert settings.unserved == "admit" and settings.cache_host_path == "/var/cache/cuvil"
     assert settings.registry_secret == "registry-pull"
+    # signatures are checked in injected pods too, with the keys the snippet mounts
+    assert settings.env["CUVIL_TRUST_POLICY"] == "require"
+    assert settings.trusted_keys == "cuvil-trusted-keys"
     assert settings.image.startswith("ghcr.io/cuvil/cuvil-sidecar:")
 
 

@@ -294,3 +294,38 @@ def test_readme_snippet_is_what_the_chart_prints(helm_run: HelmRun) -> None:
     readme = (CHART / "README.md").read_text()
     documented = readme.split("## Adding the sidecar", 1)[1].split("```yaml\n", 1)[1]
     assert documented.split("```", 1)[0].strip() == printed.strip()
+
+
+def test_tls_and_tokens_secrets_reach_the_sidecar(helm_run: HelmRun, render: Render) -> None:
+    """With the secrets given, the ConfigMap points the sidecar at the files the snippet mounts
+    them as; without them, TLS and authentication stay off and nothing is mounted."""
+    sets = (
+        "sidecar.tls.existingSecret=app-tls",
+        "sidecar.tls.clientCA=true",
+        "sidecar.auth.tokensSecret=app-tokens",
+        "sidecar.maxQueueSize=16",
+    )
+    data = next(m["data"] for m in render(sets=sets) if m["metadata"]["name"].endswith("-sidecar"))
+    assert data["CUVIL_TLS_CERT"] == "/etc/cuvil/tls/tls.crt"
+    assert data["CUVIL_TLS_KEY"] == "/etc/cuvil/tls/tls.key"
+    assert data["CUVIL_TLS_CLIENT_CA"] == "/etc/cuvil/tls/ca.crt"
+    assert data["CUVIL_AUTH_TOKENS_FILE"] == "/etc/cuvil/auth/tokens"
+    assert (data["CUVIL_HTTP_PORT"], data["CUVIL_MAX_QUEUE_SIZE"]) == ("8000", "16")
+    done = _dry_run_install(helm_run, *(arg for item in sets for arg in ("--set", item)))
+    assert done.returncode == 0, done.stderr
+    block = done.stdout.split("add the sidecar below", 1)[1].split("\n\n", 1)[1]
+    block = block.split("\n\n", 1)[0]
+    snippet = yaml.safe_load("\n".join(line.removeprefix("    ") for line in block.splitlines()))
+    sidecar = snippet["spec"]["containers"][0]
+    mounts = {m["name"]: m["mountPath"] for m in sidecar["volumeMounts"]}
+    volumes = {v["name"]: v for v in snippet["spec"]["volumes"]}
+    assert mounts["cuvil-tls"] == "/etc/cuvil/tls"
+    assert volumes["cuvil-tls"]["secret"]["secretName"] == "app-tls"
+    assert mounts["cuvil-auth"] == "/etc/cuvil/auth"
+    assert volumes["cuvil-auth"]["secret"] == {
+        "secretName": "app-tokens",
+        "items": [{"key": "tokens", "path": "tokens"}],
+    }
+    assert {p["name"]: p["containerPort"] for p in sidecar["ports"]}["oip-http"] == 8000
+    plain = next(m["data"] for m in render() if m["metadata"]["name"].endswith("-sidecar"))
+    assert not {"CUVIL_TLS_CERT", "CUVIL_AUTH_TOKENS_FILE"} & set(plain)

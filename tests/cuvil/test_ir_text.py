@@ -42,7 +42,10 @@ def test_changed_graph_prints_differently() -> None:
         ("  %y = aten.relu.default(self=%x) : f32[batch, nope]", "unknown name"),
         ("  %y = aten.relu.default(self=%x : f32[batch]", "expected"),
         ("  %y = aten.relu.default(self=__import__) : f32[batch]", "cannot read an argument"),
-        ("  %y = aten.relu.default(self=%x) : f32[batch.__class__]", "not a shape expression"),
+        (
+            "  %y = aten.relu.default(self=%x) : f32[batch.__class__]",
+            "shape expression .batch.__class__. refused",
+        ),
     ],
 )
 def test_parse_errors_name_the_line(line: str, message: str) -> None:

@@ -91,6 +91,30 @@ def test_a_cuda_target_compiles_here_with_its_speed_gates_deferred(
     assert loaded.config["target"] == "cuda-sm_90" and loaded.execution()["kernels"]
 
 
+def test_with_a_signing_key_the_manifest_and_its_report_are_signed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from cuvil.artifact import list_referrers
+    from cuvil.artifact.api import resolve
+    from cuvil.artifact.media_types import REPORT
+    from cuvil.artifact.trust import TrustSettings, check_reference
+    from tests.fixtures.keys import make_key_pair
+
+    key, public = make_key_pair(tmp_path / "keys", "worker", password="s3cret")
+    (tmp_path / "keys" / "password").write_text("s3cret\n")
+    monkeypatch.setenv("CUVIL_SIGNING_KEY", str(key))
+    monkeypatch.setenv("CUVIL_SIGNING_KEY_PASSWORD_FILE", str(tmp_path / "keys" / "password"))
+    monkeypatch.setenv("CUVIL_SIGNER", "ci-worker")
+    assert main(["compile", str(_spec(tmp_path)), "--bench-iterations", "2"]) == 0
+    capsys.readouterr()
+    layout = f"oci:{tmp_path / 'layout'}"
+    trust = TrustSettings.load("require", [public])
+    found = resolve(f"{layout}:v1", trust=trust, cache_dir=tmp_path / "cache")
+    (report,) = list_referrers(f"{layout}@{found.digest}", artifact_type=REPORT)
+    (check,) = check_reference(f"{layout}@{report.digest}", trust.keys)
+    assert check.verified and check.signer == "ci-worker" and check.trusted_key == "worker.pub"
+
+
 def test_the_summary_of_a_cuda_target_says_its_speed_was_not_measured(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

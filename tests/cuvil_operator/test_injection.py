@@ -199,3 +199,19 @@ def test_the_sidecar_follows_the_pods_injected_annotation_through_a_downward_api
     chosen = InjectionSettings(env={"CUVIL_POLL_INTERVAL_S": "60"})
     sidecar = _sidecar(build_pod_patch(_pod(), INDEX, SidecarRequest("minilm"), chosen))
     assert _env(sidecar)["CUVIL_POLL_INTERVAL_S"] == "60"
+
+
+def test_trusted_keys_are_mounted_from_the_pods_namespace() -> None:
+    settings = InjectionSettings(
+        env={"CUVIL_TRUST_POLICY": "require", "CUVIL_HTTP_PORT": "8000"},
+        trusted_keys="cuvil-trusted-keys",
+    )
+    patch = build_pod_patch(_pod(), INDEX, SidecarRequest("minilm"), settings)
+    sidecar = _sidecar(patch)
+    env = _env(sidecar)
+    assert env["CUVIL_TRUST_POLICY"] == "require"
+    mount = next(m for m in sidecar["volumeMounts"] if m["name"] == "cuvil-trust")
+    assert env["CUVIL_TRUSTED_KEYS"] == mount["mountPath"] and mount["readOnly"]
+    volume = next(v for v in patch["spec"]["volumes"] if v["name"] == "cuvil-trust")
+    assert volume["configMap"] == {"name": "cuvil-trusted-keys"}
+    assert {"name": "oip-http", "containerPort": 8000} in sidecar["ports"]

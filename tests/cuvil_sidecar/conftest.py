@@ -49,7 +49,9 @@ class Sidecar:
 
     def __init__(self, model: Path | str, log_path: Path, **env: str) -> None:
         self.grpc_port, self.metrics_port = free_port(), free_port()
+        self.http_port = free_port()
         self.url = f"127.0.0.1:{self.grpc_port}"
+        self.http_url = f"127.0.0.1:{self.http_port}"  # what tritonclient.http takes
         self.metrics_url = f"http://127.0.0.1:{self.metrics_port}"
         self.log_path = log_path
         environ = {
@@ -62,6 +64,7 @@ class Sidecar:
             "CUVIL_GRPC_HOST": "127.0.0.1",
             "CUVIL_GRPC_PORT": str(self.grpc_port),
             "CUVIL_METRICS_PORT": str(self.metrics_port),
+            "CUVIL_HTTP_PORT": str(self.http_port),
             "PYTHONPATH": os.pathsep.join([str(REPO / "runtime_sidecar"), str(REPO)]),
             "OMP_NUM_THREADS": "2",
             "CUVIL_GRPC_FRONTEND": "native",

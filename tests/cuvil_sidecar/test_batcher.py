@@ -13,7 +13,7 @@ from collections.abc import Mapping
 import pytest
 import torch
 from cuvil_sidecar.batcher import INLINE_RUN_S, Batcher
-from cuvil_sidecar.errors import ShuttingDown
+from cuvil_sidecar.errors import DeadlinePassed, QueueFull, QueueTimeout, ShuttingDown
 
 
 def double(inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -212,6 +212,47 @@ def test_without_an_in_flight_count_a_batch_waits_its_delay() -> None:
         started = time.monotonic()
         await batcher.submit({"x": torch.ones(1, 4)}, rows=1, key=(4,))
         assert time.monotonic() - started >= 0.3
+        await batcher.close()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("max_rows", [1, 8], ids=["unbatched", "batched"])
+def test_bounds_refuse_and_drop_before_running(max_rows: int) -> None:
+    """A full queue refuses at once; a request whose deadline or queue timeout passes while a
+    slow run holds the worker is dropped unrun; each is counted by its reason."""
+
+    def slow(inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        time.sleep(0.05)
+        return {"y": inputs["x"] * 2}
+
+    async def scenario() -> None:
+        reasons: list[str] = []
+        ran: list[int] = []
+        batcher = Batcher(
+            slow,
+            max_rows=max_rows,
+            max_delay_s=0.0,
+            on_execute=lambda requests, rows: ran.append(requests),
+            queue_timeout_s=0.02,
+            on_reject=reasons.append,
+        )
+        x = torch.ones(1, 4)
+        first = asyncio.ensure_future(batcher.submit({"x": x}, key=(4,)))
+        await asyncio.sleep(0.01)  # the first runs; what comes now waits behind it
+        batcher.max_queue = batcher.pending + 2
+        soon = time.time_ns() + 5_000_000
+        by_deadline = asyncio.ensure_future(batcher.submit({"x": x}, key=(4,), deadline_ns=soon))
+        by_timeout = asyncio.ensure_future(batcher.submit({"x": x}, key=(4,)))
+        await asyncio.sleep(0)
+        with pytest.raises(QueueFull, match="holds"):
+            await batcher.submit({"x": x}, key=(4,))
+        assert float((await first).outputs["y"].sum()) == 8
+        outcomes = await asyncio.gather(by_deadline, by_timeout, return_exceptions=True)
+        assert isinstance(outcomes[0], DeadlinePassed), outcomes
+        assert isinstance(outcomes[1], QueueTimeout), outcomes
+        assert sorted(reasons) == ["deadline", "queue_full", "queue_timeout"]
+        assert sum(ran) == 1  # only the first ever ran
         await batcher.close()
 
     asyncio.run(scenario())

@@ -1,4 +1,5 @@
-"""``cuvil serve PATH`` runs the same sidecar: flags become its settings."""
+"""``cuvil serve PATH`` runs the same sidecar: flags become its settings, and it binds
+127.0.0.1 unless told otherwise."""
 
 from __future__ import annotations
 
@@ -11,17 +12,18 @@ from pathlib import Path
 
 import numpy as np
 import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
 
 from tests.cuvil_sidecar.conftest import REPO, free_port
 
 
 def test_cuvil_serve(mlp_artifact: Path, tmp_path: Path) -> None:
-    port = free_port()
+    port, http_port = free_port(), free_port()
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("CUVIL_", "OTEL_"))}
     environ["PYTHONPATH"] = os.pathsep.join([str(REPO / "runtime_sidecar"), str(REPO)])
     log = (tmp_path / "serve.log").open("wb")
     command = [sys.executable, "-m", "cuvil_cli.main", "serve", str(mlp_artifact)]
-    command += ["--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0"]
+    command += ["--port", str(port), "--http-port", str(http_port), "--metrics-port", "0"]
     command += ["--name", "digits", "--max-batch-size", "1"]
     process = subprocess.Popen(command, env=environ, cwd=REPO, stdout=log, stderr=log)
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
@@ -37,6 +39,12 @@ def test_cuvil_serve(mlp_artifact: Path, tmp_path: Path) -> None:
         item = grpcclient.InferInput("x", [1, 784], "FP32")
         item.set_data_from_numpy(np.zeros((1, 784), np.float32))
         assert client.infer("digits", [item]).as_numpy("output").shape == (1, 10)
+        rest = httpclient.InferenceServerClient(f"127.0.0.1:{http_port}")
+        item = httpclient.InferInput("x", [1, 784], "FP32")
+        item.set_data_from_numpy(np.zeros((1, 784), np.float32))
+        assert rest.infer("digits", [item]).as_numpy("output").shape == (1, 10)
+        rest.close()
+        assert f"gRPC 127.0.0.1:{port}" in (tmp_path / "serve.log").read_text()
     finally:
         client.close()
         process.send_signal(signal.SIGTERM)

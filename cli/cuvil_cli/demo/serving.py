@@ -63,6 +63,7 @@ class SidecarProcess:
             "CUVIL_GRPC_HOST": "127.0.0.1",
             "CUVIL_GRPC_PORT": str(self.grpc_port),
             "CUVIL_METRICS_PORT": str(self.metrics_port),
+            "CUVIL_HTTP_PORT": "0",  # the demo asks over gRPC only
             **env,
         }
         log_path.parent.mkdir(parents=True, exist_ok=True)

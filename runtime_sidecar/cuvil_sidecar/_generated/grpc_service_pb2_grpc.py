@@ -64,6 +64,36 @@ class GRPCInferenceServiceStub:
                 request_serializer=cuvil__sidecar_dot___generated_dot_grpc__service__pb2.ModelInferRequest.SerializeToString,
                 response_deserializer=cuvil__sidecar_dot___generated_dot_grpc__service__pb2.ModelInferResponse.FromString,
                 _registered_method=True)
+        self.ModelStreamInfer = channel.stream_stream(
+                '/inference.GRPCInferenceService/ModelStreamInfer',
+                request_serializer=cuvil__sidecar_dot___generated_dot_grpc__service__pb2.ModelInferRequest.SerializeToString,
+                response_deserializer=cuvil__sidecar_dot___generated_dot_grpc__service__pb2.ModelStreamInferResponse.FromString,
+                _registered_method=True)
+        self.ModelConfig = channel.unary_unary(
+                '/inference.GRPCInferenceService/ModelConfig',
+                request_serializer=cuvil__sidecar_dot___generated_dot_grpc__service__pb2.ModelConfigRequest.SerializeToString,
+                response_deserializer=cuvil__sidecar_dot___generated_dot_grpc__service__pb2.ModelConfigResponse.FromString,
+                _registered_method=True)
+        self.ModelStatistics = channel.unary_unary(
+                '/inference.GRPCInferenceService/ModelStatistics',
+                request_serializer=cuvil__sidecar_dot___generated_dot_grpc__service__pb2.ModelStatisticsRequest.SerializeToString,
+                response_deserializer=cuvil__sidecar_dot___generated_dot_grpc__service__pb2.ModelStatisticsResponse.FromString,
+                _registered_method=True)
+        self.RepositoryIndex = channel.unary_unary(
+                '/inference.GRPCInferenceService/RepositoryIndex',
+                request_serializer=cuvil__sidecar_dot___generated_dot_grpc__service__pb2.RepositoryIndexRequest.SerializeToString,
+                response_deserializer=cuvil__sidecar_dot___generated_dot_grpc__service__pb2.RepositoryIndexResponse.FromString,
+                _registered_method=True)
+        self.RepositoryModelLoad = channel.unary_unary(
+                '/inference.GRPCInferenceService/RepositoryModelLoad',
+                request_serializer=cuvil__sidecar_dot___generated_dot_grpc__service__pb2.RepositoryModelLoadRequest.SerializeToString,
+                response_deserializer=cuvil__sidecar_dot___generated_dot_grpc__service__pb2.RepositoryModelLoadResponse.FromString,
+                _registered_method=True)
+        self.RepositoryModelUnload = channel.unary_unary(
+                '/inference.GRPCInferenceService/RepositoryModelUnload',
+                request_serializer=cuvil__sidecar_dot___generated_dot_grpc__service__pb2.RepositoryModelUnloadRequest.SerializeToString,
+                response_deserializer=cuvil__sidecar_dot___generated_dot_grpc__service__pb2.RepositoryModelUnloadResponse.FromString,
+                _registered_method=True)
         self.SystemSharedMemoryStatus = channel.unary_unary(
                 '/inference.GRPCInferenceService/SystemSharedMemoryStatus',
                 request_serializer=cuvil__sidecar_dot___generated_dot_grpc__service__pb2.SystemSharedMemoryStatusRequest.SerializeToString,
@@ -126,6 +156,48 @@ class GRPCInferenceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ModelStreamInfer(self, request_iterator, context):
+        """Inferences over one bidirectional stream: one response per request, errors in the stream.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ModelConfig(self, request, context):
+        """A model's configuration in Triton's shape (config.pbtxt's fields).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ModelStatistics(self, request, context):
+        """Per model: inference and execution counts, cumulative queue and compute durations.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RepositoryIndex(self, request, context):
+        """The models this server holds and their state.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RepositoryModelLoad(self, request, context):
+        """Loading and unloading by request: answered UNIMPLEMENTED (the sidecar serves one artifact,
+        chosen by its configuration; it reloads on SIGHUP or by polling).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RepositoryModelUnload(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def SystemSharedMemoryStatus(self, request, context):
         """Triton's system shared-memory extension: the registered regions (all, or one by name).
         """
@@ -179,6 +251,36 @@ def add_GRPCInferenceServiceServicer_to_server(servicer, server):
                     servicer.ModelInfer,
                     request_deserializer=cuvil__sidecar_dot___generated_dot_grpc__service__pb2.ModelInferRequest.FromString,
                     response_serializer=cuvil__sidecar_dot___generated_dot_grpc__service__pb2.ModelInferResponse.SerializeToString,
+            ),
+            'ModelStreamInfer': grpc.stream_stream_rpc_method_handler(
+                    servicer.ModelStreamInfer,
+                    request_deserializer=cuvil__sidecar_dot___generated_dot_grpc__service__pb2.ModelInferRequest.FromString,
+                    response_serializer=cuvil__sidecar_dot___generated_dot_grpc__service__pb2.ModelStreamInferResponse.SerializeToString,
+            ),
+            'ModelConfig': grpc.unary_unary_rpc_method_handler(
+                    servicer.ModelConfig,
+                    request_deserializer=cuvil__sidecar_dot___generated_dot_grpc__service__pb2.ModelConfigRequest.FromString,
+                    response_serializer=cuvil__sidecar_dot___generated_dot_grpc__service__pb2.ModelConfigResponse.SerializeToString,
+            ),
+            'ModelStatistics': grpc.unary_unary_rpc_method_handler(
+                    servicer.ModelStatistics,
+                    request_deserializer=cuvil__sidecar_dot___generated_dot_grpc__service__pb2.ModelStatisticsRequest.FromString,
+                    response_serializer=cuvil__sidecar_dot___generated_dot_grpc__service__pb2.ModelStatisticsResponse.SerializeToString,
+            ),
+            'RepositoryIndex': grpc.unary_unary_rpc_method_handler(
+                    servicer.RepositoryIndex,
+                    request_deserializer=cuvil__sidecar_dot___generated_dot_grpc__service__pb2.RepositoryIndexRequest.FromString,
+                    response_serializer=cuvil__sidecar_dot___generated_dot_grpc__service__pb2.RepositoryIndexResponse.SerializeToString,
+            ),
+            'RepositoryModelLoad': grpc.unary_unary_rpc_method_handler(
+                    servicer.RepositoryModelLoad,
+                    request_deserializer=cuvil__sidecar_dot___generated_dot_grpc__service__pb2.RepositoryModelLoadRequest.FromString,
+                    response_serializer=cuvil__sidecar_dot___generated_dot_grpc__service__pb2.RepositoryModelLoadResponse.SerializeToString,
+            ),
+            'RepositoryModelUnload': grpc.unary_unary_rpc_method_handler(
+                    servicer.RepositoryModelUnload,
+                    request_deserializer=cuvil__sidecar_dot___generated_dot_grpc__service__pb2.RepositoryModelUnloadRequest.FromString,
+                    response_serializer=cuvil__sidecar_dot___generated_dot_grpc__service__pb2.RepositoryModelUnloadResponse.SerializeToString,
             ),
             'SystemSharedMemoryStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.SystemSharedMemoryStatus,
@@ -358,6 +460,168 @@ class GRPCInferenceService:
             '/inference.GRPCInferenceService/ModelInfer',
             cuvil__sidecar_dot___generated_dot_grpc__service__pb2.ModelInferRequest.SerializeToString,
             cuvil__sidecar_dot___generated_dot_grpc__service__pb2.ModelInferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ModelStreamInfer(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/inference.GRPCInferenceService/ModelStreamInfer',
+            cuvil__sidecar_dot___generated_dot_grpc__service__pb2.ModelInferRequest.SerializeToString,
+            cuvil__sidecar_dot___generated_dot_grpc__service__pb2.ModelStreamInferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ModelConfig(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/ModelConfig',
+            cuvil__sidecar_dot___generated_dot_grpc__service__pb2.ModelConfigRequest.SerializeToString,
+            cuvil__sidecar_dot___generated_dot_grpc__service__pb2.ModelConfigResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ModelStatistics(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/ModelStatistics',
+            cuvil__sidecar_dot___generated_dot_grpc__service__pb2.ModelStatisticsRequest.SerializeToString,
+            cuvil__sidecar_dot___generated_dot_grpc__service__pb2.ModelStatisticsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RepositoryIndex(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/RepositoryIndex',
+            cuvil__sidecar_dot___generated_dot_grpc__service__pb2.RepositoryIndexRequest.SerializeToString,
+            cuvil__sidecar_dot___generated_dot_grpc__service__pb2.RepositoryIndexResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RepositoryModelLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/RepositoryModelLoad',
+            cuvil__sidecar_dot___generated_dot_grpc__service__pb2.RepositoryModelLoadRequest.SerializeToString,
+            cuvil__sidecar_dot___generated_dot_grpc__service__pb2.RepositoryModelLoadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RepositoryModelUnload(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/RepositoryModelUnload',
+            cuvil__sidecar_dot___generated_dot_grpc__service__pb2.RepositoryModelUnloadRequest.SerializeToString,
+            cuvil__sidecar_dot___generated_dot_grpc__service__pb2.RepositoryModelUnloadResponse.FromString,
             options,
             channel_credentials,
             insecure,

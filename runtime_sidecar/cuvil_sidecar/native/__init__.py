@@ -31,7 +31,7 @@ PACKAGES = ("grpc++", "protobuf")
 LIBRARIES = ("-lgrpc++_reflection",)
 
 # dispatch(call, method index, request bytes, size, metadata, metadata size, tensors, entries,
-# entry count: -1 for a request passed whole)
+# entry count: -1 for a request passed whole, the client's deadline in ns since the epoch or 0)
 DISPATCH = ctypes.CFUNCTYPE(
     None,
     ctypes.c_void_p,
@@ -42,6 +42,7 @@ DISPATCH = ctypes.CFUNCTYPE(
     ctypes.c_size_t,
     ctypes.c_void_p,
     ctypes.POINTER(ctypes.c_uint64),
+    ctypes.c_int64,
     ctypes.c_int64,
 )
 
@@ -110,7 +111,12 @@ def load() -> ctypes.CDLL:
         c_char_p,
         c_size_t,
         ctypes.POINTER(c_int),
+        ctypes.POINTER(c_int),
         c_size_t,
+        c_int,
+        c_char_p,
+        c_char_p,
+        c_char_p,
         c_int,
         DISPATCH,
         c_char_p,

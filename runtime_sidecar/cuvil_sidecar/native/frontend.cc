@@ -2,12 +2,16 @@
 // handlers stay in Python. Loaded with ctypes by cuvil_sidecar.native; every entry point is
 // extern "C".
 //
-// Each unary method of the served services is registered raw (bytes in, bytes out). A call is
-// handed to Python's dispatch callback with its request bytes and metadata; Python answers,
-// from any thread and at any time, with cuvil_frontend_finish. A large request of a method with
-// a tensor field (ModelInfer's raw_input_contents) is split here first, off the GIL: the
-// tensors' bytes go straight from gRPC's slices into one buffer that Python takes over, each
-// at a 64-byte boundary, and Python parses only the rest (see wire.py). Health
+// Each method of the served services is registered raw (bytes in, bytes out). A unary call is
+// handed to Python's dispatch callback with its request bytes, metadata and deadline; Python
+// answers, from any thread and at any time, with cuvil_frontend_finish. A bidirectional
+// streaming method (ModelStreamInfer) hands each message it reads to dispatch the same way, as
+// a call of its own; each answer is written to the stream in the order answers come, and the
+// stream ends once the client has stopped sending and every message is answered (or at once,
+// with the status, when Python answers a message with an error code). A large request of a
+// method with a tensor field (ModelInfer's raw_input_contents) is split here first, off the
+// GIL: the tensors' bytes go straight from gRPC's slices into one buffer that Python takes
+// over, each at a 64-byte boundary, and Python parses only the rest (see wire.py). Health
 // (grpc.health.v1, Check and Watch) and reflection come from gRPC C++ itself; the service
 // descriptors reflection serves are given by Python as serialized FileDescriptorProtos.
 #include <google/protobuf/descriptor.h>
@@ -16,6 +20,9 @@
 #include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/impl/codegen/server_callback_handlers.h>
 #include <grpcpp/impl/codegen/service_type.h>
+#include <grpcpp/security/server_credentials.h>
+#include <grpcpp/security/tls_certificate_provider.h>
+#include <grpcpp/security/tls_credentials_options.h>
 
 #include <algorithm>
 #include <chrono>
@@ -32,13 +39,14 @@
 
 namespace {
 
-// dispatch(call, method index, request bytes, size, metadata, size, tensors, entries, count);
-// the metadata is each key and value in turn, each as a native uint32 length and its bytes
-// (binary values hold NULs). count is -1 for a request passed whole; for a split one, the
+// dispatch(call, method index, request bytes, size, metadata, size, tensors, entries, count,
+// deadline); the metadata is each key and value in turn, each as a native uint32 length and its
+// bytes (binary values hold NULs). count is -1 for a request passed whole; for a split one, the
 // request bytes are the message without its tensor field, and entries holds count (offset,
-// size) pairs into tensors, a buffer Python owns from then on (cuvil_frontend_release).
+// size) pairs into tensors, a buffer Python owns from then on (cuvil_frontend_release). The
+// deadline is the client's, in nanoseconds since the Unix epoch, 0 when it set none.
 using Dispatch = void (*)(void*, int, const char*, size_t, const char*, size_t, char*,
-                          const uint64_t*, int64_t);
+                          const uint64_t*, int64_t, int64_t);
 
 constexpr size_t kTensorAlignment = 64;
 
@@ -47,6 +55,26 @@ void append_sized(std::string& out, const char* data, size_t size) {
   out.append(reinterpret_cast<const char*>(&length), sizeof length).append(data, size);
 }
 
+// The client's metadata, then the peer's address under ":peer" (a name no client can send:
+// HTTP/2 reserves the leading colon for pseudo-headers).
+std::string Metadata(grpc::CallbackServerContext* context) {
+  std::string metadata;
+  for (const auto& [key, value] : context->client_metadata()) {
+    append_sized(metadata, key.data(), key.size());
+    append_sized(metadata, value.data(), value.size());
+  }
+  std::string peer = context->peer();
+  append_sized(metadata, ":peer", 5);
+  append_sized(metadata, peer.data(), peer.size());
+  return metadata;
+}
+
+int64_t DeadlineNs(grpc::CallbackServerContext* context) {
+  auto deadline = context->deadline();
+  if (deadline == std::chrono::system_clock::time_point::max()) return 0;
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(deadline.time_since_epoch())
+      .count();
+}
 
 // A request's bytes as gRPC holds them: slices, read at any offset.
 class Slices {
@@ -168,19 +196,163 @@ bool SplitMessage(Slices& bytes, int number, Split* split) {
   return true;
 }
 
-struct Call {
-  grpc::ServerUnaryReactor* reactor;
-  grpc::ByteBuffer* response;
+// What Python answers through cuvil_frontend_finish: a unary call, or one message of a stream.
+class Call {
+ public:
+  virtual ~Call() = default;
+  // code 0 sends data as the response message; any other code fails the call with message.
+  virtual void Finish(int code, const char* message, const char* data, size_t size) = 0;
+};
+
+class UnaryCall : public Call {
+ public:
+  UnaryCall(grpc::ServerUnaryReactor* reactor, grpc::ByteBuffer* response)
+      : reactor_(reactor), response_(response) {}
+
+  void Finish(int code, const char* message, const char* data, size_t size) override {
+    if (code == 0) {
+      grpc::Slice slice(data, size);
+      *response_ = grpc::ByteBuffer(&slice, 1);
+      reactor_->Finish(grpc::Status::OK);
+    } else {
+      reactor_->Finish(grpc::Status(static_cast<grpc::StatusCode>(code), message));
+    }
+  }
+
+ private:
+  grpc::ServerUnaryReactor* reactor_;
+  grpc::ByteBuffer* response_;
+};
+
+// One bidirectional stream: every message read is dispatched as a call; answers are written one
+// at a time, in the order they come. The stream lives until gRPC is done with it and every
+// message handed to Python has been answered.
+class Stream : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
+ public:
+  Stream(grpc::CallbackServerContext* context, int index, Dispatch dispatch)
+      : index_(index), dispatch_(dispatch), metadata_(Metadata(context)),
+        deadline_(DeadlineNs(context)) {
+    StartRead(&request_);
+  }
+
+  void Answer(int code, const char* message, const char* data, size_t size) {
+    std::unique_lock<std::recursive_mutex> guard(lock_);
+    --pending_;
+    if (code == 0 && !failed_) {
+      grpc::Slice slice(data, size);
+      writes_.emplace_back(&slice, 1);
+      if (!writing_) {
+        writing_ = true;
+        StartWrite(&writes_.front());
+      }
+    } else if (!failed_) {
+      failed_ = true;
+      status_ = grpc::Status(static_cast<grpc::StatusCode>(code), message);
+    }
+    MaybeFinish();
+    bool last = done_ && pending_ == 0;
+    guard.unlock();
+    if (last) delete this;
+  }
+
+  void OnReadDone(bool ok) override {
+    std::unique_lock<std::recursive_mutex> guard(lock_);
+    if (!ok || failed_) {
+      reads_done_ = true;
+      MaybeFinish();
+      return;
+    }
+    ++pending_;
+    guard.unlock();
+    std::vector<grpc::Slice> slices;
+    if (!request_.Dump(&slices).ok()) slices.clear();
+    std::string joined;
+    for (const grpc::Slice& slice : slices) {
+      joined.append(reinterpret_cast<const char*>(slice.begin()), slice.size());
+    }
+    request_.Clear();
+    StartRead(&request_);  // the next message is read while this one is served
+    dispatch_(new StreamMessage(this), index_, joined.data(), joined.size(), metadata_.data(),
+              metadata_.size(), nullptr, nullptr, -1, deadline_);
+  }
+
+  void OnWriteDone(bool ok) override {
+    std::lock_guard<std::recursive_mutex> guard(lock_);
+    writes_.pop_front();
+    if (!ok) {  // the client is gone: nothing more can be written
+      writes_.clear();
+      failed_ = true;
+    }
+    if (!writes_.empty()) {
+      StartWrite(&writes_.front());
+    } else {
+      writing_ = false;
+      MaybeFinish();
+    }
+  }
+
+  void OnDone() override {
+    std::unique_lock<std::recursive_mutex> guard(lock_);
+    done_ = true;
+    bool last = pending_ == 0;
+    guard.unlock();
+    if (last) delete this;
+  }
+
+ private:
+  class StreamMessage : public Call {
+   public:
+    explicit StreamMessage(Stream* stream) : stream_(stream) {}
+    void Finish(int code, const char* message, const char* data, size_t size) override {
+      stream_->Answer(code, message, data, size);
+    }
+
+   private:
+    Stream* stream_;
+  };
+
+  // Ends the stream once nothing more will be written: every message read and answered, or a
+  // failure; called with lock_ held.
+  void MaybeFinish() {
+    if (finish_sent_ || writing_) return;
+    if ((reads_done_ && pending_ == 0) || failed_) {
+      finish_sent_ = true;
+      Finish(status_);
+    }
+  }
+
+  int index_;
+  Dispatch dispatch_;
+  std::string metadata_;
+  int64_t deadline_;
+  grpc::ByteBuffer request_;
+  std::recursive_mutex lock_;
+  std::deque<grpc::ByteBuffer> writes_;  // the front one is being written
+  grpc::Status status_ = grpc::Status::OK;
+  int pending_ = 0;  // messages handed to Python and not yet answered
+  bool writing_ = false, reads_done_ = false, failed_ = false, finish_sent_ = false;
+  bool done_ = false;
 };
 
 class RawService : public grpc::Service {
  public:
-  RawService(const std::vector<std::string>& methods, const int* split_fields, size_t split_from,
-             Dispatch dispatch)
+  RawService(const std::vector<std::string>& methods, const int* split_fields,
+             const int* streaming, size_t split_from, Dispatch dispatch)
       : split_from_(split_from), dispatch_(dispatch) {
     for (const std::string& method : methods) names_.push_back(method);
     split_fields_.assign(split_fields, split_fields + names_.size());
     for (size_t index = 0; index < names_.size(); ++index) {
+      if (streaming[index]) {
+        AddMethod(new grpc::internal::RpcServiceMethod(
+            names_[index].c_str(), grpc::internal::RpcMethod::BIDI_STREAMING, nullptr));
+        MarkMethodRawCallback(
+            static_cast<int>(index),
+            new grpc::internal::CallbackBidiHandler<grpc::ByteBuffer, grpc::ByteBuffer>(
+                [this, index](grpc::CallbackServerContext* context) {
+                  return new Stream(context, static_cast<int>(index), dispatch_);
+                }));
+        continue;
+      }
       AddMethod(new grpc::internal::RpcServiceMethod(
           names_[index].c_str(), grpc::internal::RpcMethod::NORMAL_RPC, nullptr));
       MarkMethodRawCallback(
@@ -201,18 +373,15 @@ class RawService : public grpc::Service {
     std::vector<grpc::Slice> slices;
     if (request != nullptr && !request->Dump(&slices).ok()) slices.clear();
     Slices bytes(slices);
-    std::string metadata;
-    for (const auto& [key, value] : context->client_metadata()) {
-      append_sized(metadata, key.data(), key.size());
-      append_sized(metadata, value.data(), value.size());
-    }
-    auto* call = new Call{reactor, response};
+    std::string metadata = Metadata(context);
+    int64_t deadline = DeadlineNs(context);
+    auto* call = new UnaryCall(reactor, response);
     Split split;
     if (split_fields_[index] != 0 && bytes.size() >= split_from_ &&
         SplitMessage(bytes, split_fields_[index], &split)) {
       dispatch_(call, index, split.header.data(), split.header.size(), metadata.data(),
                 metadata.size(), split.tensors, split.entries.data(),
-                static_cast<int64_t>(split.entries.size() / 2));
+                static_cast<int64_t>(split.entries.size() / 2), deadline);
       return reactor;
     }
     std::string joined;
@@ -226,7 +395,7 @@ class RawService : public grpc::Service {
     }
     // Python copies what it needs before dispatch returns; the call lives until finish.
     dispatch_(call, index, data, bytes.size(), metadata.data(), metadata.size(), nullptr, nullptr,
-              -1);
+              -1, deadline);
     return reactor;
   }
 
@@ -281,17 +450,38 @@ int cuvil_frontend_add_descriptor(const char* name, const char* data, size_t siz
 
 // Starts a server on address ("host:port"); methods: "/pkg.Service/Method" names, each ended
 // by '\0'; split_fields: per method, the field number of its tensor bytes (0: none), cut out of
-// requests of split_from bytes or more. Returns a handle, or null with the reason in error.
+// requests of split_from bytes or more; streaming: per method, 1 for a bidirectional stream.
+// With a certificate and key (PEM files) it serves TLS, and with a client CA too it requires
+// and verifies a client certificate signed by it (mTLS); the files are read again every
+// reload_s seconds, so a renewed certificate applies without a restart. Empty paths serve
+// plaintext. Returns a handle, or null with the reason in error.
 void* cuvil_frontend_start(const char* address, const char* methods, size_t methods_size,
-                           const int* split_fields, size_t split_from, int max_message_bytes,
-                           Dispatch dispatch, char* error, size_t error_size) {
+                           const int* split_fields, const int* streaming, size_t split_from,
+                           int max_message_bytes, const char* cert_path, const char* key_path,
+                           const char* client_ca_path, int reload_s, Dispatch dispatch,
+                           char* error, size_t error_size) {
   auto frontend = std::make_unique<Frontend>();
   frontend->service = std::make_unique<RawService>(split(methods, methods_size), split_fields,
-                                                   split_from, dispatch);
+                                                   streaming, split_from, dispatch);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &frontend->port);
+  std::shared_ptr<grpc::ServerCredentials> credentials = grpc::InsecureServerCredentials();
+  if (cert_path[0] != '\0') {
+    bool mutual = client_ca_path[0] != '\0';
+    auto provider = std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
+        key_path, cert_path, client_ca_path, static_cast<unsigned int>(reload_s));
+    grpc::experimental::TlsServerCredentialsOptions options(provider);
+    options.watch_identity_key_cert_pairs();
+    if (mutual) {
+      options.watch_root_certs();
+      options.set_cert_request_type(GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+    } else {
+      options.set_cert_request_type(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
+    }
+    credentials = grpc::experimental::TlsServerCredentials(options);
+  }
+  builder.AddListeningPort(address, credentials, &frontend->port);
   builder.RegisterService(frontend->service.get());
   builder.SetMaxReceiveMessageSize(max_message_bytes);
   builder.SetMaxSendMessageSize(max_message_bytes);
@@ -311,18 +501,12 @@ void cuvil_frontend_set_serving(void* handle, const char* service, int serving) 
   frontend->server->GetHealthCheckService()->SetServingStatus(service, serving != 0);
 }
 
-// Answers a call: code 0 sends data as the response message, any other code fails the call
-// with message. Each call is finished exactly once.
+// Answers a call (or a stream's message): code 0 sends data as the response message, any other
+// code fails the call (ends the stream) with message. Each call is finished exactly once.
 void cuvil_frontend_finish(void* handle, int code, const char* message, const char* data,
                            size_t size) {
   auto* call = static_cast<Call*>(handle);
-  if (code == 0) {
-    grpc::Slice slice(data, size);
-    *call->response = grpc::ByteBuffer(&slice, 1);
-    call->reactor->Finish(grpc::Status::OK);
-  } else {
-    call->reactor->Finish(grpc::Status(static_cast<grpc::StatusCode>(code), message));
-  }
+  call->Finish(code, message, data, size);
   delete call;
 }
 

@@ -20,6 +20,10 @@ listens, its certificate, and what every injected sidecar gets.
 - name: CUVIL_INJECT_CACHE_HOST_PATH
   value: {{ . | quote }}
 {{- end }}
+{{- with .Values.sidecar.trust.publicKeysConfigMap }}
+- name: CUVIL_INJECT_TRUSTED_KEYS
+  value: {{ . | quote }}
+{{- end }}
 {{- with $inj.registrySecret }}
 - name: CUVIL_INJECT_REGISTRY_SECRET
   value: {{ . | quote }}

@@ -1,6 +1,8 @@
 {{/*
 The sidecar container and volumes to add to an app pod (printed by NOTES.txt, copied into the
-chart README). The app talks to localhost:<grpcPort> with any Open Inference Protocol v2 client.
+chart README). The app talks to localhost:<grpcPort> (gRPC) or <httpPort> (REST) with any Open
+Inference Protocol v2 client; with tls.existingSecret over TLS, with auth.tokensSecret with a
+bearer token.
 */}}
 {{- define "cuvil.sidecar.snippet" -}}
 {{- $s := .Values.sidecar }}
@@ -11,7 +13,7 @@ spec:
     seccompProfile:
       type: RuntimeDefault
   containers:
-    # - name: app ...  (your container: OIP v2 gRPC on localhost:{{ $s.grpcPort }})
+    # - name: app ...  (your container: OIP v2 gRPC on localhost:{{ $s.grpcPort }}{{ if $s.httpPort }}, REST on :{{ $s.httpPort }}{{ end }})
     {{- if eq $s.sharedMemory.mode "system" }}
     #   volumeMounts: [{name: cuvil-shm, mountPath: /dev/shm}]  (tensors via shared memory)
     {{- end }}
@@ -27,6 +29,10 @@ spec:
       ports:
         - name: oip-grpc
           containerPort: {{ $s.grpcPort }}
+        {{- if $s.httpPort }}
+        - name: oip-http
+          containerPort: {{ $s.httpPort }}
+        {{- end }}
         - name: metrics
           containerPort: {{ $s.metricsPort }}
       startupProbe:
@@ -64,6 +70,21 @@ spec:
           mountPath: /etc/cuvil/registry
           readOnly: true
         {{- end }}
+        {{- if $s.tls.existingSecret }}
+        - name: cuvil-tls
+          mountPath: /etc/cuvil/tls
+          readOnly: true
+        {{- end }}
+        {{- if $s.auth.tokensSecret }}
+        - name: cuvil-auth
+          mountPath: /etc/cuvil/auth
+          readOnly: true
+        {{- end }}
+        {{- if $s.trust.publicKeysConfigMap }}
+        - name: cuvil-trust
+          mountPath: /etc/cuvil/trust
+          readOnly: true
+        {{- end }}
   volumes:
     - name: cuvil-cache
       emptyDir: {}
@@ -75,6 +96,11 @@ spec:
         medium: Memory
         sizeLimit: {{ $s.sharedMemory.sizeLimit }}
     {{- end }}
+    {{- if $s.trust.publicKeysConfigMap }}
+    - name: cuvil-trust
+      configMap:
+        name: {{ $s.trust.publicKeysConfigMap }}
+    {{- end }}
     {{- if and $registrySecret $s.useRegistrySecret }}
     - name: cuvil-registry
       secret:
@@ -82,5 +108,18 @@ spec:
         items:
           - key: .dockerconfigjson
             path: config.json
+    {{- end }}
+    {{- if $s.tls.existingSecret }}
+    - name: cuvil-tls
+      secret:
+        secretName: {{ $s.tls.existingSecret }}
+    {{- end }}
+    {{- if $s.auth.tokensSecret }}
+    - name: cuvil-auth
+      secret:
+        secretName: {{ $s.auth.tokensSecret }}
+        items:
+          - key: tokens
+            path: tokens
     {{- end }}
 {{- end }}
