@@ -60,8 +60,10 @@ class DataPlane:
         extensions = ("system_shared_memory",) if self.shared_memory is not None else ()
         return ServerMetadata(SERVER_NAME, CUVIL_VERSION, extensions)
 
-    def register_shared_memory(self, name: str, key: str, offset: int, byte_size: int) -> None:
-        self._registry().register(name, key, offset, byte_size)
+    def register_shared_memory(
+        self, name: str, key: str, offset: int, byte_size: int, owner: int | None = None
+    ) -> None:
+        self._registry().register(name, key, offset, byte_size, owner)
 
     def unregister_shared_memory(self, name: str) -> None:
         self._registry().unregister(name)

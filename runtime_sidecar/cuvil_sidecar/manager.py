@@ -25,6 +25,7 @@ from cuvil.artifact.trust import TrustSettings
 from cuvil_sidecar.config import SidecarConfig
 from cuvil_sidecar.errors import ModelNotFound, ModelNotReady
 from cuvil_sidecar.metrics import Metrics
+from cuvil_sidecar.process_usage import CpuUtilization, resident_bytes
 from cuvil_sidecar.servable import ServedModel
 from cuvil_sidecar.source import ModelSource
 from cuvil_sidecar.startup import load_checked
@@ -69,6 +70,7 @@ class ModelManager:
         self._lock = asyncio.Lock()
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="cuvil-load")
         self._retiring: set[asyncio.Task[None]] = set()
+        self._cpu = CpuUtilization()
 
     @property
     def ready(self) -> bool:
@@ -156,6 +158,8 @@ class ModelManager:
                 new.version,
                 lambda: float(self.current.batcher.pending if self.current else 0),
             )
+            self.metrics.gauge("nv_cpu_utilization", new.name, new.version, self._cpu.read)
+            self.metrics.gauge("nv_cpu_memory_used_bytes", new.name, new.version, resident_bytes)
             self.metrics.reload("ok")
             log.info(
                 "serving %s %s%s (from %s; %s)",

@@ -11,7 +11,8 @@ Counters, per model and version (durations are cumulative microseconds, as in Tr
 (rows inferred), ``nv_inference_exec_count`` (model executions; fewer than requests when
 batching joins them), ``nv_inference_request_duration_us``, ``nv_inference_queue_duration_us``,
 ``nv_inference_compute_infer_duration_us``. Gauges: ``nv_inference_pending_request_count``,
-``cuvil_model_ready``; counters ``cuvil_model_reloads`` with ``result`` ok/refused;
+``cuvil_model_ready``, ``nv_cpu_utilization`` and ``nv_cpu_memory_used_bytes`` (the serving
+process's; process_usage.py); counters ``cuvil_model_reloads`` with ``result`` ok/refused;
 ``cuvil_model_info{model, version, digest, index}`` 1 for the artifact served (``digest``: the
 OCI manifest, as in the ModelCompilation's status.artifacts[]; ``index``: the index it came
 from, empty when none).
@@ -43,6 +44,9 @@ GAUGES = {
     "nv_inference_pending_request_count": "Instantaneous number of pending requests awaiting "
     "execution",
     "cuvil_model_ready": "1 when the model is loaded, warmed up and golden-checked",
+    "nv_cpu_utilization": "CPU utilization of the serving process since the last scrape, as a "
+    "fraction of its cores [0.0 - 1.0]",
+    "nv_cpu_memory_used_bytes": "Resident memory of the serving process, in bytes",
 }
 RELOADS = "cuvil_model_reloads"
 INFO = "cuvil_model_info"

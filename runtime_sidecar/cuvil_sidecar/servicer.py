@@ -25,6 +25,7 @@ from cuvil_sidecar._generated import grpc_service_pb2_grpc as pb_grpc
 from cuvil_sidecar.dataplane import DataPlane
 from cuvil_sidecar.errors import PermissionDenied, SidecarError, grpc_status
 from cuvil_sidecar.messages import InferRequest
+from cuvil_sidecar.peer_credentials import grpc_peer_uid
 from cuvil_sidecar.policy import Call, Policies, grpc_peer_host, is_local_peer
 from cuvil_sidecar.repository import index_pb, statistics_pb
 from cuvil_sidecar.streaming import serve_stream
@@ -152,7 +153,11 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 f"{peer or 'this client'} is not a loopback or Unix-socket peer"
             )
         self.dataplane.register_shared_memory(
-            request.name, request.key, request.offset, request.byte_size
+            request.name,
+            request.key,
+            request.offset,
+            request.byte_size,
+            grpc_peer_uid(context.peer()),
         )
         return pb.SystemSharedMemoryRegisterResponse()
 

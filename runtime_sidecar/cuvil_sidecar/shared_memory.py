@@ -15,7 +15,9 @@ ResNet-50 at batch 1 that is 600 KB per request that protobuf and HTTP/2 no long
 
 Keys are names in ``/dev/shm`` (``/name``, as ``shm_open`` and Python's
 ``multiprocessing.shared_memory`` use them), never paths: a key with another ``/`` or a ``..``
-is refused, so a client cannot make the sidecar map an arbitrary file. Every offset and size is
+is refused, a link is never followed, and the segment must belong to the client's user
+(peer_credentials.py), so a client cannot make the sidecar map an arbitrary file or another
+process's segment. Every offset and size is
 checked against the region before anything is read or written, and against the segment's
 current size too: touching a mapping past the end of a segment that its owner shrank since
 would kill the process (SIGBUS), so each region keeps its descriptor open to ask. At most
@@ -29,12 +31,19 @@ import contextlib
 import mmap
 import os
 import re
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cuvil_sidecar.errors import AlreadyExists, InvalidInput, RegionNotFound, TooManyRegions
+from cuvil_sidecar.errors import (
+    AlreadyExists,
+    InvalidInput,
+    PermissionDenied,
+    RegionNotFound,
+    TooManyRegions,
+)
 
 REGION = "shared_memory_region"
 BYTE_SIZE = "shared_memory_byte_size"
@@ -100,7 +109,13 @@ class SharedMemoryRegistry:
         self.root = root
         self._regions: dict[str, Region] = {}
 
-    def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
+    def register(
+        self, name: str, key: str, offset: int, byte_size: int, owner: int | None = None
+    ) -> None:
+        """Map ``key`` for ``name``: a regular file in the shared-memory folder (no link) that
+        belongs to ``owner`` (the client's uid; default: the sidecar's own), so a client can
+        map only a segment it could have made, never another process's."""
+        owner = os.getuid() if owner is None else owner
         if not name:
             raise InvalidInput("a shared memory region needs a name")
         if len(self._regions) >= MAX_REGIONS:
@@ -121,13 +136,19 @@ class SharedMemoryRegistry:
             raise InvalidInput(f"shared memory region {name!r}: byte_size must be positive")
         path = self.root / key.lstrip("/")
         try:
-            descriptor = os.open(path, os.O_RDWR)
+            descriptor = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         except OSError as error:
             raise InvalidInput(
                 f"cannot open shared memory key {key!r} ({path}): {error.strerror}"
             ) from None
         try:
-            size = os.fstat(descriptor).st_size
+            found = os.fstat(descriptor)
+            if not stat.S_ISREG(found.st_mode) or found.st_uid != owner:
+                raise PermissionDenied(
+                    f"shared memory key {key!r} belongs to uid {found.st_uid}, not to the "
+                    f"client's ({owner}): a client maps only segments it made"
+                )
+            size = found.st_size
             if offset + byte_size > size:
                 raise InvalidInput(
                     f"shared memory region {name!r}: offset {offset} + byte_size {byte_size} "

@@ -231,7 +231,7 @@ def test_sidecar_config_map_parses_as_the_sidecar_reads_it(render: Render) -> No
     assert config.warmup_shapes == ({"seq": 128}, {"seq": 384})
     assert (config.max_batch_size, config.model_instances) == (16, 2)
     assert config.lone_requests_wait
-    assert config.shared_memory
+    assert config.shared_memory  # asked for in the values
     assert config.grpc_frontend == "native"  # the image has the native front end built in
     changed = render(sets=("sidecar.sharedMemory.mode=off", "sidecar.grpcFrontend=grpcio"))
     data = next(m["data"] for m in changed if m["metadata"]["name"].endswith("-sidecar"))

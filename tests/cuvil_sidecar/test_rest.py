@@ -183,6 +183,9 @@ def test_latency_histograms_and_pending_gauge(mlp_sidecar: Sidecar) -> None:
         assert count - metric(before, f"{name}_count") == 5
         assert metric(text, f"{name}_sum") > 0
     assert metric(text, "nv_inference_pending_request_count") == 0
+    assert 0 <= metric(text, "nv_cpu_utilization") <= 1
+    assert metric(text, "nv_cpu_memory_used_bytes") > 50 * 2**20  # torch and the model, resident
+    assert f"nv_cpu_memory_used_bytes{{{labels}}}" in text
 
 
 def test_kserve_v2_wire_format_with_requests(mlp_sidecar: Sidecar, mlp_spec) -> None:

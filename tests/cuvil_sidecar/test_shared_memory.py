@@ -24,6 +24,7 @@ from cuvil_sidecar.errors import (
     AlreadyExists,
     InvalidInput,
     NotSupported,
+    PermissionDenied,
     RegionNotFound,
     TooManyRegions,
 )
@@ -251,6 +252,37 @@ def test_registry_maps_checks_and_forgets(tmp_path: Path) -> None:
     registry.unregister("")
     with pytest.raises(RegionNotFound):
         registry.status("a")
+
+
+def test_only_a_segment_of_the_clients_own_user_is_mapped(tmp_path: Path) -> None:
+    """A link in the shared-memory folder is never followed (it could point at any file the
+    sidecar may write), and a segment of another user is refused: not the client's to lend."""
+    (tmp_path / "mine").write_bytes(bytes(64))
+    (tmp_path / "link").symlink_to(tmp_path / "mine")
+    registry = SharedMemoryRegistry(tmp_path)
+    registry.register("mine", "/mine", 0, 64, owner=os.getuid())
+    with pytest.raises(InvalidInput, match="cannot open shared memory key '/link'"):
+        registry.register("link", "/link", 0, 64)
+    other = os.getuid() + 1
+    with pytest.raises(PermissionDenied, match=rf"belongs to uid {os.getuid()}, not to the "
+                       rf"client's \({other}\)"):  # fmt: skip
+        registry.register("theirs", "/mine", 0, 64, owner=other)
+    registry.close()
+
+
+def test_the_kernel_names_a_local_clients_user() -> None:
+    import socket
+
+    from cuvil_sidecar.peer_credentials import grpc_peer_uid, peer_uid
+
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        client = socket.create_connection(server.getsockname())
+        host, port = client.getsockname()
+        assert peer_uid(host, port) == os.getuid()
+        assert grpc_peer_uid(f"ipv4:{host}:{port}") == os.getuid()
+        assert grpc_peer_uid("unix:/tmp/socket") is None
+        client.close()
+    assert peer_uid("127.0.0.1", 1) is None  # no such socket
 
 
 def test_a_segment_shrunk_after_registration_is_refused_not_read(tmp_path: Path) -> None:
