@@ -13,6 +13,9 @@
 | ``CUVIL_OPERATOR_PUSH_POLICY`` | (none) | JSON: repositories per namespace, shared credential |
 | ``CUVIL_OPERATOR_STALL_SECONDS`` | ``120`` | a queue with no worker, a registry fault: Warning |
 | ``CUVIL_OPERATOR_CURRENT_TTL`` | ``86400`` | how long a current-key outlives the last poll |
+| ``CUVIL_WEBHOOK_LISTEN`` | (off) | serve the sidecar-injection webhook, e.g. ``0.0.0.0:9443`` |
+| ``CUVIL_WEBHOOK_CERT_DIR`` | ``/etc/cuvil/webhook`` | its ``tls.crt`` and ``tls.key`` |
+| ``CUVIL_INJECT_*`` | | what injected sidecars get (``injection.InjectionSettings``) |
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from cuvil_operator.injection import InjectionSettings
 from cuvil_operator.tenancy import PushPolicy
+from cuvil_operator.webhook import WebhookSettings
 
 DEFAULT_BROKER_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_RESULT_BACKEND = "redis://127.0.0.1:6379/1"
@@ -42,6 +47,8 @@ class OperatorConfig:
     # The current-key of a followed compile is refreshed every poll; it outlives the last one
     # by this long (an operator outage must stay shorter, or in-flight pushes are given up).
     current_ttl: float = 86400.0
+    webhook: WebhookSettings | None = None
+    injection: InjectionSettings = field(default_factory=InjectionSettings)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorConfig:
@@ -64,4 +71,6 @@ class OperatorConfig:
             log_format=env.get("CUVIL_OPERATOR_LOG_FORMAT", "text").lower(),
             push_policy=PushPolicy.from_json(env.get("CUVIL_OPERATOR_PUSH_POLICY")),
             current_ttl=current_ttl,
+            webhook=WebhookSettings.from_env(env),
+            injection=InjectionSettings.from_env(env),
         )

@@ -31,7 +31,7 @@ PRECISIONS = ["fp32", "bf16", "fp16", "tf32"]
 DTYPES = ["float32", "float16", "bfloat16", "int64", "int32", "bool"]
 BUILTIN_MODELS = ["mlp", "resnet18", "resnet50", "minilm", "tiny_llama"]
 PHASES = ["Pending", "Compiling", "Validating", "Pushing", "Succeeded", "Failed"]
-CONDITION_TYPES = ["Accepted", "Compiling", "Validated", "Pushed", "Ready"]
+CONDITION_TYPES = ["Accepted", "Compiling", "Validated", "Pushed", "Ready", "Promoted"]
 
 CHART_CRD_PATH = Path("charts/cuvil/crds") / f"{CRD_NAME}.yaml"
 
@@ -344,7 +344,8 @@ def build_status_schema() -> dict[str, Any]:
             "traceId": _string("The OpenTelemetry trace of this generation's compile."),
             "conditions": {
                 "type": "array",
-                "description": "Accepted, Compiling, Validated, Pushed, Ready (API conventions).",
+                "description": "Accepted, Compiling, Validated, Pushed, Ready, Promoted"
+                " (API conventions).",
                 "items": build_condition_schema(),
                 "x-kubernetes-list-type": "map",
                 "x-kubernetes-list-map-keys": ["type"],
@@ -369,6 +370,54 @@ def build_status_schema() -> dict[str, Any]:
                 "x-kubernetes-preserve-unknown-fields": True,
             },
             "message": _string("Last notable message (errors name the spec field)."),
+            "serving": {
+                "type": "array",
+                "description": "Pods with an injected sidecar, per pinned reference.",
+                "items": _object(
+                    "The pods pinned to one reference.",
+                    {
+                        "ref": _string("The reference, pinned by digest."),
+                        "pods": {"type": "integer", "minimum": 0, "description": "Pods."},
+                        "ready": {"type": "integer", "minimum": 0, "description": "Ready pods."},
+                    },
+                ),
+            },
+            "promoted": build_served_schema("The generation served: its gates passed."),
+            "candidate": build_served_schema(
+                "A succeeded generation whose speed gates wait for a measurement where it runs."
+            ),
+        },
+    )
+
+
+def build_served_schema(description: str) -> dict[str, Any]:
+    """``status.promoted`` / ``status.candidate``: what injected sidecars are pinned to."""
+    return _object(
+        description,
+        {
+            "generation": {"type": "integer", "minimum": 0, "description": "Its generation."},
+            "ref": _string("The index (or only artifact), pinned by digest."),
+            "digest": _string("sha256:…"),
+            "targets": {
+                "type": "object",
+                "description": "Each target's own manifest, pinned by digest.",
+                "additionalProperties": {"type": "string", "description": "Reference."},
+            },
+            "since": _string("When it was promoted.", format="date-time"),
+            "awaiting": {
+                "type": "object",
+                "description": "A candidate's deferred gates: target -> gate -> limit.",
+                "additionalProperties": {
+                    "type": "object",
+                    "description": "Gate -> limit.",
+                    "additionalProperties": {"type": "number", "description": "The limit."},
+                },
+            },
+            "measured": {
+                "type": "object",
+                "description": "A candidate's measurements so far (cuvil.dev/measurement).",
+                "x-kubernetes-preserve-unknown-fields": True,
+            },
         },
     )
 
@@ -380,7 +429,10 @@ PRINTER_COLUMNS = [
     {"name": "Targets", "type": "integer", "jsonPath": ".status.targetCount"},
     {"name": "Speedup", "type": "string", "jsonPath": ".status.speedup",
      "description": "The slowest target's speedup over eager, and that target."},
+    {"name": "Served", "type": "integer", "jsonPath": ".status.promoted.generation",
+     "description": "The generation injected sidecars are pinned to (status.promoted)."},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    {"name": "Promoted", "type": "string", "jsonPath": ".status.promoted.digest", "priority": 1},
     {"name": "Digest", "type": "string", "jsonPath": ".status.digest", "priority": 1},
     {"name": "Message", "type": "string", "jsonPath": ".status.message", "priority": 1},
 ]  # fmt: skip

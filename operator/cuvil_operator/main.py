@@ -18,11 +18,13 @@ from cuvil_worker.contract import RequestError
 from kombu.exceptions import OperationalError
 from redis.exceptions import RedisError
 
-from cuvil_operator import push_secrets, tracing
+from cuvil_operator import push_secrets, serving, tracing, webhook
 from cuvil_operator.compile_queue import CompileQueue, build_traceparent
 from cuvil_operator.conditions import now_rfc3339
 from cuvil_operator.config import OperatorConfig
 from cuvil_operator.crd import GROUP, PLURAL, VERSION
+from cuvil_operator.injection import MODEL_ANNOTATION
+from cuvil_operator.promotion import MEASUREMENT_ANNOTATION, reconcile_measurement
 from cuvil_operator.reconcile_compilation import (
     RETRY_ANNOTATION,
     Notify,
@@ -59,11 +61,12 @@ def _notify(body: kopf.Body) -> Notify:
 
 
 class _QuietTimers(logging.Filter):
-    """Drops kopf's line per successful progress poll (one per poll interval per object);
-    what a poll changed is logged by ``_notify``."""
+    """Drops kopf's line per successful progress poll or serving count (one per interval per
+    object); what a poll changed is logged by ``_notify``."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("Timer 'on_timer_modelcompilation' succeeded")
+        message = str(record.msg)
+        return not (message.startswith("Timer 'on_timer_") and message.endswith("succeeded."))
 
 
 def _write_status(patch: kopf.Patch, status: dict[str, Any] | None) -> None:
@@ -102,6 +105,8 @@ def on_startup_operator(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: A
     settings.background.cancellation_polling = 1.0
     memo.queue = CompileQueue.from_config(CONFIG)
     memo.kube = push_secrets.connect(settings)
+    if CONFIG.webhook is not None:
+        settings.admission.server = webhook.build_server(CONFIG.webhook)
     tracing.setup()
 
 
@@ -192,6 +197,15 @@ def on_retry_modelcompilation(
     _write_status(patch, flow)
 
 
+@kopf.on.update(*RESOURCE, field=("metadata", "annotations", MEASUREMENT_ANNOTATION))
+def on_measurement_modelcompilation(
+    body: kopf.Body, meta: kopf.Meta, status: kopf.Status, patch: kopf.Patch, **_: Any
+) -> None:
+    text = str((meta.get("annotations") or {}).get(MEASUREMENT_ANNOTATION) or "")
+    if text:
+        _write_status(patch, reconcile_measurement(status, text, _notify(body), now_rfc3339()))
+
+
 @kopf.timer(*RESOURCE, interval=CONFIG.poll_interval, when=_is_following)
 def on_timer_modelcompilation(
     body: kopf.Body,
@@ -227,6 +241,39 @@ def on_delete_modelcompilation(
         _trace_end(meta, status, "cancelled: the compilation was deleted")
 
 
+def on_mutate_pod(
+    body: kopf.Body, patch: kopf.Patch, warnings: list[str], memo: kopf.Memo, **_: Any
+) -> None:
+    webhook.mutate_pod(body, patch, warnings, CONFIG.injection, webhook.reader(memo.kube))
+
+
+def served_pods(meta: kopf.Meta, status: kopf.Status, **_: Any) -> dict[Any, Any] | None:
+    return serving.index_pod(meta, status)
+
+
+def on_timer_serving(
+    body: kopf.Body,
+    meta: kopf.Meta,
+    status: kopf.Status,
+    patch: kopf.Patch,
+    memo: kopf.Memo,
+    **kwargs: Any,
+) -> None:
+    index: kopf.Index[Any, Any] = kwargs["served_pods"]  # kopf passes indices by name
+    pods: list[Any] = list(index.get((meta.get("namespace"), meta["name"]), []))
+    move = webhook.pod_mover(memo.kube)
+    _write_status(patch, serving.reconcile_serving(meta, status, pods, move, _notify(body)))
+
+
+def register_webhook() -> None:
+    """The pod webhook exists only where it is served: kopf refuses to start with admission
+    handlers and no server. Pods naming no compilation (by label or annotation) pass as
+    they are. With it, the labelled pods are indexed and counted into status.serving."""
+    kopf.on.mutate("v1", "pods", id=webhook.WEBHOOK_ID, operations=["CREATE"])(on_mutate_pod)
+    kopf.index("v1", "pods", labels={MODEL_ANNOTATION: kopf.PRESENT})(served_pods)
+    kopf.timer(*RESOURCE, interval=max(1.0, CONFIG.poll_interval))(on_timer_serving)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """``--help`` (the settings, from the environment) and ``--version``; nothing else runs."""
     from cuvil.entry_point import build_parser
@@ -248,6 +295,8 @@ def main(argv: list[str] | None = None) -> None:
     kopf.configure(verbose=CONFIG.verbose, log_format=log_format, log_prefix=True)
     if not CONFIG.verbose:
         logging.getLogger("kopf.objects").addFilter(_QuietTimers())
+    if CONFIG.webhook is not None:
+        register_webhook()
     kopf.run(
         clusterwide=CONFIG.namespace is None,
         namespaces=[CONFIG.namespace] if CONFIG.namespace else [],

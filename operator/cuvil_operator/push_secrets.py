@@ -55,20 +55,34 @@ def _ssl_context(info: kopf.ConnectionInfo) -> ssl.SSLContext | None:
     return context
 
 
-def read_docker_config(info: kopf.ConnectionInfo | None, namespace: str, name: str) -> str:
-    """The docker config JSON a ``kubernetes.io/dockerconfigjson`` Secret holds."""
-    if info is None:
-        raise PushSecretError("the operator has no API connection to read Secrets with")
-    path = f"/api/v1/namespaces/{urllib.parse.quote(namespace)}/secrets/{urllib.parse.quote(name)}"
-    request = urllib.request.Request(info.server.rstrip("/") + path)
+def get_json(
+    info: kopf.ConnectionInfo, path: str, merge_patch: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """GET ``path`` from the API server with the operator's credentials, or PATCH it with
+    ``merge_patch`` (HTTPError on 4xx/5xx)."""
+    data = None if merge_patch is None else json.dumps(merge_patch).encode()
+    request = urllib.request.Request(
+        info.server.rstrip("/") + path,
+        data=data,
+        method="GET" if data is None else "PATCH",
+        headers={} if data is None else {"Content-Type": "application/merge-patch+json"},
+    )
     if info.token:
         request.add_header("Authorization", f"{info.scheme or 'Bearer'} {info.token}")
     elif info.username and info.password:
         basic = base64.b64encode(f"{info.username}:{info.password}".encode()).decode()
         request.add_header("Authorization", f"Basic {basic}")
+    with urllib.request.urlopen(request, timeout=10, context=_ssl_context(info)) as response:
+        return dict(json.loads(response.read()))
+
+
+def read_docker_config(info: kopf.ConnectionInfo | None, namespace: str, name: str) -> str:
+    """The docker config JSON a ``kubernetes.io/dockerconfigjson`` Secret holds."""
+    if info is None:
+        raise PushSecretError("the operator has no API connection to read Secrets with")
+    path = f"/api/v1/namespaces/{urllib.parse.quote(namespace)}/secrets/{urllib.parse.quote(name)}"
     try:
-        with urllib.request.urlopen(request, timeout=10, context=_ssl_context(info)) as response:
-            secret: dict[str, Any] = json.loads(response.read())
+        secret = get_json(info, path)
     except urllib.error.HTTPError as error:
         raise PushSecretError(
             f"Secret {namespace}/{name} (spec.output.pushSecretRef): HTTP {error.code}"

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
 from cuvil_operator.compile_queue import build_request, queue_for_target, trace_id_of
+from cuvil_operator.promotion import with_promotion
 from cuvil_operator.push_secrets import PushSecretError
 from cuvil_operator.spec_checks import check_spec
 from cuvil_operator.stalls import apply_stall, find_stall
@@ -198,6 +199,7 @@ def reconcile_progress(
     progress = queue.progress(request)
     patch = build_progress_status(status, generation, progress, now)
     patch = _with_stall(spec, status, patch, progress, queue, generation, now, stall_after)
+    patch = with_promotion(status, patch, generation, now)
     if patch.get("stalled") and patch["stalled"] != status.get("stalled"):
         notify(WARNING, str(patch["stalled"]), str(patch["message"]))
         if patch["phase"] == FAILED:

@@ -2,6 +2,12 @@
 
 - ``CUVIL_MODEL`` (required): artifact path (tar or directory), OCI layout (``oci:PATH[:tag]``)
   or registry reference, with or without a digest.
+- ``CUVIL_MODEL_FILE`` (none): a file holding the reference to serve, read again at every
+  reload check (``CUVIL_MODEL`` when it is missing or empty). The injection webhook mounts the
+  pod's ``cuvil.dev/injected`` annotation there (a downward API volume, which the kubelet
+  rewrites when the annotation changes), so the operator moves running sidecars to a newly
+  promoted digest by annotating their pods; with ``CUVIL_POLL_INTERVAL_S`` the sidecar reloads
+  without dropping requests, and keeps serving the old model if the new one fails.
 - ``CUVIL_MODEL_NAME``: the model name clients use (default: the artifact's name).
 - ``CUVIL_GRPC_HOST`` (``0.0.0.0``): address the gRPC, REST and metrics servers bind.
 - ``CUVIL_GRPC_PORT`` (8001): Open Inference Protocol v2 over gRPC, plus health and reflection.
@@ -104,6 +110,7 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class SidecarConfig:
     model: str
+    model_file: Path | None = None
     model_name: str | None = None
     host: str = "0.0.0.0"
     grpc_port: int = 8001
@@ -157,6 +164,7 @@ class SidecarConfig:
             tactics = str(Path(cache or "~/.cache/cuvil").expanduser() / "tactics")
         return cls(
             model=model,
+            model_file=Path(env["CUVIL_MODEL_FILE"]) if env.get("CUVIL_MODEL_FILE") else None,
             model_name=env.get("CUVIL_MODEL_NAME") or None,
             host=env.get("CUVIL_GRPC_HOST", cls.host),
             grpc_port=_integer(env, "CUVIL_GRPC_PORT", cls.grpc_port, low=0),

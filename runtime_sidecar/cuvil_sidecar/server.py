@@ -38,7 +38,8 @@ async def serve(config: SidecarConfig) -> None:
         for service in ("", SERVICE_NAME):
             await server.set_serving(service, ready)
 
-    manager = ModelManager(config, ModelSource(config.model, config.cache_dir), metrics, on_ready)
+    source = ModelSource(config.model, config.cache_dir, config.model_file)
+    manager = ModelManager(config, source, metrics, on_ready)
     dataplane = DataPlane(manager, metrics, config)
     policies = policies_from_config(config)
     server = open_frontend(InferenceServicer(dataplane, policies), config, provider)

@@ -29,9 +29,26 @@ class SourceError(OSError):
 
 
 class ModelSource:
-    def __init__(self, reference: str, cache_dir: Path | None = None) -> None:
-        self.reference = reference
+    """``reference``, or what ``reference_file`` holds when it exists and is not empty (read
+    again on every question, so a rewritten file is followed)."""
+
+    def __init__(
+        self, reference: str, cache_dir: Path | None = None, reference_file: Path | None = None
+    ) -> None:
+        self.default_reference = reference
         self.cache_dir = cache_dir
+        self.reference_file = reference_file
+
+    @property
+    def reference(self) -> str:
+        if self.reference_file is not None:
+            try:
+                named = self.reference_file.read_text().strip()
+            except FileNotFoundError:
+                named = ""
+            if named:
+                return named
+        return self.default_reference
 
     @property
     def is_local(self) -> bool:

@@ -51,6 +51,8 @@ def test_check_chart_script_passes() -> None:
         ("redis:\n  enabled: false\n", "/externalRedis"),
         ("registry:\n  credentials: {create: true, server: r.example}\n", "/registry/credentials"),
         ("workers:\n  queus: []\n", "'queus'"),  # a misspelt key is not silently ignored
+        ("injection:\n  failurePolicy: Sometimes\n", "/injection/failurePolicy"),
+        ("injection:\n  unservedModel: maybe\n", "/injection/unservedModel"),
     ],
     ids=[
         "negative-replicas",
@@ -62,6 +64,8 @@ def test_check_chart_script_passes() -> None:
         "external-redis-without-url",
         "credentials-incomplete",
         "unknown-key",
+        "webhook-failure-policy",
+        "webhook-unserved-model",
     ],
 )
 def test_bad_value_is_rejected_naming_the_key(

@@ -15,6 +15,7 @@ from cuvil_operator.crd import GROUP, PLURAL, TARGETS
 from cuvil_worker.contract import queue_for_target
 
 from tests.charts.conftest import CHART, CI_VALUES, ROOT, HelmRun, Render, pod_specs
+from tests.fixtures.validate import validate_strict
 
 VARIANTS = [pytest.param(path, id=path.stem) for path in CI_VALUES]
 
@@ -57,6 +58,7 @@ ALLOWED_VERBS = {
     (GROUP, f"{PLURAL}/status"): {"patch"},
     ("", "events"): {"create"},
     ("", "secrets"): {"get"},  # push Secrets by name (operator.pushSecrets); never list/watch
+    ("", "pods"): {"list", "watch", "patch"},  # injection.enabled: serving counts, rollout
     ("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"},
     ("", "namespaces"): {"list", "watch"},
     ("kopf.dev", "kopfpeerings"): {"get", "list", "watch", "patch"},
@@ -277,12 +279,7 @@ def test_sidecar_snippet_in_notes_is_a_valid_pod(
     }
     manifest = tmp_path / "pod.yaml"
     manifest.write_text(yaml.safe_dump(pod))
-    checked = subprocess.run(
-        [str(ROOT / ".venv" / "bin" / "kubernetes-validate"), "--strict", str(manifest)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    checked = validate_strict(manifest)
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert "passed for resource pod/app" in checked.stdout
 

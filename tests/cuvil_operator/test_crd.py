@@ -35,9 +35,9 @@ def test_crd_names_subresource_and_printer_columns() -> None:
     (version,) = spec["versions"]
     assert version["name"] == "v1alpha1" and version["subresources"] == {"status": {}}
     columns = [c["name"] for c in version["additionalPrinterColumns"] if not c.get("priority")]
-    assert columns == ["Ready", "Phase", "Targets", "Speedup", "Age"]
+    assert columns == ["Ready", "Phase", "Targets", "Speedup", "Served", "Age"]
     wide = [c["name"] for c in version["additionalPrinterColumns"] if c.get("priority")]
-    assert wide == ["Digest", "Message"]
+    assert wide == ["Promoted", "Digest", "Message"]
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])

@@ -94,8 +94,9 @@ def test_minilm_example_compiles_to_succeeded_with_digest(
         assert response.headers["Docker-Content-Digest"] == digest
 
     header, row = kube_api.kubectl("get", "mc").stdout.splitlines()[:2]
-    assert header.split() == ["NAME", "READY", "PHASE", "TARGETS", "SPEEDUP", "AGE"]
+    assert header.split() == ["NAME", "READY", "PHASE", "TARGETS", "SPEEDUP", "SERVED", "AGE"]
     assert row.split()[:4] == ["minilm-cpu", "True", "Succeeded", "1"]
-    assert row.split()[5] == "cpu-x86_64"
+    assert row.split()[5:7] == ["cpu-x86_64", "1"]  # measured on the CPU worker: promoted
+    assert status["promoted"]["ref"] == status["index"]["ref"]
     wide = kube_api.kubectl("get", "mc", "-o", "wide").stdout
     assert digest in wide

@@ -76,13 +76,15 @@ def test_apply_example_reaches_succeeded_and_kubectl_shows_columns(
 
     table = kube_api.kubectl("get", "mc").stdout
     header, row = table.splitlines()[:2]
-    assert header.split() == ["NAME", "READY", "PHASE", "TARGETS", "SPEEDUP", "AGE"]
-    assert row.split()[:6] == [
-        "minilm-two-targets", "True", "Succeeded", "2", "2.00x", "cpu-x86_64",
+    assert header.split() == ["NAME", "READY", "PHASE", "TARGETS", "SPEEDUP", "SERVED", "AGE"]
+    assert row.split()[:7] == [
+        "minilm-two-targets", "True", "Succeeded", "2", "2.00x", "cpu-x86_64", "1",
     ]  # fmt: skip
+    assert status["promoted"]["digest"] == status["digest"]
+    assert _condition(done, "Promoted")["reason"] == "GatesPassed"
     wide = kube_api.kubectl("get", "mc", "-o", "wide").stdout.splitlines()
-    assert wide[0].split()[6:] == ["DIGEST", "MESSAGE"]
-    assert status["digest"] in wide[1]
+    assert wide[0].split()[7:] == ["PROMOTED", "DIGEST", "MESSAGE"]
+    assert wide[1].split()[8:10] == [status["digest"], status["digest"]]
     print(f"\nkubectl get mc: {max(map(len, table.splitlines()))} columns")
 
 

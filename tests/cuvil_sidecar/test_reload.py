@@ -142,3 +142,41 @@ def test_hot_reload_under_load(
         )
     finally:
         assert sidecar.stop() == 0, sidecar.log()[-3000:]
+
+
+def test_a_rewritten_model_file_moves_the_sidecar_without_failed_requests(
+    mlp_artifact: Path, mlp_artifact_v2: Path, mlp_spec, tmp_path: Path
+) -> None:
+    """CUVIL_MODEL_FILE, as the injection webhook mounts the pod's cuvil.dev/injected
+    annotation: the file names a new artifact, the poll loads it under load; a file naming a
+    corrupt one is refused and the model it moved to keeps serving."""
+    corrupt = tmp_path / "corrupt.cuvil"
+    data = bytearray(mlp_artifact.read_bytes())  # a config that differs from the one moved to
+    middle = len(data) // 2
+    data[middle : middle + 16] = bytes(255 - b for b in data[middle : middle + 16])
+    corrupt.write_bytes(bytes(data))
+    named = tmp_path / "serve" / "ref"  # absent at first: CUVIL_MODEL serves
+    x = np.random.default_rng(7).standard_normal((2, 784), dtype=np.float32)
+    old = eager(mlp_spec.model, {"x": torch.from_numpy(x)}).numpy()
+    new = eager(catalog.mlp(seed=1).model, {"x": torch.from_numpy(x)}).numpy()
+    sidecar = Sidecar(
+        mlp_artifact, tmp_path / "sidecar.log",
+        CUVIL_MODEL_FILE=str(named), CUVIL_POLL_INTERVAL_S="0.2",
+    )  # fmt: skip
+    try:
+        sidecar.wait_ready(grpcclient.InferenceServerClient(sidecar.url))
+        with ClientLoop(sidecar.url, x, old, new) as loop:
+            loop.wait_for("old", 20)
+            named.parent.mkdir()
+            (tmp_path / "ref.staging").write_text(f"{mlp_artifact_v2}\n")
+            os.replace(tmp_path / "ref.staging", named)  # as the kubelet swaps the projection
+            loop.wait_for("new", 20)
+            (tmp_path / "ref.staging").write_text(str(corrupt))
+            os.replace(tmp_path / "ref.staging", named)
+            wait_for_log(sidecar, "refused the new artifact", 1)
+            loop.wait_for("new", 20)
+        assert loop.failures == []
+        for answers in loop.answers:
+            assert "old" not in answers[answers.index("new") :] if "new" in answers else True
+    finally:
+        assert sidecar.stop() == 0, sidecar.log()[-3000:]

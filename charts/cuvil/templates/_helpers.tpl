@@ -191,3 +191,8 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- $queues | uniq | join "," }}
 {{- end }}
 
+
+{{/* The Secret holding the webhook's tls.crt / tls.key (and ca.crt). */}}
+{{- define "cuvil.webhook.tlsSecret" -}}
+{{- .Values.injection.tls.existingSecret | default (printf "%s-tls" (include "cuvil.componentName" (list . "webhook"))) -}}
+{{- end }}

@@ -2,7 +2,9 @@
 The operator's RBAC rules, least privilege: kopf reads and patches ModelCompilations (finalizers,
 progress annotations, status) and posts Events; it never creates or deletes them. It gets
 (never lists or watches) the push Secrets compilations name in spec.output.pushSecretRef, only
-when operator.pushSecrets is on. Cluster-scoped discovery (CRDs, namespaces) is separate because a namespaced operator
+when operator.pushSecrets is on. With injection.enabled it lists and watches pods (only those
+labelled cuvil.dev/model are kept) to count status.serving, and patches their
+cuvil.dev/injected annotation to move their sidecars to a promoted digest. Cluster-scoped discovery (CRDs, namespaces) is separate because a namespaced operator
 still needs the CRD watch.
 */}}
 {{- define "cuvil.operator.namespacedRules" -}}
@@ -19,6 +21,11 @@ still needs the CRD watch.
 - apiGroups: [""]
   resources: ["secrets"]
   verbs: ["get"]
+{{- end }}
+{{- if .Values.injection.enabled }}
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["list", "watch", "patch"]
 {{- end }}
 {{- if and .Values.operator.peering .Values.operator.watchNamespace }}
 - apiGroups: ["kopf.dev"]

@@ -23,7 +23,7 @@ spec:
         - configMapRef:
             name: {{ include "cuvil.componentName" (list . "sidecar") }}
       env:
-        # the artifact, pinned by digest: kubectl get mc NAME -o jsonpath='{.status.index.ref}'
+        # the artifact, pinned by digest: kubectl get mc NAME -o jsonpath='{.status.promoted.ref}'
         - name: CUVIL_MODEL
           value: registry.example.com/models/minilm@sha256:<digest>
       ports:

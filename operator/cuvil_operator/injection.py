@@ -1,0 +1,315 @@
+"""Sidecar injection: the pure part of the pod webhook (``webhook.py`` serves it over HTTPS).
+
+A pod annotated ``cuvil.dev/model: <ModelCompilation name>`` gets the runtime sidecar, pinned to
+the manifest digest the compilation serves (``served_ref``), sized by its own annotations
+(``read_request``), with the settings the chart gives the operator (``InjectionSettings``).
+``build_pod_patch`` returns the merge patch that adds it; nothing here talks to a cluster.
+
+| annotation | meaning |
+|---|---|
+| ``cuvil.dev/model`` | the ModelCompilation (same namespace) whose promoted artifact is served; |
+| | as a label it also selects the pod for the webhook (``objectSelector`` sees only labels) |
+| ``cuvil.dev/target`` | pin that target's own artifact instead of the index over the targets |
+| ``cuvil.dev/port`` | the gRPC port the app talks to on localhost (default ``CUVIL_GRPC_PORT``) |
+| ``cuvil.dev/cpu`` | the sidecar's CPU request and limit; its torch threads follow the limit |
+| ``cuvil.dev/memory`` | the sidecar's memory request and limit |
+| ``cuvil.dev/registry-secret`` | a docker-config Secret in the pod's namespace to pull with |
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+ANNOTATION_PREFIX = "cuvil.dev/"
+MODEL_ANNOTATION = "cuvil.dev/model"
+INJECTED_ANNOTATION = "cuvil.dev/injected"  # the reference the sidecar was pinned to
+CONTAINER_NAME = "cuvil-sidecar"
+SIDECAR_UID = 10001
+SERVE_DIR = "/etc/cuvil/serve"  # the pod's cuvil.dev/injected annotation, as file "ref"
+DEFAULT_POLL_S = "15"  # how often a sidecar checks that file for a newly promoted digest
+REFUSE, ADMIT = "refuse", "admit"
+DIGEST_REF = re.compile(r"^[^@\s]+@sha256:[0-9a-f]{64}$")
+_CPU = re.compile(r"^(?P<number>[0-9]+(\.[0-9]+)?)(?P<milli>m?)$")
+_MEMORY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|k|M|G|T)?$")
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+
+
+class InjectionRefused(Exception):
+    """The pod cannot get a sidecar (the message says why and what to change)."""
+
+
+@dataclass(frozen=True)
+class InjectionSettings:
+    """What the chart decides for every injected sidecar (``from_env``, read once).
+
+    | variable | default | meaning |
+    |---|---|---|
+    | ``CUVIL_INJECT_IMAGE`` | ``ghcr.io/cuvil/cuvil-sidecar:0.1.0`` | the sidecar image |
+    | ``CUVIL_INJECT_ENV`` | ``{}`` | JSON object: the sidecar's ``CUVIL_*``/``OTEL_*`` settings |
+    | ``CUVIL_INJECT_CACHE_HOST_PATH`` | (emptyDir) | a node folder shared by the node's pods |
+    | ``CUVIL_INJECT_SHM_SIZE`` | ``256Mi`` | the shared-memory volume's size |
+    | ``CUVIL_INJECT_REGISTRY_SECRET`` | (none) | pull Secret, in the pod's own namespace |
+    | ``CUVIL_INJECT_TRUSTED_KEYS`` | (none) | ConfigMap of signing keys, in the pod's namespace |
+    | ``CUVIL_INJECT_UNSERVED`` | ``refuse`` | nothing to serve: ``refuse`` or ``admit`` the pod |
+    """
+
+    image: str = "ghcr.io/cuvil/cuvil-sidecar:0.1.0"
+    env: Mapping[str, str] = field(default_factory=dict)
+    cache_host_path: str | None = None
+    shm_size: str = "256Mi"
+    registry_secret: str | None = None
+    trusted_keys: str | None = None
+    unserved: str = REFUSE
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> InjectionSettings:
+        try:
+            sidecar_env = json.loads(env.get("CUVIL_INJECT_ENV") or "{}")
+        except json.JSONDecodeError as e:
+            raise ValueError(f"CUVIL_INJECT_ENV is not JSON: {e}") from None
+        if not isinstance(sidecar_env, dict):
+            raise ValueError("CUVIL_INJECT_ENV must be a JSON object of variable -> value")
+        unserved = (env.get("CUVIL_INJECT_UNSERVED") or REFUSE).lower()
+        if unserved not in (REFUSE, ADMIT):
+            raise ValueError(f"CUVIL_INJECT_UNSERVED must be {REFUSE} or {ADMIT}, not {unserved}")
+        return cls(
+            image=env.get("CUVIL_INJECT_IMAGE") or cls.image,
+            env={str(k): str(v) for k, v in sidecar_env.items()},
+            cache_host_path=env.get("CUVIL_INJECT_CACHE_HOST_PATH") or None,
+            shm_size=env.get("CUVIL_INJECT_SHM_SIZE") or cls.shm_size,
+            registry_secret=env.get("CUVIL_INJECT_REGISTRY_SECRET") or None,
+            trusted_keys=env.get("CUVIL_INJECT_TRUSTED_KEYS") or None,
+            unserved=unserved,
+        )
+
+
+@dataclass(frozen=True)
+class SidecarRequest:
+    """What a pod's annotations ask of its sidecar."""
+
+    model: str
+    target: str | None = None
+    port: int | None = None
+    cpu: str | None = None
+    memory: str | None = None
+    registry_secret: str | None = None
+
+    @property
+    def threads(self) -> int | None:
+        """Torch threads for the CPU limit: whole cores, at least one (no limit: the default)."""
+        if self.cpu is None:
+            return None
+        return max(1, math.floor(cpu_cores(self.cpu)))
+
+
+def cpu_cores(quantity: str) -> float:
+    """``2`` -> 2.0, ``1500m`` -> 1.5 (the CPU quantities Kubernetes accepts, decimal form)."""
+    match = _CPU.match(quantity)
+    if match is None:
+        raise InjectionRefused(f"cuvil.dev/cpu {quantity!r} is not a CPU quantity (e.g. 2, 500m)")
+    number = float(match.group("number"))
+    return number / 1000 if match.group("milli") else number
+
+
+def wants_sidecar(meta: Mapping[str, Any]) -> bool:
+    """The pod names a compilation, by label or annotation."""
+    return bool((meta.get("labels") or {}).get(MODEL_ANNOTATION)) or bool(
+        (meta.get("annotations") or {}).get(MODEL_ANNOTATION)
+    )
+
+
+def read_request(
+    annotations: Mapping[str, str], labels: Mapping[str, str] | None = None
+) -> SidecarRequest:
+    """The pod's ``cuvil.dev/*`` annotations (the model may be a label instead), checked; a bad
+    one refuses the pod by name."""
+    model = annotations.get(MODEL_ANNOTATION) or (labels or {}).get(MODEL_ANNOTATION) or ""
+    model = model.strip()
+    if not _DNS_SUBDOMAIN.match(model):
+        raise InjectionRefused(f"{MODEL_ANNOTATION} {model!r} is not a ModelCompilation name")
+    port_text = annotations.get("cuvil.dev/port")
+    port = None
+    if port_text is not None:
+        if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
+            raise InjectionRefused(f"cuvil.dev/port {port_text!r} is not a port (1-65535)")
+        port = int(port_text)
+    cpu = annotations.get("cuvil.dev/cpu")
+    if cpu is not None and cpu_cores(cpu) <= 0:
+        raise InjectionRefused(f"cuvil.dev/cpu {cpu!r} must be more than zero")
+    memory = annotations.get("cuvil.dev/memory")
+    if memory is not None and not _MEMORY.match(memory):
+        raise InjectionRefused(f"cuvil.dev/memory {memory!r} is not a quantity (e.g. 2Gi)")
+    secret = annotations.get("cuvil.dev/registry-secret")
+    if secret is not None and not _DNS_SUBDOMAIN.match(secret):
+        raise InjectionRefused(f"cuvil.dev/registry-secret {secret!r} is not a Secret name")
+    target = annotations.get("cuvil.dev/target")
+    return SidecarRequest(model, target or None, port, cpu, memory, secret)
+
+
+def served_ref(compilation: Mapping[str, Any] | None, request: SidecarRequest) -> str:
+    """The digest-pinned reference to serve: the promoted one, else a Succeeded compilation's
+    index (the sidecar picks its platform's manifest from it), or the target's own artifact
+    when the pod names a target."""
+    where = f"ModelCompilation {request.model}"
+    if compilation is None:
+        raise InjectionRefused(f"{where} does not exist in the pod's namespace")
+    status = compilation.get("status") or {}
+    served = status.get("promoted") or {}
+    candidate = status.get("candidate") or {}
+    if not served and candidate:
+        raise InjectionRefused(
+            f"{where} promotes nothing yet: generation {candidate.get('generation')} awaits a"
+            " measurement of its speed gates (its Promoted condition says which)"
+        )
+    if not served and status.get("phase") == "Succeeded":  # no promotion recorded: its index
+        served = {
+            "ref": (status.get("index") or {}).get("ref"),
+            "targets": {a.get("target"): a.get("ref") for a in status.get("artifacts") or []},
+        }
+    if not served:
+        phase = status.get("phase") or "not started"
+        raise InjectionRefused(f"{where} has no artifact to serve yet (phase {phase})")
+    targets: Mapping[str, Any] = served.get("targets") or {}
+    if request.target is not None:
+        if request.target not in targets:
+            raise InjectionRefused(
+                f"{where} serves no artifact for target {request.target}"
+                f" (it serves {', '.join(sorted(targets)) or 'none'})"
+            )
+        ref = targets[request.target]
+    else:
+        ref = served.get("ref") or (next(iter(targets.values())) if len(targets) == 1 else None)
+        if ref is None:
+            raise InjectionRefused(f"{where} has no index: name one with cuvil.dev/target")
+    if not isinstance(ref, str) or not DIGEST_REF.match(ref):
+        raise InjectionRefused(f"{where} serves {ref!r}, not a reference pinned by digest")
+    return ref
+
+
+def _probe(path: str, port: str, **extra: int) -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": port}, **extra}
+
+
+def build_sidecar_container(
+    ref: str, request: SidecarRequest, settings: InjectionSettings
+) -> dict[str, Any]:
+    """The sidecar container: pinned model, probes on its health endpoints, threads from its
+    CPU limit, non-root with a read-only root filesystem."""
+    env = {**settings.env, "CUVIL_MODEL": ref, "HOME": "/tmp"}
+    env["CUVIL_MODEL_FILE"] = f"{SERVE_DIR}/ref"  # the operator moves it on a promotion
+    if float(env.get("CUVIL_POLL_INTERVAL_S") or 0) <= 0:
+        env["CUVIL_POLL_INTERVAL_S"] = DEFAULT_POLL_S
+    env.setdefault("CUVIL_CACHE_DIR", "/var/cache/cuvil")
+    if request.port is not None:
+        env["CUVIL_GRPC_PORT"] = str(request.port)
+    if request.threads is not None:
+        env["CUVIL_TORCH_THREADS"] = str(request.threads)
+    secret = request.registry_secret or settings.registry_secret
+    if secret:
+        env["CUVIL_REGISTRY_CONFIG"] = "/etc/cuvil/registry/config.json"
+    if settings.trusted_keys:
+        env["CUVIL_TRUSTED_KEYS"] = "/etc/cuvil/trust"
+    grpc_port = int(env.get("CUVIL_GRPC_PORT") or 8001)
+    metrics_port = int(env.get("CUVIL_METRICS_PORT") or 8002)
+    container: dict[str, Any] = {
+        "name": CONTAINER_NAME,
+        "image": settings.image,
+        "env": [{"name": k, "value": v} for k, v in sorted(env.items())],
+        "ports": [{"name": "oip-grpc", "containerPort": grpc_port}],
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": SIDECAR_UID,
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "volumeMounts": [
+            {"name": "cuvil-cache", "mountPath": env["CUVIL_CACHE_DIR"]},
+            {"name": "cuvil-tmp", "mountPath": "/tmp"},
+            {"name": "cuvil-serve", "mountPath": SERVE_DIR, "readOnly": True},
+        ],
+    }
+    http_port = int(env.get("CUVIL_HTTP_PORT") or 0)
+    if http_port:
+        container["ports"].append({"name": "oip-http", "containerPort": http_port})
+    if metrics_port:
+        container["ports"].append({"name": "metrics", "containerPort": metrics_port})
+        ready, live = "/v2/health/ready", "/v2/health/live"
+        container["startupProbe"] = _probe(ready, "metrics", periodSeconds=5, failureThreshold=120)
+        container["readinessProbe"] = _probe(ready, "metrics", periodSeconds=5)
+        container["livenessProbe"] = _probe(live, "metrics", periodSeconds=10)
+    else:  # no HTTP endpoint: the gRPC health service on the serving port
+        grpc = {"grpc": {"port": grpc_port}}
+        container["startupProbe"] = {**grpc, "periodSeconds": 5, "failureThreshold": 120}
+        container["readinessProbe"] = {**grpc, "periodSeconds": 5}
+        container["livenessProbe"] = {**grpc, "periodSeconds": 10}
+    resources = {k: v for k, v in (("cpu", request.cpu), ("memory", request.memory)) if v}
+    if resources:
+        container["resources"] = {"requests": dict(resources), "limits": dict(resources)}
+    if env.get("CUVIL_SHARED_MEMORY", "system") != "off":
+        container["volumeMounts"].append({"name": "cuvil-shm", "mountPath": "/dev/shm"})
+    if secret:
+        container["volumeMounts"].append(
+            {"name": "cuvil-registry", "mountPath": "/etc/cuvil/registry", "readOnly": True}
+        )
+    if settings.trusted_keys:
+        container["volumeMounts"].append(
+            {"name": "cuvil-trust", "mountPath": "/etc/cuvil/trust", "readOnly": True}
+        )
+    return container
+
+
+def build_sidecar_volumes(
+    request: SidecarRequest, settings: InjectionSettings
+) -> list[dict[str, Any]]:
+    """The volumes the sidecar mounts: the node cache (a host folder when the chart names
+    one, so the node's pods pull an artifact once), scratch, the reference to serve (the pod's
+    ``cuvil.dev/injected`` annotation, which the kubelet rewrites when the operator moves it),
+    shared memory, pull credentials, the public keys signatures are checked with."""
+    cache: dict[str, Any] = {"emptyDir": {}}
+    if settings.cache_host_path:
+        cache = {"hostPath": {"path": settings.cache_host_path, "type": "DirectoryOrCreate"}}
+    annotation = {"fieldRef": {"fieldPath": f"metadata.annotations['{INJECTED_ANNOTATION}']"}}
+    volumes = [
+        {"name": "cuvil-cache", **cache},
+        {"name": "cuvil-tmp", "emptyDir": {}},
+        {"name": "cuvil-serve", "downwardAPI": {"items": [{"path": "ref", **annotation}]}},
+    ]
+    if settings.env.get("CUVIL_SHARED_MEMORY", "system") != "off":
+        shm = {"medium": "Memory", "sizeLimit": settings.shm_size}
+        volumes.append({"name": "cuvil-shm", "emptyDir": shm})
+    secret = request.registry_secret or settings.registry_secret
+    if secret:
+        items = [{"key": ".dockerconfigjson", "path": "config.json"}]
+        volumes.append({"name": "cuvil-registry", "secret": {"secretName": secret, "items": items}})
+    if settings.trusted_keys:
+        volumes.append({"name": "cuvil-trust", "configMap": {"name": settings.trusted_keys}})
+    return volumes
+
+
+def build_pod_patch(
+    pod: Mapping[str, Any], ref: str, request: SidecarRequest, settings: InjectionSettings
+) -> dict[str, Any]:
+    """The merge patch adding the sidecar to ``pod`` (empty when it has one already). Volumes
+    the pod already has under the same names are kept: an app container may mount
+    ``cuvil-shm`` to share tensors with the sidecar."""
+    spec = pod.get("spec") or {}
+    containers = list(spec.get("containers") or [])
+    if any(c.get("name") == CONTAINER_NAME for c in containers):
+        return {}
+    volumes = list(spec.get("volumes") or [])
+    present = {v.get("name") for v in volumes}
+    volumes += [v for v in build_sidecar_volumes(request, settings) if v["name"] not in present]
+    return {
+        "metadata": {"annotations": {INJECTED_ANNOTATION: ref}},
+        "spec": {
+            "containers": [*containers, build_sidecar_container(ref, request, settings)],
+            "volumes": volumes,
+        },
+    }
