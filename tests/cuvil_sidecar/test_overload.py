@@ -123,8 +123,12 @@ def test_small_queue_rejects_the_excess_at_once(
             with torch.no_grad():
                 expected = slow_model(torch.from_numpy(x)).numpy()
             np.testing.assert_allclose(output, expected, rtol=1e-4, atol=1e-5)
-    assert float(np.median(rejected)) < float(np.median(accepted))
-    assert float(np.median(rejected)) < 0.1  # refused at once, not after a wait
+    # Refused at once: none of them reached the model (the rows it inferred are the accepted
+    # requests'), and their answers did not wait out a queue (bound loose for a busy 2-core host;
+    # speed itself is benchmarks/sidecar_load.py's to measure).
+    inferred = labelled(after, "nv_inference_count") - labelled(before, "nv_inference_count")
+    assert inferred == len(accepted)
+    assert float(np.median(rejected)) < 0.5
     counted = labelled(after, "cuvil_inference_rejected", reason="queue_full") - labelled(
         before, "cuvil_inference_rejected", reason="queue_full"
     )
