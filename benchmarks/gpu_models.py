@@ -35,6 +35,8 @@ import torch
 if __package__ in (None, ""):  # run as a file: make the `benchmarks` package importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.peers import first_tensor
+
 Inputs = dict[str, torch.Tensor]
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 PEERS = ("eager", "torch.compile", "torch.compile reduce-overhead", "cuvil")
@@ -79,16 +81,6 @@ CASES: dict[str, Callable[[], tuple[torch.nn.Module, Inputs, Any]]] = {
         "tiny_llama", lambda g: {"input_ids": torch.randint(0, 2048, (1, 128), generator=g)}
     ),
 }
-
-
-def first_tensor(value: Any) -> torch.Tensor:
-    if isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, dict):
-        return first_tensor(next(iter(value.values())))
-    if hasattr(value, "to_tuple"):
-        return first_tensor(value.to_tuple())
-    return first_tensor(value[0])
 
 
 def on_gpu(inputs: Inputs, dtype: torch.dtype | None = None) -> Inputs:

@@ -128,16 +128,6 @@ def time_calls(
     return times
 
 
-def _on(device: torch.device, value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, dict):
-        return {key: _on(device, item) for key, item in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(_on(device, item) for item in value)
-    return value
-
-
 def benchmark(
     compiled: Callable[..., Any], eager: torch.nn.Module, inputs: Any, iterations: int
 ) -> dict[str, Any]:
@@ -149,7 +139,7 @@ def benchmark(
     device = getattr(compiled, "device", torch.device("cpu"))
     if device.type == "cuda":
         eager = copy.deepcopy(eager).to(device)
-        inputs = _on(device, inputs)
+        inputs = pytree.tree_map_only(torch.Tensor, lambda tensor: tensor.to(device), inputs)
         sync = torch.cuda.synchronize
     eager_ms: list[float] = []
     compiled_ms: list[float] = []

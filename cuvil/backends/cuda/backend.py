@@ -104,9 +104,10 @@ class CudaBackend:
         # then times the plan there against eager; elsewhere its speed gates are deferred.
         self.speed_measured = False
         if self.executor == "gpu":
+            from cuvil.backends.cuda.gpu import device_capability
+
             self.device = torch.device("cuda", torch.cuda.current_device())
-            major, minor = torch.cuda.get_device_capability(self.device)
-            self.speed_measured = 10 * major + minor == self.compute_capability
+            self.speed_measured = device_capability(self.device) == self.compute_capability
             self.verified_by = (
                 f"verified on the GPU ({torch.cuda.get_device_name(self.device)}): Cuvil's "
                 "kernels and cuBLAS/cuDNN, against eager fp32 on the CPU"
