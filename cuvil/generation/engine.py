@@ -1,0 +1,57 @@
+"""The contract between generation drivers and the model steps they run.
+
+A ``DecoderEngine`` owns a KV cache of ``max_batch`` slots, each holding up to ``max_seq``
+positions of one sequence. Drivers (``generate`` for a batch in process, the sidecar's
+scheduler for streams that join and leave at any step) decide which slot a sequence uses and
+which tokens go in; the engine writes their keys and values into the slot's cache at the given
+positions and returns the logits of the next token. Positions are per slot, so a left-padded
+batch and the same prompts run one by one see the same positions (transformers derives
+``position_ids`` from the attention mask the same way).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+
+class DecoderEngine(Protocol):
+    @property
+    def max_batch(self) -> int:
+        """How many sequences the cache holds at once (slots ``0..max_batch-1``)."""
+        ...
+
+    @property
+    def max_seq(self) -> int:
+        """Positions per slot: a sequence's prompt plus generated tokens fit in this many."""
+        ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Cache bytes one position of one slot takes (all layers, keys and values)."""
+        ...
+
+    def prefill(self, slot: int, token_ids: torch.Tensor, position: int) -> torch.Tensor:
+        """Write the cache of ``token_ids`` (1-D int64) into ``slot`` at positions
+        ``position .. position+len-1`` and return the last token's logits (1-D float32, vocab).
+
+        A prompt may arrive in chunks: the second chunk starts where the first ended, and
+        attends to everything before it in the slot.
+        """
+        ...
+
+    def decode(
+        self, slots: Sequence[int], token_ids: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """One step for several slots at once: ``token_ids[i]`` goes into ``slots[i]`` at
+        ``positions[i]``; returns logits ``[len(slots), vocab]`` float32."""
+        ...
+
+    def release(self, slot: int) -> None:
+        """Forget the slot's sequence; its cache may be overwritten by the next one."""
+        ...
