@@ -10,6 +10,10 @@ and every loaded graph is checked again, so a forged ``aten.from_file`` is refus
 
 To add an op: put it in the family it belongs to (or a new family with its reason), and check
 that it reads nothing but its arguments and writes nothing but its outputs.
+
+Cuvil's fused ops are allowed as a whole (``FUSED_OPS``); each is pure but those in
+``IN_PLACE_REASONS``, which write one tensor argument in place and say why that is safe.
+``tests/cuvil/test_allowed_ops.py`` holds every in-place fused op to having a reason here.
 """
 
 from __future__ import annotations
@@ -200,6 +204,16 @@ FAMILIES: tuple[OpFamily, ...] = (
         ),
     ),
 )
+
+# Fused ops that write an argument in place (``FusedOp.writes``), and why an artifact may hold them.
+IN_PLACE_REASONS: dict[str, str] = {
+    "cuvil.kv_cache_write": (
+        "writes a decoder's KV cache, which is state the caller owns and passes in: the IR "
+        "verifier accepts the write only into a graph input that no other node reads "
+        "(ir_verify.py), so weights, constants and intermediates are never written; the rows "
+        "and positions written are indices that torch bounds-checks against the cache"
+    ),
+}
 
 # Ops that allocate from a size argument: op -> the arguments that give it (bounded at load).
 SIZE_ARGUMENTS: dict[str, tuple[str, ...]] = {

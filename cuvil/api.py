@@ -26,6 +26,10 @@ def jit(
     patterns: tuple[Any, ...] | None = None,
     tolerance: float | None = None,
     on_mismatch: str = "fallback",
+    task: str | None = None,
+    max_batch: int = 8,
+    max_seq: int = 512,
+    tokenizer_dir: str | Path | None = None,
 ) -> CompiledModel:
     """Compile ``model`` for ``target``; ``dynamic_shapes`` is what torch.export.export takes.
 
@@ -35,6 +39,11 @@ def jit(
     the output's scale), the passes are bisected: the responsible pass is named in
     ``report["bisection"]`` and left out (``on_mismatch="fallback"``) or the compile fails
     (``"raise"``). ``patterns`` defaults to those accepted by ``cuvil.patterns.register_pattern``.
+
+    ``task="text-generation"`` compiles a causal LM for generation instead (cuvil/generation/
+    compile.py): a prefill and a decode graph over a KV cache of ``max_batch`` slots of
+    ``max_seq`` positions, returned as a ``GenerationModel`` with ``generate``; the tokenizer
+    files of ``tokenizer_dir`` (default: the directory the model was loaded from) go with it.
     """
     from cuvil.patterns import registered_patterns
     from cuvil.pipeline import CompileOptions, compile_model
@@ -53,6 +62,21 @@ def jit(
         tolerance=budget if tolerance is None else tolerance,
         on_mismatch=on_mismatch,
     )
+    if task == "text-generation":
+        from cuvil.generation.compile import compile_generation
+
+        if dynamic_shapes is not None:
+            raise ValueError("text-generation fixes its own shapes: pass max_batch and max_seq")
+        return compile_generation(
+            model,
+            example_inputs,
+            max_batch=max_batch,
+            max_seq=max_seq,
+            options=options,
+            tokenizer_dir=tokenizer_dir,
+        )
+    if task is not None:
+        raise ValueError(f"unknown task {task!r}; tasks: None (a forward), 'text-generation'")
     return compile_model(model, example_inputs, dynamic_shapes, options)
 
 

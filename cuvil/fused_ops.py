@@ -26,6 +26,8 @@ RMS_NORM = "cuvil.rms_norm"
 LAYER_NORM = "cuvil.layer_norm"
 ROPE = "cuvil.rope"
 ATTENTION = "cuvil.attention"
+KV_CACHE_WRITE = "cuvil.kv_cache_write"
+CACHED_ATTENTION = "cuvil.cached_attention"
 
 # Epilogue activations a fused convolution or linear applies to its result.
 ACTIVATIONS = ("none", "relu", "relu6", "silu", "gelu", "gelu_tanh", "hardswish", "tanh", "sigmoid")
@@ -73,6 +75,9 @@ class FusedOp:
     name: str
     params: tuple[Param, ...]
     summary: str
+    # The tensor argument the op writes in place and returns (its output aliases it), or None
+    # for a pure op. The IR verifier holds such writes to graph inputs (ir_verify.py).
+    writes: str | None = None
 
     @property
     def arg_names(self) -> tuple[str, ...]:
@@ -150,8 +155,32 @@ FUSED_OPS: dict[str, FusedOp] = {
             ),
             "softmax(query @ key.T * scale + mask) @ value, causal and grouped-query optional",
         ),
+        FusedOp(
+            KV_CACHE_WRITE,
+            (tensor("cache"), tensor("new"), tensor("slots"), tensor("positions")),
+            "cache[slots[b], :, positions[b] + t] = new[b, :, t], in place; returns cache",
+            writes="cache",
+        ),
+        FusedOp(
+            CACHED_ATTENTION,
+            (
+                tensor("query"),
+                tensor("key_cache"),
+                tensor("value_cache"),
+                tensor("slots"),
+                tensor("positions"),
+                literal("scale", *NUMBER, optional=True),
+            ),
+            "causal attention of query[b] over cache[slots[b], :, :positions[b] + tokens], "
+            "grouped-query when the cache has fewer heads",
+        ),
     )
 }
+
+
+def in_place_ops() -> dict[str, str]:
+    """op -> the argument it writes in place, for the ops that write one."""
+    return {name: op.writes for name, op in FUSED_OPS.items() if op.writes is not None}
 
 
 class FusedOpError(ValueError):

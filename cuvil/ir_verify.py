@@ -11,8 +11,8 @@ from collections.abc import Iterator
 
 import sympy
 
-from cuvil.fused_ops import fused_op_problems
-from cuvil.ir import DTYPES, LAYOUTS, Graph, Node, free_symbols
+from cuvil.fused_ops import fused_op_problems, in_place_ops
+from cuvil.ir import DTYPES, LAYOUTS, Graph, Node, Value, free_symbols
 
 NODE_NAME = re.compile(r"[A-Za-z_][\w.]*")
 GRAPH_NAME = re.compile(r"[\w.\-]+")
@@ -54,6 +54,7 @@ def _problems(graph: Graph) -> Iterator[str]:
         yield f"graph inputs {list(graph.inputs)} differ from its input nodes {list(input_nodes)}"
     if not graph.outputs:
         yield "graph has no outputs"
+    yield from _in_place_problems(graph)
     names = [name for name, _ in graph.outputs]
     if len(set(names)) != len(names):
         yield f"output names repeat: {names}"
@@ -61,6 +62,31 @@ def _problems(graph: Graph) -> Iterator[str]:
         producer = seen.get(value.node)
         if producer is None or value.index >= len(producer.types):
             yield f"output {name!r} refers to undefined value {value}"
+
+
+def _in_place_problems(graph: Graph) -> Iterator[str]:
+    """An op that writes a tensor in place (``FusedOp.writes``) may write only a graph input,
+    which no other node reads: every later reader goes through the op's result (the same
+    tensor after the write), so the order of reads and writes is the graph's order, and no
+    weight, constant or intermediate is ever overwritten."""
+    writers = in_place_ops()
+    readers: dict[Value, int] = {}
+    for node in graph.nodes:
+        for value in node.inputs:
+            readers[value] = readers.get(value, 0) + 1
+    outputs = {value for _, value in graph.outputs}
+    for node in graph.nodes:
+        written_arg = writers.get(node.op)
+        if written_arg is None:
+            continue
+        written = node.arg(written_arg)
+        where = f"%{node.name} ({node.op})"
+        if not isinstance(written, Value) or written.node not in graph.by_name:
+            continue  # reported by the argument checks
+        if graph.node(written.node).op != "input":
+            yield f"{where}: writes {written} in place, which is not a graph input"
+        elif readers.get(written, 0) != 1 or written in outputs:
+            yield f"{where}: writes input {written} in place, which another node also reads"
 
 
 def _node_problems(node: Node, seen: dict[str, Node], declared: set[str]) -> Iterator[str]:

@@ -2,7 +2,8 @@
 
 Every intermediate value lives from the step that makes it to the last step that reads it
 (graph outputs to the end). Views (reshape, transpose, slice, …) allocate nothing: they extend
-their source's life. Buffers are placed largest first at the lowest offset that does not
+their source's life; nor do ops that write a graph input in place (the KV-cache write), whose
+result is that input. Buffers are placed largest first at the lowest offset that does not
 overlap a buffer alive at the same time. ``naive_bytes`` is what keeping every intermediate
 would cost; ``arena_bytes`` what the plan needs. The executor frees each value after its last
 use, so its peak follows this plan's liveness.
@@ -14,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from cuvil.dtypes import torch_dtype
+from cuvil.fused_ops import in_place_ops
 from cuvil.ir import Graph, Value
 from cuvil.shape_expr import compile_expr
 
@@ -60,6 +62,7 @@ def lifetimes(graph: Graph) -> dict[Value, tuple[int, int]]:
     """(first step, last step) per allocating value; views hand their uses to their source."""
     root: dict[Value, Value] = {}
     life: dict[Value, list[int]] = {}
+    aliasing = VIEW_OPS | set(in_place_ops())
     for step, node in enumerate(graph.nodes):
         if node.op in ("input", "const"):
             continue
@@ -70,7 +73,7 @@ def lifetimes(graph: Graph) -> dict[Value, tuple[int, int]]:
         sources = [root.get(v, v) for v in node.inputs]
         for index in range(len(node.types)):
             value = Value(node.name, index)
-            if node.op in VIEW_OPS and sources:
+            if node.op in aliasing and sources:
                 root[value] = sources[0]
             else:
                 life[value] = [step, step]

@@ -2,7 +2,9 @@
 
 An artifact is data, never code: ``config.json`` (signature, target, report, and the sha256 of
 every other file), ``graph.json`` (the planned IR), ``weights.safetensors``, and optionally
-``golden.safetensors`` (inputs and eager outputs for start-up checks) and ``kernels.tar``.
+``golden.safetensors`` (inputs and eager outputs for start-up checks) and ``kernels.tar``; a model
+compiled for generation adds ``prefill_graph.json`` (a second graph over the same weights) and
+its tokenizer's JSON files, kept as bytes (``data_files``) for whoever serves text.
 Reading checks every file against the digest in the config before parsing it; nothing is
 unpickled, imported or evaluated.
 """
@@ -46,6 +48,8 @@ class ArtifactContents:
     weights: dict[str, torch.Tensor]
     golden: dict[str, torch.Tensor] = field(default_factory=dict)
     kernels: bytes | None = None
+    prefill_graph: Graph | None = None  # generation: the prompt step beside the decode step
+    data_files: dict[str, bytes] = field(default_factory=dict)  # tokenizer files (JSON data)
 
 
 def sha256_digest(data: bytes) -> str:
@@ -76,6 +80,13 @@ def encode_files(contents: ArtifactContents) -> dict[str, bytes]:
         files[mt.GOLDEN_FILE] = _tensors_bytes(contents.golden)
     if contents.kernels is not None:
         files[mt.KERNELS_FILE] = contents.kernels
+    if contents.prefill_graph is not None:
+        prefill = graph_to_json(contents.prefill_graph)
+        files[mt.PREFILL_GRAPH_FILE] = json.dumps(prefill, sort_keys=True).encode()
+    for name, data in contents.data_files.items():
+        if name not in mt.TOKENIZER_FILES:
+            raise ArtifactError(f"{name!r} is not a data file an artifact may carry")
+        files[name] = data
     config = dict(contents.config)
     config["format"] = CONFIG_FORMAT
     config["files"] = {
@@ -160,6 +171,14 @@ def decode_files(
         check_node_count(graph_json, limits, origin)
         graph = verify_graph(graph_from_json(graph_json))
         check_graph(graph, limits, origin)
+        prefill = None
+        if mt.PREFILL_GRAPH_FILE in recorded:
+            prefill_json = json.loads(files[mt.PREFILL_GRAPH_FILE])
+            if not isinstance(prefill_json, dict):
+                raise ValueError(f"{mt.PREFILL_GRAPH_FILE} is not a JSON object")
+            check_node_count(prefill_json, limits, origin)
+            prefill = verify_graph(graph_from_json(prefill_json))
+            check_graph(prefill, limits, origin)
         weights = dict(load_safetensors(files[mt.WEIGHTS_FILE]))
         golden = dict(load_safetensors(files[mt.GOLDEN_FILE])) if mt.GOLDEN_FILE in recorded else {}
     except ArtifactError:
@@ -167,7 +186,12 @@ def decode_files(
     except (ValueError, RecursionError) as error:
         raise ArtifactError(f"{origin}: {error}") from None
     check_contents(graph, weights, golden, len(files[mt.WEIGHTS_FILE]), limits, origin)
-    return ArtifactContents(config, graph, weights, golden, files.get(mt.KERNELS_FILE))
+    if prefill is not None:
+        check_contents(prefill, weights, golden, len(files[mt.WEIGHTS_FILE]), limits, origin)
+    data_files = {name: files[name] for name in mt.TOKENIZER_FILES if name in recorded}
+    return ArtifactContents(
+        config, graph, weights, golden, files.get(mt.KERNELS_FILE), prefill, data_files
+    )
 
 
 def read_artifact(path: str | Path, limits: LoadLimits = DEFAULT_LIMITS) -> ArtifactContents:

@@ -19,6 +19,12 @@ GRAPH_FILE = "graph.json"
 WEIGHTS_FILE = "weights.safetensors"
 GOLDEN_FILE = "golden.safetensors"
 KERNELS_FILE = "kernels.tar"
+# A decoder LLM compiled for generation: ``graph.json`` is its decode step, this its prefill
+# (both over the weights file), and the config's ``generation`` entry the KV cache layout.
+PREFILL_GRAPH_FILE = "prefill_graph.json"
+# A tokenizer's files, when the source model has them: JSON data, read but never executed.
+TOKENIZER = "application/vnd.cuvil.tokenizer.v1+json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 # Layer files (everything but the config), in the order they are written and pushed.
 FILE_MEDIA_TYPES: dict[str, str] = {
@@ -26,6 +32,8 @@ FILE_MEDIA_TYPES: dict[str, str] = {
     WEIGHTS_FILE: WEIGHTS,
     GOLDEN_FILE: GOLDEN,
     KERNELS_FILE: KERNELS,
+    PREFILL_GRAPH_FILE: GRAPH,
+    **{name: TOKENIZER for name in TOKENIZER_FILES},
 }
 
 # OCI media types (https://github.com/opencontainers/image-spec/blob/main/media-types.md).

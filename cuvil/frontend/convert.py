@@ -20,6 +20,7 @@ import torch.fx
 from torch.utils import _pytree as pytree
 
 from cuvil.dtypes import dtype_name
+from cuvil.fused_ops import FusedOpError, fused_node
 from cuvil.frontend.symbols import UnsupportedShapeError, shape_symbol_names, to_cuvil_expr
 from cuvil.ir import Arg, Enum, Graph, Node, TensorType, Value
 
@@ -33,6 +34,8 @@ DROPPED_TARGETS = {
     "aten._assert_async.default",
 }
 SUPPORTED_NAMESPACES = ("aten",)
+# Cuvil's own torch ops (frontend/kv_cache_ops.py) become the cuvil.* node of the same name.
+CUVIL_NAMESPACE = "cuvil"
 
 
 class UnsupportedOpError(ValueError):
@@ -144,6 +147,9 @@ class _Converter:
             return
         if not isinstance(target, torch._ops.OpOverload):
             raise UnsupportedOpError(f"unsupported op {op_name}{_where(fx_node)}")
+        if target.namespace == CUVIL_NAMESPACE:
+            self.cuvil_op(target, fx_node)
+            return
         if target.namespace not in SUPPORTED_NAMESPACES:
             raise UnsupportedOpError(
                 f"unsupported op {op_name}: custom ops outside {SUPPORTED_NAMESPACES} cannot be "
@@ -168,6 +174,22 @@ class _Converter:
         node = self.add(fx_node, op_name, args, types)
         if isinstance(val, list | tuple):
             self.env[fx_node.name] = tuple(Value(node.name, i) for i in range(len(types)))
+
+    def cuvil_op(self, target: torch._ops.OpOverload, fx_node: torch.fx.Node) -> None:
+        """A ``torch.ops.cuvil.*`` call: the fused node of that name, arguments by schema."""
+        op = f"cuvil.{target._schema.name.split('::')[-1]}"
+        try:
+            node = fused_node(
+                op,
+                fx_node.name,
+                dict(self.schema_args(target, fx_node)),
+                (self.tensor_type(fx_node.meta["val"], fx_node),),
+                _origin(fx_node),
+            )
+        except FusedOpError as error:
+            raise UnsupportedOpError(f"{error}{_where(fx_node)}") from None
+        self.nodes.append(node)
+        self.env[fx_node.name] = node.value()
 
     def output(self, fx_node: torch.fx.Node) -> None:
         (results,) = fx_node.args

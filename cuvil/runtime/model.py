@@ -126,5 +126,15 @@ class CompiledModel:
 
 
 def load(path: str | Path) -> CompiledModel:
-    """Load an artifact (tar file or directory) written by ``CompiledModel.save``."""
-    return CompiledModel(read_artifact(path))
+    """Load an artifact (tar file or directory) written by ``CompiledModel.save``; one compiled
+    for generation comes back as a ``GenerationModel`` (runtime/generation.py)."""
+    return from_contents(read_artifact(path))
+
+
+def from_contents(contents: ArtifactContents) -> CompiledModel:
+    """The model an artifact's contents stand for: a generation model or a plain one."""
+    if "generation" in contents.config:
+        from cuvil.runtime.generation import GenerationModel
+
+        return GenerationModel(contents)
+    return CompiledModel(contents)

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from cuvil import fused_ops as fused
+from cuvil.backends import kv_cache
 from cuvil.backends.cpu import rowwise
 from cuvil.backends.cpu.conv_weights import ConvWeight
 from cuvil.backends.cpu.direct_conv import DirectConv
@@ -188,4 +189,5 @@ CPU_KERNELS: dict[str, KernelFactory] = {
     fused.ROPE: rope_kernel,
     fused.ATTENTION: attention_kernel,
     fused.LAYER_NORM: layer_norm_kernel,
+    **kv_cache.KV_CACHE_KERNELS,
 }

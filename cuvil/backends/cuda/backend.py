@@ -30,6 +30,7 @@ import torch
 
 from cuvil import fused_ops as fused
 from cuvil.backends.base import Lowering, TargetUnavailableError
+from cuvil.backends.kv_cache import KV_CACHE_KERNELS
 from cuvil.runtime.kernels import FusedCall, KernelFactory, PreparedKernel
 from cuvil.targets import CUDA_ARCHES, Target
 
@@ -91,7 +92,11 @@ def _needs_layer(call: FusedCall) -> PreparedKernel:
 
 
 class CudaBackend:
-    kernels: Mapping[str, KernelFactory] = {op: _needs_layer for op in TEMPLATED}
+    # the KV-cache ops of generation run through ATen on any device (backends/kv_cache.py)
+    kernels: Mapping[str, KernelFactory] = {
+        **{op: _needs_layer for op in TEMPLATED},
+        **KV_CACHE_KERNELS,
+    }
     fallbacks: Mapping[str, str] = FALLBACKS
     lowering = LOWERING
 

@@ -1,0 +1,103 @@
+"""The KV-cache ops of decoder generation, in ATen calls that run on any device.
+
+``cuvil.kv_cache_write(cache, new, slots, positions)`` writes ``new`` ([batch, kv_heads, tokens,
+head_dim]) into ``cache`` ([slots, kv_heads, max_seq, head_dim]) in place: token ``t`` of row
+``b`` lands in slot ``slots[b]`` at position ``positions[b] + t``. It returns the cache itself
+(the same tensor, not a copy), so that in the functional IR the attention that reads the cache
+depends on the write and runs after it. One ``index_put_`` per call: no copy of the cache.
+
+``cuvil.cached_attention(query, key_cache, value_cache, slots, positions, scale)`` is causal
+attention of ``query`` ([batch, heads, tokens, head_dim]) over each row's own slot: query token
+``t`` of row ``b`` sees cache positions ``0 .. positions[b] + t``. Keys and values are read as
+views of the slot's prefix (``cache[slot, :, :length]``), so the work follows each sequence's
+length, not ``max_seq``, and nothing is gathered. Grouped-query attention (fewer KV heads than
+query heads) is ATen's ``enable_gqa``.
+
+The CPU and CUDA backends both take these factories (``KV_CACHE_KERNELS``); the frontend's
+tracing ops (cuvil/frontend/kv_cache_ops.py) call the same functions for eager runs. The
+attention reads each row's slot and length on the host (``tolist``), so on a GPU a step with
+these ops synchronises once per layer and is not captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from cuvil import fused_ops as fused
+from cuvil.runtime.kernels import FusedCall, KernelFactory, PreparedKernel
+
+
+def write(
+    cache: torch.Tensor, new: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
+    """Write ``new`` into ``cache`` at each row's slot and positions; returns ``cache``."""
+    by_position = cache.transpose(1, 2)  # a view: [slots, max_seq, kv_heads, head_dim]
+    tokens = new.shape[2]
+    if tokens == 1:
+        by_position.index_put_((slots, positions), new[:, :, 0])
+        return cache
+    where = positions[:, None] + torch.arange(tokens, device=positions.device)  # [batch, tokens]
+    by_position.index_put_((slots[:, None], where), new.transpose(1, 2))
+    return cache
+
+
+def attend(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float | None,
+) -> torch.Tensor:
+    """Causal attention of each row's queries over its slot's cache prefix."""
+    tokens = query.shape[2]
+    gqa = query.shape[1] != key_cache.shape[1]
+    rows = []
+    for row, (slot, start) in enumerate(zip(slots.tolist(), positions.tolist(), strict=True)):
+        length = start + tokens
+        if length > key_cache.shape[2]:
+            raise IndexError(
+                f"row {row} reaches position {length} of a cache of {key_cache.shape[2]}"
+            )
+        keys = key_cache[slot : slot + 1, :, :length]
+        values = value_cache[slot : slot + 1, :, :length]
+        mask = None
+        if tokens > 1:  # bottom-right causal: token t sees positions up to start + t
+            seen = torch.arange(length, device=query.device)
+            mask = seen[None, :] <= (start + torch.arange(tokens, device=query.device))[:, None]
+        rows.append(
+            F.scaled_dot_product_attention(
+                query[row : row + 1], keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa
+            )
+        )
+    return rows[0] if len(rows) == 1 else torch.cat(rows)
+
+
+def kv_cache_write_kernel(call: FusedCall) -> PreparedKernel:
+    """``cuvil.kv_cache_write``: every argument arrives at run time (the cache is an input)."""
+    call.check_runtime(("cache", "new", "slots", "positions"))
+    return PreparedKernel(write)
+
+
+def cached_attention_kernel(call: FusedCall) -> PreparedKernel:
+    """``cuvil.cached_attention`` with its scale fixed when the plan is built."""
+    scale = call.arg("scale")
+    scale = float(scale) if scale is not None else None
+
+    def run(
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slots: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> torch.Tensor:
+        return attend(query, key_cache, value_cache, slots, positions, scale)
+
+    return PreparedKernel(run)
+
+
+KV_CACHE_KERNELS: dict[str, KernelFactory] = {
+    fused.KV_CACHE_WRITE: kv_cache_write_kernel,
+    fused.CACHED_ATTENTION: cached_attention_kernel,
+}

@@ -1,0 +1,179 @@
+"""``generate``: transformers' ``generate`` for greedy and sampled decoding, over any
+``DecoderEngine``.
+
+Takes what transformers takes for what it covers — ``input_ids`` [batch, prompt], an optional
+``attention_mask`` for left padding, ``max_new_tokens``, ``do_sample``, ``temperature``,
+``top_k``, ``top_p``, ``eos_token_id`` (one id or several), ``pad_token_id`` — plus ``seed``, and
+returns what it returns: [batch, prompt + new] int64, the prompt (pads included) followed by the
+new tokens, rows that stopped early filled with ``pad_token_id`` after their end token, as many
+new columns as the longest row ran (all rows stop at once when every one has ended).
+
+Each row's real tokens go into a slot of their own at positions 0, 1, …, the positions
+transformers derives from a left-padded mask, so a padded batch gives every row the tokens it
+gets alone. With ``seed``, every row draws from its own generator seeded with it (the sidecar
+does the same per request). A batch larger than the engine's slots runs in groups of
+``max_batch`` rows. Beam search, right padding, penalties and the other options of
+transformers' ``generate`` are refused by name (``UnsupportedGenerationError``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from cuvil.generation.engine import DecoderEngine
+from cuvil.generation.sampling import SamplingParams, next_token
+
+TAKEN = (
+    "max_new_tokens",
+    "do_sample",
+    "temperature",
+    "top_k",
+    "top_p",
+    "seed",
+    "eos_token_id",
+    "pad_token_id",
+    "attention_mask",
+)
+# transformers' options that keep their neutral value here, and that value.
+NEUTRAL = {
+    "num_beams": 1,
+    "num_return_sequences": 1,
+    "repetition_penalty": 1.0,
+    "use_cache": True,
+    "return_dict_in_generate": False,
+}
+
+
+class UnsupportedGenerationError(ValueError):
+    """A ``generate`` option or input this driver does not cover."""
+
+
+def generate(
+    engine: DecoderEngine,
+    input_ids: torch.Tensor,
+    *,
+    max_new_tokens: int = 20,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int = 50,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
+    pad_token_id: int | None = None,
+    attention_mask: torch.Tensor | None = None,
+    **others: Any,
+) -> torch.Tensor:
+    _refuse_others(others)
+    if input_ids.dim() != 2 or input_ids.shape[1] < 1:
+        raise UnsupportedGenerationError(
+            f"input_ids must be [batch, prompt] with a prompt, not {list(input_ids.shape)}"
+        )
+    eos = _ids(eos_token_id)
+    if pad_token_id is None and eos:
+        pad_token_id = eos[0]  # what transformers does, with a warning
+    if attention_mask is None:
+        attention_mask = _inferred_mask(input_ids, pad_token_id, eos)
+    prompts = _left_padded_prompts(input_ids, attention_mask)
+    params = SamplingParams(max_new_tokens, do_sample, temperature, top_k, top_p, seed, eos)
+    longest = max(len(prompt) for prompt in prompts)
+    if longest + max_new_tokens - 1 > engine.max_seq:
+        raise UnsupportedGenerationError(
+            f"a prompt of {longest} tokens and {max_new_tokens} new ones do not fit the "
+            f"{engine.max_seq} positions the model was compiled for (max_seq)"
+        )
+    fill = pad_token_id if pad_token_id is not None else 0
+    rows: list[list[int]] = []
+    for start in range(0, len(prompts), engine.max_batch):
+        rows += _generate_group(engine, prompts[start : start + engine.max_batch], params)
+    width = max(len(row) for row in rows)
+    new = torch.full((len(rows), width), fill, dtype=torch.int64)
+    for index, row in enumerate(rows):
+        new[index, : len(row)] = torch.tensor(row, dtype=torch.int64)
+    return torch.cat([input_ids.to(torch.int64), new], dim=1)
+
+
+def _generate_group(
+    engine: DecoderEngine, prompts: list[torch.Tensor], params: SamplingParams
+) -> list[list[int]]:
+    """New tokens per row, each row up to its end token or ``max_new_tokens``."""
+    generators = [params.generator() for _ in prompts]
+    lengths = [len(prompt) for prompt in prompts]
+    slots = list(range(len(prompts)))
+    try:
+        logits = [engine.prefill(slot, prompt, 0) for slot, prompt in zip(slots, prompts)]
+        tokens = [next_token(row, params, gen) for row, gen in zip(logits, generators)]
+        out: list[list[int]] = [[] for _ in prompts]
+        running = list(slots)
+        for step in range(params.max_new_tokens):
+            still = []
+            for slot in running:
+                out[slot].append(tokens[slot])
+                if tokens[slot] not in params.eos_token_id:
+                    still.append(slot)
+            running = still
+            if not running or step == params.max_new_tokens - 1:
+                break
+            positions = torch.tensor([lengths[slot] + step for slot in running])
+            step_ids = torch.tensor([tokens[slot] for slot in running], dtype=torch.int64)
+            rows = engine.decode(running, step_ids, positions)
+            for index, slot in enumerate(running):
+                tokens[slot] = next_token(rows[index], params, generators[slot])
+    finally:
+        for slot in slots:
+            engine.release(slot)
+    return out
+
+
+def _ids(eos_token_id: int | Sequence[int] | None) -> tuple[int, ...]:
+    if eos_token_id is None:
+        return ()
+    if isinstance(eos_token_id, int):
+        return (eos_token_id,)
+    if isinstance(eos_token_id, torch.Tensor):
+        return tuple(int(i) for i in eos_token_id.reshape(-1).tolist())
+    return tuple(int(i) for i in eos_token_id)
+
+
+def _inferred_mask(
+    input_ids: torch.Tensor, pad_token_id: int | None, eos: tuple[int, ...]
+) -> torch.Tensor:
+    """transformers' rule: pads are masked when the pad token occurs and is not an end token."""
+    if pad_token_id is not None and pad_token_id not in eos and (input_ids == pad_token_id).any():
+        return (input_ids != pad_token_id).to(torch.int64)
+    return torch.ones_like(input_ids)
+
+
+def _left_padded_prompts(input_ids: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
+    """Each row's real tokens; refuses masks that are not left padding."""
+    if mask.shape != input_ids.shape:
+        raise UnsupportedGenerationError(
+            f"attention_mask {list(mask.shape)} does not match input_ids {list(input_ids.shape)}"
+        )
+    prompts = []
+    for index, (ids, row) in enumerate(zip(input_ids, mask.to(torch.bool), strict=True)):
+        real = int(row.sum())
+        if real == 0:
+            raise UnsupportedGenerationError(f"row {index} of attention_mask masks every token")
+        if not bool(row[-real:].all()):
+            raise UnsupportedGenerationError(
+                f"row {index} of attention_mask is not left padding (pads then tokens): right "
+                "or inner padding is not supported; pad on the left"
+            )
+        prompts.append(ids[-real:].to(torch.int64))
+    return prompts
+
+
+def _refuse_others(others: dict[str, Any]) -> None:
+    refused = {
+        key: value
+        for key, value in others.items()
+        if key not in NEUTRAL or (value is not None and value != NEUTRAL[key])
+    }
+    if refused:
+        raise UnsupportedGenerationError(
+            f"generate does not support {sorted(refused)}: it does greedy and sampled decoding "
+            f"(no beam search, penalties or streamers); options: {list(TAKEN)}"
+        )
