@@ -51,7 +51,9 @@ def compile_generation(
     options: CompileOptions,
     tokenizer_dir: str | Path | None = None,
 ) -> GenerationModel:
-    check_options(options)
+    backend = check_options(options)
+    if backend.target.family != "cpu":
+        raise ValueError(f"generation compiles for the CPU only, not {options.target}")
     if options.precision != "fp32":
         raise ValueError(f"generation compiles in fp32 only, not {options.precision}")
     prompt = _example_prompt(example_inputs)
