@@ -301,4 +301,3 @@ def _tokenizer_files(tokenizer_dir: str | Path | None, model: torch.nn.Module) -
         return {}
     found = {name: Path(source) / name for name in mt.TOKENIZER_FILES}
     return {name: path.read_bytes() for name, path in found.items() if path.is_file()}
-

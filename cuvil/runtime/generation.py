@@ -61,8 +61,7 @@ class KVCacheLayout:
     def allocate(self, device: torch.device | str = "cpu") -> list[torch.Tensor]:
         """Zeroed caches in the graphs' input order: keys then values, layer by layer."""
         return [
-            torch.zeros(self.shape, dtype=self.dtype, device=device)
-            for _ in range(2 * self.layers)
+            torch.zeros(self.shape, dtype=self.dtype, device=device) for _ in range(2 * self.layers)
         ]
 
     def to_json(self) -> dict[str, Any]:

@@ -68,7 +68,6 @@ def gpt2() -> torch.nn.Module:
         n_positions=256,
         bos_token_id=4,
         eos_token_id=5,
-    
     )
     return GPT2LMHeadModel(config)
 

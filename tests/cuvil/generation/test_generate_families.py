@@ -30,9 +30,7 @@ def _compiled(
     if family not in cache:
         model = build(family)
         example = {"input_ids": _prompts(1, 7, seed=1)}
-        generation = cuvil.jit(
-            model, example, task="text-generation", max_batch=4, max_seq=MAX_SEQ
-        )
+        generation = cuvil.jit(model, example, task="text-generation", max_batch=4, max_seq=MAX_SEQ)
         assert isinstance(generation, GenerationModel)
         cache[family] = (model, generation)
     return cache[family]

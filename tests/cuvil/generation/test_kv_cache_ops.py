@@ -1,0 +1,144 @@
+"""The KV-cache ops: the write lands in place at each row's slot and positions, the attention
+equals attention over the gathered prefix with a causal mask, and the IR holds in-place writes
+to graph inputs no one else reads (verifier), allocating nothing for them (memory plan)."""
+
+from __future__ import annotations
+
+import pytest
+import sympy
+import torch
+import torch.nn.functional as F
+
+from cuvil.analysis.memory import lifetimes, plan_memory
+from cuvil.backends import kv_cache
+from cuvil.fused_ops import CACHED_ATTENTION, KV_CACHE_WRITE, fused_node, in_place_ops
+from cuvil.ir import Graph, Node, TensorType, Value
+from cuvil.ir_verify import IRVerificationError, verify_graph
+
+SLOTS, KV_HEADS, MAX_SEQ, HEAD = 4, 2, 16, 8
+
+
+def _cache() -> torch.Tensor:
+    return torch.randn(SLOTS, KV_HEADS, MAX_SEQ, HEAD, generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_the_write_goes_in_place_at_each_rows_slot_and_positions(tokens: int) -> None:
+    cache = _cache()
+    before = cache.clone()
+    pointer = cache.data_ptr()
+    new = torch.randn(2, KV_HEADS, tokens, HEAD)
+    slots, positions = torch.tensor([3, 1]), torch.tensor([2, 7])
+    result = kv_cache.write(cache, new, slots, positions)
+    assert result is cache and cache.data_ptr() == pointer
+    expected = before.clone()
+    for row, (slot, start) in enumerate(zip(slots.tolist(), positions.tolist(), strict=True)):
+        expected[slot, :, start : start + tokens] = new[row]
+    assert torch.equal(cache, expected)  # the rest of the cache is untouched
+
+
+def _reference_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    slots: list[int],
+    starts: list[int],
+    scale: float,
+) -> torch.Tensor:
+    """Attention over a gathered copy of each slot, heads repeated, an explicit causal mask."""
+    out = []
+    groups = query.shape[1] // keys.shape[1]
+    tokens = query.shape[2]
+    for row, (slot, start) in enumerate(zip(slots, starts, strict=True)):
+        k = keys[slot, :, : start + tokens].repeat_interleave(groups, 0)
+        v = values[slot, :, : start + tokens].repeat_interleave(groups, 0)
+        scores = query[row] @ k.transpose(-1, -2) * scale
+        allowed = torch.arange(start + tokens)[None, :] <= start + torch.arange(tokens)[:, None]
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        out.append(F.softmax(scores, -1) @ v)
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize(("tokens", "starts"), [(1, [0, 5, 11]), (4, [0, 3, 9])])
+def test_cached_attention_equals_attention_over_the_gathered_prefix(
+    tokens: int, starts: list[int]
+) -> None:
+    keys, values = _cache(), _cache().flip(0)
+    query = torch.randn(3, 2 * KV_HEADS, tokens, HEAD)  # grouped-query: 2 heads per KV head
+    slots = [2, 0, 3]
+    got = kv_cache.attend(query, keys, values, torch.tensor(slots), torch.tensor(starts), 0.3)
+    expected = _reference_attention(query, keys, values, slots, starts, 0.3)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_refuses_a_row_past_the_cache() -> None:
+    query = torch.randn(1, KV_HEADS, 2, HEAD)
+    with pytest.raises(IndexError, match="reaches position"):
+        kv_cache.attend(query, _cache(), _cache(), torch.tensor([0]), torch.tensor([15]), None)
+
+
+def _step_graph(write_const: bool = False, extra_reader: bool = False) -> Graph:
+    cache_type = TensorType(
+        "f32", tuple(sympy.Integer(d) for d in (SLOTS, KV_HEADS, MAX_SEQ, HEAD))
+    )
+    new_type = TensorType(
+        "f32", (sympy.Integer(1), sympy.Integer(KV_HEADS), sympy.Integer(1), sympy.Integer(HEAD))
+    )
+    rows = TensorType("i64", (sympy.Integer(1),))
+    nodes = [
+        Node("query", "input", (), (new_type,)),
+        Node("new", "input", (), (new_type,)),
+        Node("slots", "input", (), (rows,)),
+        Node("positions", "input", (), (rows,)),
+        Node(
+            "cache",
+            "const" if write_const else "input",
+            (("key", "c"),) if write_const else (),
+            (cache_type,),
+        ),
+        fused_node(
+            KV_CACHE_WRITE,
+            "written",
+            {
+                "cache": Value("cache"),
+                "new": Value("new"),
+                "slots": Value("slots"),
+                "positions": Value("positions"),
+            },
+            (cache_type,),
+        ),
+        fused_node(
+            CACHED_ATTENTION,
+            "attention",
+            {
+                "query": Value("query"),
+                "key_cache": Value("written"),
+                "value_cache": Value("written"),
+                "slots": Value("slots"),
+                "positions": Value("positions"),
+                "scale": None,
+            },
+            (new_type,),
+        ),
+    ]
+    outputs: tuple[tuple[str, Value], ...] = (("output", Value("attention")),)
+    if extra_reader:
+        outputs += (("stale", Value("cache")),)
+    inputs = tuple(node.name for node in nodes if node.op == "input")
+    return Graph("step", tuple(nodes), inputs, outputs)
+
+
+def test_the_verifier_takes_a_write_into_an_input_and_refuses_others() -> None:
+    assert in_place_ops() == {KV_CACHE_WRITE: "cache"}
+    verify_graph(_step_graph())
+    with pytest.raises(IRVerificationError, match="not a graph input"):
+        verify_graph(_step_graph(write_const=True))
+    with pytest.raises(IRVerificationError, match="another node also reads"):
+        verify_graph(_step_graph(extra_reader=True))
+
+
+def test_the_memory_plan_allocates_nothing_for_the_write() -> None:
+    graph = _step_graph()
+    assert Value("written") not in lifetimes(graph)  # the cache input's own memory
+    plan = plan_memory(graph, {})
+    assert set(plan.sizes) == {Value("attention")}
