@@ -20,8 +20,8 @@ import torch.fx
 from torch.utils import _pytree as pytree
 
 from cuvil.dtypes import dtype_name
-from cuvil.fused_ops import FusedOpError, fused_node
 from cuvil.frontend.symbols import UnsupportedShapeError, shape_symbol_names, to_cuvil_expr
+from cuvil.fused_ops import FusedOpError, fused_node
 from cuvil.ir import Arg, Enum, Graph, Node, TensorType, Value
 
 # Nodes that only check shapes or metadata at trace time; the runtime's input checks replace them.

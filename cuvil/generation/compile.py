@@ -31,7 +31,7 @@ from cuvil.analysis.memory import plan_memory
 from cuvil.artifact import media_types as mt
 from cuvil.artifact.files import ArtifactContents
 from cuvil.frontend.convert import convert_exported_program
-from cuvil.frontend.export import export_model
+from cuvil.frontend.export import ExportedModel, export_model
 from cuvil.generation.step import DecoderStep, probe_layout
 from cuvil.ir import Graph
 from cuvil.ir_verify import verify_graph
@@ -155,9 +155,7 @@ def _check_positions(config: Any, max_seq: int) -> None:
         )
 
 
-def _export(
-    step: DecoderStep, layout: KVCacheLayout, rows: int, tokens: int
-) -> torch.export.ExportedProgram:
+def _export(step: DecoderStep, layout: KVCacheLayout, rows: int, tokens: int) -> ExportedModel:
     """One step exported: ``rows`` > 1 makes the batch symbolic, ``tokens`` > 1 the length."""
     caches = tuple(layout.allocate())
     example_rows = min(rows, 2)
@@ -170,11 +168,10 @@ def _export(
     ids_dims = {index: dim for index, dim in ((0, batch), (1, seq)) if dim is not None}
     row_dims = {0: batch} if batch is not None else None
     shapes = (ids_dims or None, row_dims, row_dims, (None,) * len(caches))
-    exported = export_model(step, (ids, slots, positions, *caches), shapes)
-    return exported
+    return export_model(step, (ids, slots, positions, *caches), shapes)
 
 
-def _lowered(exported: Any, name: str, run: _Run) -> tuple[Program, list[dict[str, Any]]]:
+def _lowered(exported: ExportedModel, name: str, run: _Run) -> tuple[Program, list[dict[str, Any]]]:
     frontend = convert_exported_program(exported.program, name, exported.dim_names)
     graph = _renamed_inputs(verify_graph(frontend.graph))
     program = Program(graph, frontend.weights)

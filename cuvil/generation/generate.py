@@ -103,8 +103,10 @@ def _generate_group(
     lengths = [len(prompt) for prompt in prompts]
     slots = list(range(len(prompts)))
     try:
-        logits = [engine.prefill(slot, prompt, 0) for slot, prompt in zip(slots, prompts)]
-        tokens = [next_token(row, params, gen) for row, gen in zip(logits, generators)]
+        logits = [
+            engine.prefill(slot, prompt, 0) for slot, prompt in zip(slots, prompts, strict=True)
+        ]
+        tokens = [next_token(row, params, gen) for row, gen in zip(logits, generators, strict=True)]
         out: list[list[int]] = [[] for _ in prompts]
         running = list(slots)
         for step in range(params.max_new_tokens):

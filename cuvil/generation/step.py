@@ -92,7 +92,7 @@ def attention_implementation(model: torch.nn.Module, name: str) -> Iterator[None
 
     AttentionInterface.register(ATTENTION_NAME, _cached_attention)
     AttentionInterface.register(PROBE_NAME, _probe_attention)
-    configs = [m.config for m in model.modules() if hasattr(m, "config")]
+    configs: list[Any] = [m.config for m in model.modules() if hasattr(m, "config")]
     before = [getattr(config, "_attn_implementation", None) for config in configs]
     try:
         for config in configs:

@@ -13,7 +13,7 @@ cache is ordinary memory that costs nothing until touched (zeroed pages are mapp
 slot's prefix is one strided view that attention reads without gathering, and the write is one
 ``index_put_``: paging would add a block table, a gather per layer and step, and fragmentation
 bookkeeping to save memory that a CPU's small ``max_batch`` does not spend. A scheduler admits
-against ``kv_bytes_per_token`` × tokens just the same.
+against ``kv_bytes_per_token`` times tokens just the same.
 
 Inputs of both graphs, in order: ``input_ids`` [batch, tokens], ``slots`` [batch], ``positions``
 [batch] (each row's first position), then the caches (keys of layer 0, values of layer 0, …).

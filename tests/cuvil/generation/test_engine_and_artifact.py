@@ -67,7 +67,7 @@ def test_decode_over_slots_in_any_order_matches_each_alone(
     tokens = torch.tensor([7, 11])
     logits = generation.decode([3, 1], tokens, torch.tensor([5, 9]))
     with torch.no_grad():
-        for row, (slot, prompt) in enumerate(prompts.items()):
+        for row, prompt in enumerate(prompts.values()):
             sequence = torch.cat([prompt, tokens[row : row + 1]])[None]
             expected = model(input_ids=sequence).logits[0, -1]
             torch.testing.assert_close(logits[row], expected, rtol=1e-4, atol=1e-4)

@@ -124,7 +124,7 @@ def test_gpt2_learned_positions_follow_the_row_offsets(compiled: dict) -> None:
     """GPT-2's position embeddings are looked up at each row's own positions: the graph
     indexes its position table with the positions input, and a padded row gets what it gets
     alone."""
-    model, generation = _compiled(compiled, "gpt2")
+    _, generation = _compiled(compiled, "gpt2")
     ids, mask = _left_padded(seed=9)
     batched = generation.generate(ids, attention_mask=mask, max_new_tokens=8, eos_token_id=None)
     alone = generation.generate(ids[:1, 4:], max_new_tokens=8, eos_token_id=None)
