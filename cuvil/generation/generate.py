@@ -10,10 +10,11 @@ new columns as the longest row ran (all rows stop at once when every one has end
 
 Each row's real tokens go into a slot of their own at positions 0, 1, …, the positions
 transformers derives from a left-padded mask, so a padded batch gives every row the tokens it
-gets alone. With ``seed``, every row draws from its own generator seeded with it (the sidecar
-does the same per request). A batch larger than the engine's slots runs in groups of
-``max_batch`` rows. Beam search, right padding, penalties and the other options of
-transformers' ``generate`` are refused by name (``UnsupportedGenerationError``).
+gets alone. A ``streamer`` (transformers' protocol: ``put``, ``end``) gets the prompt, then each
+step's new tokens, one per running row. With ``seed``, every row draws from its own generator
+seeded with it (the sidecar does the same per request). A batch larger than the engine's slots
+runs in groups of ``max_batch`` rows. Beam search, right padding, penalties and the other
+options of transformers' ``generate`` are refused by name (``UnsupportedGenerationError``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ TAKEN = (
     "eos_token_id",
     "pad_token_id",
     "attention_mask",
+    "streamer",
 )
 # transformers' options that keep their neutral value here, and that value.
 NEUTRAL = {
@@ -64,6 +66,7 @@ def generate(
     eos_token_id: int | Sequence[int] | None = None,
     pad_token_id: int | None = None,
     attention_mask: torch.Tensor | None = None,
+    streamer: Any = None,
     **others: Any,
 ) -> torch.Tensor:
     _refuse_others(others)
@@ -85,9 +88,14 @@ def generate(
             f"{engine.max_seq} positions the model was compiled for (max_seq)"
         )
     fill = pad_token_id if pad_token_id is not None else 0
+    if streamer is not None:
+        streamer.put(input_ids)
     rows: list[list[int]] = []
     for start in range(0, len(prompts), engine.max_batch):
-        rows += _generate_group(engine, prompts[start : start + engine.max_batch], params)
+        group = prompts[start : start + engine.max_batch]
+        rows += _generate_group(engine, group, params, streamer)
+    if streamer is not None:
+        streamer.end()
     width = max(len(row) for row in rows)
     new = torch.full((len(rows), width), fill, dtype=torch.int64)
     for index, row in enumerate(rows):
@@ -96,7 +104,7 @@ def generate(
 
 
 def _generate_group(
-    engine: DecoderEngine, prompts: list[torch.Tensor], params: SamplingParams
+    engine: DecoderEngine, prompts: list[torch.Tensor], params: SamplingParams, streamer: Any
 ) -> list[list[int]]:
     """New tokens per row, each row up to its end token or ``max_new_tokens``."""
     generators = [params.generator() for _ in prompts]
@@ -115,6 +123,8 @@ def _generate_group(
                 out[slot].append(tokens[slot])
                 if tokens[slot] not in params.eos_token_id:
                     still.append(slot)
+            if streamer is not None:
+                streamer.put(torch.tensor([tokens[slot] for slot in running]))
             running = still
             if not running or step == params.max_new_tokens - 1:
                 break

@@ -80,3 +80,11 @@ class NeedsAnUnlistedOp(torch.nn.Module):
 def test_the_compiler_refuses_a_model_that_needs_an_unlisted_op() -> None:
     with pytest.raises(DisallowedOpError, match=r"aten\.logcumsumexp\.default"):
         cuvil.jit(NeedsAnUnlistedOp(), (torch.randn(2, 8),))
+
+
+def test_every_in_place_fused_op_says_why_an_artifact_may_hold_it() -> None:
+    from cuvil.allowed_ops import IN_PLACE_REASONS
+    from cuvil.fused_ops import in_place_ops
+
+    assert set(in_place_ops()) == set(IN_PLACE_REASONS)
+    assert all(len(reason) > 40 for reason in IN_PLACE_REASONS.values())

@@ -1,0 +1,343 @@
+"""Decoder generation on CPU: transformers' ``generate`` against Cuvil's compiled prefill/decode.
+
+    .venv/bin/python benchmarks/generate.py --threads 2 --runs 3 > benchmarks/results/….json
+
+Models: the tiny Llama of ``cuvil.models`` and a ~100M-parameter Llama-shaped model from a
+config (random weights). Peers at batch 1, one function each (``PEERS``), each generating
+``--new-tokens`` greedy tokens from a ``--prompt``-token prompt, timed per token through
+transformers' streamer protocol (``put`` per step), the peers interleaved run by run:
+
+- ``transformers_eager``: ``model.generate`` with its own dynamic KV cache;
+- ``transformers_compiled``: ``model.generate`` with a static cache and ``torch.compile`` of the
+  forward, where it compiles (its error is recorded where it does not);
+- ``cuvil``: ``cuvil.jit(model, …, task="text-generation").generate``.
+
+Per peer: time to first token (prefill), inter-token p50/p99 (decode steps), decode tokens/s
+(1 / mean inter-token time), end-to-end tokens/s; ratios against transformers eager.
+
+``--streams N`` adds aggregate tokens/s for N concurrent streams of different prompt lengths
+(``STREAM_PEERS``): transformers in static batches (left-padded, all streams in one batch) and
+Cuvil's in-process ``generate`` in groups of its slots; ``sidecar_streams`` is where the
+sidecar's continuous-batching column goes (its own function, returning the same fields).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from cuvil.runtime.generation import GenerationModel
+
+MAX_SEQ = 512
+WARMUP_RUNS = 3
+
+
+@dataclass
+class TokenClock:
+    """transformers' streamer protocol: the time of each ``put`` after the prompt's."""
+
+    start: float = field(default_factory=time.perf_counter)
+    times: list[float] = field(default_factory=list)
+    prompt_seen: bool = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self.prompt_seen:
+            self.prompt_seen = True
+            return
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+@dataclass
+class Case:
+    name: str
+    model: Any  # a transformers causal LM
+    prompt: torch.Tensor  # [1, prompt]
+    new_tokens: int
+    parameters: int
+
+
+def tiny_llama() -> torch.nn.Module:
+    from cuvil.models.catalog import tiny_llama as spec
+
+    return spec().model
+
+
+def llama_100m() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        vocab_size=32000,
+        max_position_embeddings=MAX_SEQ,
+        tie_word_embeddings=True,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+MODELS: dict[str, Callable[[], torch.nn.Module]] = {
+    "tiny_llama": tiny_llama,
+    "llama_100m": llama_100m,
+}
+
+
+def _greedy_options(case: Case) -> dict[str, Any]:
+    return {"max_new_tokens": case.new_tokens, "do_sample": False}
+
+
+def _compiled(case: Case) -> GenerationModel:
+    import cuvil
+
+    compiled = cuvil.jit(
+        case.model,
+        {"input_ids": case.prompt},
+        task="text-generation",
+        max_batch=16,
+        max_seq=MAX_SEQ,
+    )
+    assert isinstance(compiled, GenerationModel)
+    return compiled
+
+
+def _quiet_generation_config(model: Any) -> None:
+    """No end token (every peer generates exactly ``new_tokens``), pad 0."""
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+
+
+# ---------------------------------------------------------------- batch-1 peers
+
+
+def transformers_eager(case: Case) -> Callable[[TokenClock], torch.Tensor]:
+    model = case.model
+
+    def run(clock: TokenClock) -> torch.Tensor:
+        with torch.inference_mode():
+            return model.generate(case.prompt, streamer=clock, **_greedy_options(case))
+
+    return run
+
+
+def transformers_compiled(case: Case) -> Callable[[TokenClock], torch.Tensor]:
+    """Static cache and ``torch.compile`` of the forward (transformers' recipe)."""
+    import copy
+
+    model = copy.deepcopy(case.model)
+    _quiet_generation_config(model)
+    model.generation_config.cache_implementation = "static"
+    model.forward = torch.compile(model.forward, dynamic=False)
+
+    def run(clock: TokenClock) -> torch.Tensor:
+        with torch.inference_mode():
+            return model.generate(case.prompt, streamer=clock, **_greedy_options(case))
+
+    return run
+
+
+def cuvil_generate(case: Case) -> Callable[[TokenClock], torch.Tensor]:
+    compiled = _compiled(case)
+
+    def run(clock: TokenClock) -> torch.Tensor:
+        options = {**_greedy_options(case), "eos_token_id": None, "pad_token_id": 0}
+        return compiled.generate(case.prompt, streamer=clock, **options)
+
+    return run
+
+
+PEERS: dict[str, Callable[[Case], Callable[[TokenClock], torch.Tensor]]] = {
+    "transformers_eager": transformers_eager,
+    "transformers_compiled": transformers_compiled,
+    "cuvil": cuvil_generate,
+}
+
+
+def timings(clock: TokenClock) -> dict[str, float]:
+    gaps = [b - a for a, b in zip(clock.times, clock.times[1:], strict=False)]
+    total = clock.times[-1] - clock.start
+    return {
+        "ttft_ms": (clock.times[0] - clock.start) * 1e3,
+        "inter_token_p50_ms": statistics.median(gaps) * 1e3,
+        "inter_token_p99_ms": _percentile(gaps, 0.99) * 1e3,
+        "decode_tokens_per_s": len(gaps) / sum(gaps),
+        "end_to_end_tokens_per_s": len(clock.times) / total,
+    }
+
+
+def _percentile(values: list[float], fraction: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(fraction * (len(ordered) - 1)))]
+
+
+def batch_one(case: Case, runs: int, peers: list[str]) -> dict[str, Any]:
+    prepared: dict[str, Callable[[TokenClock], torch.Tensor]] = {}
+    results: dict[str, Any] = {}
+    outputs: dict[str, torch.Tensor] = {}
+    for name in peers:
+        started = time.perf_counter()
+        try:
+            prepared[name] = PEERS[name](case)
+            for _ in range(WARMUP_RUNS):  # compiles lazily; settles per-shape kernel choices
+                outputs[name] = prepared[name](TokenClock())
+        except Exception as error:  # a peer that cannot run is recorded, not fatal
+            results[name] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+            prepared.pop(name, None)
+            continue
+        results[name] = {"setup_seconds": round(time.perf_counter() - started, 2), "runs": []}
+        print(f"{case.name}: {name} ready", file=sys.stderr)
+    for _ in range(runs):
+        for name, run in prepared.items():  # interleaved: drift hits every peer alike
+            clock = TokenClock()
+            run(clock)
+            results[name]["runs"].append(timings(clock))
+    for name in prepared:
+        entry = results[name]
+        for key in entry["runs"][0]:
+            entry[key] = round(statistics.median(r[key] for r in entry["runs"]), 3)
+        del entry["runs"]
+        reference = outputs.get("transformers_eager")
+        entry["same_tokens_as_eager"] = reference is not None and torch.equal(
+            outputs[name], reference
+        )
+    eager = results.get("transformers_eager", {})
+    for name in prepared:
+        if name != "transformers_eager" and "decode_tokens_per_s" in eager:
+            results[name]["decode_speedup_vs_eager"] = round(
+                results[name]["decode_tokens_per_s"] / eager["decode_tokens_per_s"], 2
+            )
+            results[name]["ttft_speedup_vs_eager"] = round(
+                eager["ttft_ms"] / results[name]["ttft_ms"], 2
+            )
+    return results
+
+
+# ---------------------------------------------------------------- concurrent streams
+
+
+def _stream_prompts(case: Case, streams: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    lengths = [8 + (17 * index) % 48 for index in range(streams)]
+    return [torch.randint(3, 1000, (length,), generator=generator) for length in lengths]
+
+
+def _left_padded(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.int64)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = prompt
+        mask[row, width - len(prompt) :] = 1
+    return ids, mask
+
+
+def transformers_static_batches(case: Case, prompts: list[torch.Tensor]) -> dict[str, Any]:
+    """All streams in one left-padded batch through ``model.generate``."""
+    ids, mask = _left_padded(prompts)
+    started = time.perf_counter()
+    with torch.inference_mode():
+        case.model.generate(ids, attention_mask=mask, **_greedy_options(case))
+    seconds = time.perf_counter() - started
+    return {"seconds": round(seconds, 3), "tokens_per_s": len(prompts) * case.new_tokens / seconds}
+
+
+def cuvil_in_process(case: Case, prompts: list[torch.Tensor]) -> dict[str, Any]:
+    """Cuvil's ``generate`` on the same left-padded batch (groups of its slots)."""
+    compiled = _compiled(case)
+    ids, mask = _left_padded(prompts)
+    options = {**_greedy_options(case), "eos_token_id": None, "pad_token_id": 0}
+    compiled.generate(ids[:1], attention_mask=mask[:1], **options)  # warm-up
+    started = time.perf_counter()
+    compiled.generate(ids, attention_mask=mask, **options)
+    seconds = time.perf_counter() - started
+    return {"seconds": round(seconds, 3), "tokens_per_s": len(prompts) * case.new_tokens / seconds}
+
+
+def sidecar_streams(case: Case, prompts: list[torch.Tensor]) -> dict[str, Any] | None:
+    """The sidecar's column: the same streams as concurrent requests to a running sidecar
+    (continuous batching), returning ``seconds`` and ``tokens_per_s`` like the others; None
+    while the sidecar's generate endpoints are not part of this checkout."""
+    return None
+
+
+STREAM_PEERS: dict[str, Callable[[Case, list[torch.Tensor]], dict[str, Any] | None]] = {
+    "transformers_static_batches": transformers_static_batches,
+    "cuvil_in_process": cuvil_in_process,
+    "sidecar": sidecar_streams,
+}
+
+
+def concurrent_streams(case: Case, streams: int) -> dict[str, Any]:
+    prompts = _stream_prompts(case, streams)
+    results: dict[str, Any] = {}
+    for name, peer in STREAM_PEERS.items():
+        try:
+            result = peer(case, prompts)
+        except Exception as error:
+            result = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+        if result is not None:
+            results[name] = result
+    base = results.get("transformers_static_batches", {}).get("tokens_per_s")
+    for result in results.values():
+        if base and "tokens_per_s" in result:
+            result["tokens_per_s"] = round(result["tokens_per_s"], 1)
+            result["ratio_vs_transformers"] = round(result["tokens_per_s"] / base, 2)
+    return {"streams": streams, "new_tokens": case.new_tokens, **results}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--prompt", type=int, default=32, help="prompt tokens")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--peers", default=",".join(PEERS))
+    parser.add_argument("--streams", type=int, default=0, help="concurrent streams (0: off)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    document: dict[str, Any] = {
+        "benchmark": "generate",
+        "command": " ".join(sys.argv),
+        "threads": args.threads,
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "load_average": os.getloadavg(),
+        "torch": torch.__version__,
+        "prompt_tokens": args.prompt,
+        "new_tokens": args.new_tokens,
+        "models": {},
+    }
+    for name in args.models.split(","):
+        model = MODELS[name]()
+        _quiet_generation_config(model)
+        generator = torch.Generator().manual_seed(0)
+        prompt = torch.randint(3, 1000, (1, args.prompt), generator=generator)
+        parameters = sum(p.numel() for p in model.parameters())
+        case = Case(name, model, prompt, args.new_tokens, parameters)
+        entry: dict[str, Any] = {"parameters": parameters}
+        entry["batch_1"] = batch_one(case, args.runs, args.peers.split(","))
+        if args.streams:
+            entry["concurrent"] = concurrent_streams(case, args.streams)
+        document["models"][name] = entry
+    document["load_average_after"] = os.getloadavg()
+    print(json.dumps(document, indent=2))
+
+
+if __name__ == "__main__":
+    main()
