@@ -34,6 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # no compile workers left behind
+
 import torch
 
 from cuvil.runtime.generation import GenerationModel
@@ -117,7 +119,10 @@ def _compiled(case: Case) -> GenerationModel:
 
 
 def _quiet_generation_config(model: Any) -> None:
-    """No end token (every peer generates exactly ``new_tokens``), pad 0."""
+    """No end token (every peer generates exactly ``new_tokens``), pad 0, and transformers'
+    own KV cache on (the tiny Llama's config turns it off for its forward benchmark)."""
+    model.config.use_cache = True
+    model.generation_config.use_cache = True
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
 
