@@ -10,8 +10,9 @@ depends on the write and runs after it. One ``index_put_`` per call: no copy of 
 attention of ``query`` ([batch, heads, tokens, head_dim]) over each row's own slot: query token
 ``t`` of row ``b`` sees cache positions ``0 .. positions[b] + t``. Keys and values are read as
 views of the slot's prefix (``cache[slot, :, :length]``), so the work follows each sequence's
-length, not ``max_seq``, and nothing is gathered. Grouped-query attention (fewer KV heads than
-query heads) is ATen's ``enable_gqa``.
+length, not ``max_seq``, and nothing is gathered; a decode step over consecutive slots is one
+call over a view of those slots up to the longest row, each row masked to its own length.
+Grouped-query attention (fewer KV heads than query heads) is ATen's ``enable_gqa``.
 
 The CPU and CUDA backends both take these factories (``KV_CACHE_KERNELS``); the frontend's
 tracing ops (cuvil/frontend/kv_cache_ops.py) call the same functions for eager runs. The
@@ -53,25 +54,42 @@ def attend(
     """Causal attention of each row's queries over its slot's cache prefix."""
     tokens = query.shape[2]
     gqa = query.shape[1] != key_cache.shape[1]
-    rows = []
-    for row, (slot, start) in enumerate(zip(slots.tolist(), positions.tolist(), strict=True)):
+    rows, starts = slots.tolist(), positions.tolist()
+    longest = max(starts) + tokens
+    if longest > key_cache.shape[2]:
+        raise IndexError(f"a row reaches position {longest} of a cache of {key_cache.shape[2]}")
+    first = rows[0]
+    if tokens == 1 and len(rows) > 1 and rows == list(range(first, first + len(rows))):
+        # one token per row in consecutive slots: one call over a view of the slots, each row
+        # masked to its own length (what generate's batches are)
+        keys = key_cache[first : first + len(rows), :, :longest]
+        values = value_cache[first : first + len(rows), :, :longest]
+        seen = torch.arange(longest, device=query.device)[None, :] <= positions[:, None]
+        mask = seen[:, None, None, :]
+        return F.scaled_dot_product_attention(
+            query, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa
+        )
+    out = []
+    for row, (slot, start) in enumerate(zip(rows, starts, strict=True)):
         length = start + tokens
-        if length > key_cache.shape[2]:
-            raise IndexError(
-                f"row {row} reaches position {length} of a cache of {key_cache.shape[2]}"
-            )
         keys = key_cache[slot : slot + 1, :, :length]
         values = value_cache[slot : slot + 1, :, :length]
         mask = None
-        if tokens > 1:  # bottom-right causal: token t sees positions up to start + t
+        if tokens > 1 and start > 0:  # bottom-right causal: token t sees up to start + t
             seen = torch.arange(length, device=query.device)
             mask = seen[None, :] <= (start + torch.arange(tokens, device=query.device))[:, None]
-        rows.append(
+        out.append(
             F.scaled_dot_product_attention(
-                query[row : row + 1], keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa
+                query[row : row + 1],
+                keys,
+                values,
+                attn_mask=mask,
+                is_causal=tokens > 1 and start == 0,  # from position 0 the two agree
+                scale=scale,
+                enable_gqa=gqa,
             )
         )
-    return rows[0] if len(rows) == 1 else torch.cat(rows)
+    return out[0] if len(out) == 1 else torch.cat(out)
 
 
 def kv_cache_write_kernel(call: FusedCall) -> PreparedKernel:

@@ -59,13 +59,19 @@ def _reference_attention(
     return torch.stack(out)
 
 
-@pytest.mark.parametrize(("tokens", "starts"), [(1, [0, 5, 11]), (4, [0, 3, 9])])
+@pytest.mark.parametrize(
+    ("tokens", "starts", "slots"),
+    [
+        (1, [0, 5, 11], [2, 0, 3]),  # one row at a time
+        (1, [4, 0, 12], [1, 2, 3]),  # consecutive slots: one masked call
+        (4, [0, 3, 9], [2, 0, 3]),  # chunks of a prompt, from 0 and from later positions
+    ],
+)
 def test_cached_attention_equals_attention_over_the_gathered_prefix(
-    tokens: int, starts: list[int]
+    tokens: int, starts: list[int], slots: list[int]
 ) -> None:
     keys, values = _cache(), _cache().flip(0)
     query = torch.randn(3, 2 * KV_HEADS, tokens, HEAD)  # grouped-query: 2 heads per KV head
-    slots = [2, 0, 3]
     got = kv_cache.attend(query, keys, values, torch.tensor(slots), torch.tensor(starts), 0.3)
     expected = _reference_attention(query, keys, values, slots, starts, 0.3)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
