@@ -40,8 +40,7 @@ class EagerDecoderEngine:
         self._keys: list[torch.Tensor] = []
         self._values: list[torch.Tensor] = []
         for layer in probe.layers:
-            keys, values = layer.keys, layer.values
-            assert keys is not None and values is not None
+            keys, values = _layer_tensors(layer)
             self._keys.append(keys.new_zeros(max_batch, keys.shape[1], max_seq, keys.shape[3]))
             self._values.append(
                 values.new_zeros(max_batch, values.shape[1], max_seq, values.shape[3])
@@ -130,11 +129,21 @@ class EagerDecoderEngine:
                 logits_to_keep=1,  # only the last position's logits are wanted
             )
         for layer, (keys, values) in enumerate(zip(self._keys, self._values, strict=True)):
-            new = cache.layers[layer]
-            assert new.keys is not None and new.values is not None
+            new_keys, new_values = _layer_tensors(cache.layers[layer])
             for row, (slot, start) in enumerate(zip(slots, starts, strict=True)):
-                keys[slot, :, start : start + count] = new.keys[row, :, held:]
-                values[slot, :, start : start + count] = new.values[row, :, held:]
+                keys[slot, :, start : start + count] = new_keys[row, :, held:]
+                values[slot, :, start : start + count] = new_values[row, :, held:]
         for slot, start in zip(slots, starts, strict=True):
             self._lengths[slot] = start + count
         return output.logits.float()
+
+
+def _layer_tensors(layer: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """A cache layer's keys and values ``[batch, kv_heads, positions, head_dim]``."""
+    keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+    if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor):
+        raise ValueError(
+            f"{type(layer).__name__} holds no keys and values: only full-attention layers are "
+            "covered"
+        )
+    return keys, values
