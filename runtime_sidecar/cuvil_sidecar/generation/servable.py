@@ -218,6 +218,8 @@ class GenerationStream:
             self._last_ns = event.at_ns
             if self._detokenizer is not None:
                 piece = self._detokenizer.add(event.token)
+                if finish is not None:
+                    piece += self._detokenizer.flush()
                 piece, stopped = self._cut_at_stop(piece)
                 if stopped and finish is None:
                     finish = FINISH_STOP

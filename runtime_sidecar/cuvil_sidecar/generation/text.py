@@ -55,6 +55,15 @@ class Detokenizer:
         piece, self.text = text[len(self.text) :], text
         return piece
 
+    def flush(self) -> str:
+        """What is still held back, once no more tokens come (an incomplete last character
+        stays as decoding renders it)."""
+        text = self._codec.decode(self._ids)
+        if not text.startswith(self.text):
+            return ""
+        piece, self.text = text[len(self.text) :], text
+        return piece
+
 
 def eos_from_files(folder: Path, codec: TextCodec | None) -> tuple[int, ...]:
     """The model's end-of-sequence ids: ``generation_config.json``'s, else ``config.json``'s,
