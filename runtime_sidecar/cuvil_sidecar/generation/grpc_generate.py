@@ -11,7 +11,8 @@ response parameter ``triton_final_response`` is false except on the last one, wh
 carries ``finish_reason``. With the request parameter ``triton_enable_empty_final_response``
 the last token's response is not final, and an empty response flagged final follows it, as
 Triton does. A request the model refuses is answered with its error in the stream
-(``error_message``), and the stream goes on.
+(``error_message``, led by its gRPC status name: ``RESOURCE_EXHAUSTED: ...``, since a stream's
+messages carry no status code), and the stream goes on.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from cuvil_sidecar.dataplane import DataPlane
-from cuvil_sidecar.errors import InvalidInput, SidecarError
+from cuvil_sidecar.errors import InvalidInput, SidecarError, grpc_status
 from cuvil_sidecar.generation.requests import SAMPLING_KEYS, GenerateRequest, read_parameters
 from cuvil_sidecar.generation.scheduler import FINISH_ERROR, FINISH_SHUTDOWN
 from cuvil_sidecar.generation.servable import (
@@ -57,8 +58,8 @@ async def stream_answers(dataplane: DataPlane, request: Any) -> AsyncIterator[An
         stream = dataplane.open_generation(
             neutral.model_name, neutral.model_version, lambda model: _read(model, neutral)
         )
-    except SidecarError as refused:
-        yield error(str(refused))
+    except SidecarError as refused:  # the status code leads the message: streams carry none
+        yield error(f"{grpc_status(refused).name}: {refused}")
         return
     empty_final = neutral.parameters.get(EMPTY_FINAL) is True
     try:
