@@ -310,7 +310,7 @@ def test_over_budget_requests_are_refused_at_once(one_slot: Sidecar) -> None:
     body = {"input_ids": list(range(3, 103)), "parameters": {"max_tokens": LONG}}
     status, answer = post(one_slot, "/v2/models/tiny-ids/generate", body)
     assert status == 413 and "can never run" in answer["error"], answer
-    with pytest.raises(Exception, match="RESOURCE_EXHAUSTED.*can never run"):
+    with pytest.raises(Exception, match=r"RESOURCE_EXHAUSTED.*can never run"):
         grpc_stream(one_slot, body, model="tiny-ids")
     status, answer = post(one_slot, "/v2/models/tiny-ids/generate", {"text_input": "hi"})
     assert status == 400 and "no tokenizer" in answer["error"]
