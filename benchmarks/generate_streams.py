@@ -19,7 +19,8 @@ padded, in arrival order), each batch generating its longest request's token cou
 ``tokens_per_s`` counts only the tokens requests asked for, over the total time.
 ``matching_streams``: requests whose sidecar tokens equal the static batch's.
 The client shares the machine's cores with the sidecar; ``load_average`` is the host's before
-and after.
+and after. Both sides run with the sidecar's OpenMP spin (``GOMP_SPINCOUNT``, 3000 unless set):
+with libgomp's default a busy 2-core host slows transformers' batched steps several fold.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+os.environ.setdefault("GOMP_SPINCOUNT", "3000")  # before torch loads libgomp: as the sidecar
 
 import torch
 
@@ -233,6 +236,7 @@ def main() -> None:
         "streams": args.streams,
         "threads": args.threads,
         "engine": "EagerDecoderEngine",
+        "gomp_spincount": os.environ["GOMP_SPINCOUNT"],
         "cpu": _cpu(),
         "load_average": {"before": load_before, "after": os.getloadavg()},
         "sidecar": sidecar,
