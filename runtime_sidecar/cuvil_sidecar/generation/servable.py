@@ -40,6 +40,7 @@ log = logging.getLogger("cuvil_sidecar.generation")
 
 VERSION = "1"
 RETIRE_POLL_S = 0.005
+RETIRE_GRACE_S = 30.0  # how long a replaced or stopping model lets its streams run on
 TEXT_INPUT, INPUT_IDS = "text_input", "input_ids"
 TEXT_OUTPUT, OUTPUT_IDS = "text_output", "output_ids"
 
@@ -135,7 +136,10 @@ class GenerationServable:
             self.in_flight -= 1
 
     async def retire(self) -> None:
-        while self.in_flight:
+        """Let running streams finish for up to ``RETIRE_GRACE_S``, then stop the scheduler:
+        streams still running end with ``shutdown`` (their clients are told)."""
+        deadline = time.monotonic() + RETIRE_GRACE_S
+        while self.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(RETIRE_POLL_S)
         await asyncio.get_running_loop().run_in_executor(None, self.scheduler.close)
         log.info("retired %s %s", self.name, self.digest)

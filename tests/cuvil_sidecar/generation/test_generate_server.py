@@ -239,6 +239,14 @@ def test_text_in_and_out_with_the_tokenizer(batching: Sidecar) -> None:
     events = list(EventStream(batching, "tiny", body))
     assert [e["output_ids"][0] for e in events] == answer["output_ids"]
     assert "".join(e["text_output"] for e in events) == answer["text_output"]
+    text = answer["text_output"]
+    stop = next(text[i : i + 2] for i in range(1, len(text) - 1) if text[i : i + 2].strip())
+    body["parameters"] |= {"stop": [stop]}
+    status, stopped = post(batching, "/v2/models/tiny/generate", body)
+    assert status == 200, stopped
+    assert stopped["text_output"] == text[: text.index(stop)]
+    assert stopped["finish_reason"] == "stop"
+    assert stopped["output_ids"] == answer["output_ids"][: len(stopped["output_ids"])]
 
 
 @pytest.mark.parametrize(
