@@ -347,3 +347,25 @@ def test_a_disconnected_client_frees_its_slot_and_a_full_cache_refuses(
     assert metric(one_slot, "cuvil_generation_tokens") - before < LONG
     status, answer = post(one_slot, "/v2/models/tiny-ids/generate", short)
     assert status == 200 and "text_output" not in answer and len(answer["output_ids"]) <= 3
+
+
+def test_a_cancelled_grpc_stream_frees_its_slot(one_slot: Sidecar) -> None:
+    client = grpcclient.InferenceServerClient(one_slot.url)
+    results: queue.Queue[Any] = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    item = grpcclient.InferInput("input_ids", [3], "INT64")
+    item.set_data_from_numpy(np.array([7, 8, 9], dtype=np.int64))
+    client.async_stream_infer(
+        "tiny-ids", [item], parameters={"max_tokens": LONG, "ignore_eos": True}
+    )
+    result, error = results.get(timeout=WAIT_S)
+    assert error is None and len(result.as_numpy("output_ids")) == 1
+    assert metric(one_slot, "cuvil_generation_running") == 1
+    client.stop_stream(cancel_requests=True)  # the client goes away mid-stream
+    client.close()
+    deadline = time.monotonic() + WAIT_S
+    while metric(one_slot, "cuvil_generation_running") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric(one_slot, "cuvil_generation_running") == 0
+    status, answer = post(one_slot, "/v2/models/tiny-ids/generate", {"input_ids": [1]})
+    assert status == 200, answer
