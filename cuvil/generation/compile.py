@@ -92,6 +92,7 @@ def compile_generation(
         "target": options.target,
         "precision": options.precision,
         "task": "text-generation",
+        "eos_token_id": _as_list(generation["eos_token_id"]),
         "signature": _signature_json(decode.graph),
         "passes": [entry["name"] for entry in decode_passes],
         "generation": generation,
@@ -288,6 +289,10 @@ def _token_ids(model: torch.nn.Module, key: str) -> int | list[int] | None:
         if isinstance(value, list | tuple) and value:
             return [int(v) for v in value]
     return None
+
+
+def _as_list(ids: int | list[int] | None) -> list[int]:
+    return [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
 
 
 def _tokenizer_files(tokenizer_dir: str | Path | None, model: torch.nn.Module) -> dict[str, bytes]:

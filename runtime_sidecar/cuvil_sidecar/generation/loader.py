@@ -53,16 +53,24 @@ class GenerationLoadError(RuntimeError):
     """The source is a generation model that cannot be served here; the message says why."""
 
 
-def _no_compiled_engine(path: Path, config: Mapping[str, Any], settings: SidecarConfig) -> Any:
-    raise GenerationLoadError(
-        f"{path} is a {TASK} artifact, and this sidecar has no engine for compiled generation "
-        "artifacts: cuvil_sidecar.generation.loader.ENGINE_FOR_ARTIFACT names none"
-    )
+def _compiled_engine(path: Path, config: Mapping[str, Any], settings: SidecarConfig) -> Any:
+    """The artifact's compiled prefill/decode pair and its KV cache (``max_batch`` slots of
+    ``max_seq`` positions, fixed when it was compiled): cuvil/runtime/generation.py."""
+    from cuvil.runtime.generation import GenerationModel as CompiledGeneration
+    from cuvil.runtime.model import load
+
+    try:
+        model = load(path)
+    except ValueError as error:  # ArtifactError among them
+        raise GenerationLoadError(f"loading the {TASK} artifact {path} failed: {error}") from error
+    if not isinstance(model, CompiledGeneration):
+        raise GenerationLoadError(f"{path} says {TASK} but holds no prefill/decode pair")
+    return model
 
 
 # (artifact folder or tar, its config, the sidecar's settings) -> its DecoderEngine
 EngineForArtifact = Callable[[Path, Mapping[str, Any], SidecarConfig], DecoderEngine]
-ENGINE_FOR_ARTIFACT: EngineForArtifact = _no_compiled_engine
+ENGINE_FOR_ARTIFACT: EngineForArtifact = _compiled_engine
 
 
 def load_generation(

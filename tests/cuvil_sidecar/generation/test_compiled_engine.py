@@ -1,0 +1,59 @@
+"""A compiled generation artifact behind the sidecar's loader and scheduler: the loader hands
+out the artifact's compiled engine, and streams that join, leave and prefill in chunks get the
+tokens transformers' ``generate`` gives each prompt alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from cuvil_sidecar.generation import loader
+from cuvil_sidecar.generation.scheduler import Scheduler
+
+import cuvil
+from cuvil.generation.sampling import SamplingParams
+from cuvil.runtime.generation import GenerationModel
+from tests.cuvil.generation.families import VOCAB, build
+from tests.cuvil_sidecar.generation.test_scheduler import Collector
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, Path]:
+    model = build("llama")
+    example = {"input_ids": torch.randint(6, VOCAB, (1, 6))}
+    compiled = cuvil.jit(model, example, task="text-generation", max_batch=4, max_seq=64)
+    path = compiled.save(tmp_path_factory.mktemp("artifact") / "llama", directory=True)
+    return model, path
+
+
+def _prompt(index: int) -> list[int]:
+    generator = torch.Generator().manual_seed(index)
+    return torch.randint(6, VOCAB, (3 + (index * 7) % 17,), generator=generator).tolist()
+
+
+def test_the_loader_serves_the_artifacts_compiled_engine(artifact: tuple) -> None:
+    model, path = artifact
+    config = loader.artifact_config(path)
+    assert config["task"] == loader.TASK
+    assert config["eos_token_id"] == [model.generation_config.eos_token_id]
+    engine = loader.ENGINE_FOR_ARTIFACT(path, config, None)  # type: ignore[arg-type]
+    assert isinstance(engine, GenerationModel)
+    assert (engine.max_batch, engine.max_seq) == (4, 64)
+
+    requests = [(_prompt(i), SamplingParams(max_new_tokens=4 + 2 * i)) for i in range(7)]
+    scheduler = Scheduler(engine, prefill_chunk=5)  # 7 streams through 4 slots, chunked prompts
+    try:
+        collectors = []
+        for prompt, params in requests:
+            collectors.append(Collector())
+            scheduler.submit(prompt, params, collectors[-1])
+        streamed = [collector.tokens() for collector in collectors]
+    finally:
+        scheduler.close()
+    for (prompt, params), tokens in zip(requests, streamed, strict=True):
+        ids = torch.tensor([prompt])
+        expected = model.generate(
+            ids, max_new_tokens=params.max_new_tokens, do_sample=False, eos_token_id=None
+        )
+        assert tokens == expected[0, len(prompt) :].tolist()
