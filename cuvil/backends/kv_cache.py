@@ -65,16 +65,15 @@ def attend(
         keys = key_cache[first : first + len(rows), :, :longest]
         values = value_cache[first : first + len(rows), :, :longest]
         seen = torch.arange(longest, device=query.device)[None, :] <= positions[:, None]
-        mask = seen[:, None, None, :]
         return F.scaled_dot_product_attention(
-            query, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa
+            query, keys, values, attn_mask=seen[:, None, None, :], scale=scale, enable_gqa=gqa
         )
     out = []
     for row, (slot, start) in enumerate(zip(rows, starts, strict=True)):
         length = start + tokens
         keys = key_cache[slot : slot + 1, :, :length]
         values = value_cache[slot : slot + 1, :, :length]
-        mask = None
+        mask: torch.Tensor | None = None
         if tokens > 1 and start > 0:  # bottom-right causal: token t sees up to start + t
             seen = torch.arange(length, device=query.device)
             mask = seen[None, :] <= (start + torch.arange(tokens, device=query.device))[:, None]

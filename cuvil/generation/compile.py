@@ -77,11 +77,12 @@ def compile_generation(
         prefill, prefill_passes = _lowered(prefill_ep, f"{name}.prefill", run)
     prefill = _share_weights(decode, prefill)
     cache_inputs = decode.graph.inputs[len(STEP_INPUTS) :]
+    eos = _token_ids(model, "eos_token_id")
     generation = {
         "kv_cache": layout.to_json(),
         "cache_inputs": list(cache_inputs),
         "vocab_size": int(decode.graph.type_of(decode.graph.outputs[0][1]).shape[-1]),
-        "eos_token_id": _token_ids(model, "eos_token_id"),
+        "eos_token_id": eos,
         "pad_token_id": _token_ids(model, "pad_token_id"),
         "kv_bytes_per_token": layout.bytes_per_token,
     }
@@ -92,7 +93,7 @@ def compile_generation(
         "target": options.target,
         "precision": options.precision,
         "task": "text-generation",
-        "eos_token_id": _as_list(generation["eos_token_id"]),
+        "eos_token_id": _as_list(eos),  # where the sidecar's loader reads it
         "signature": _signature_json(decode.graph),
         "passes": [entry["name"] for entry in decode_passes],
         "generation": generation,
