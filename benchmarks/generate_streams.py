@@ -7,10 +7,12 @@ batches. Prints one JSON document.
 The model is a Llama from a config with random weights (``--model tiny``: hidden 256, 2
 layers, the catalog's tiny Llama; ``llama100m``: hidden 768, 12 layers, ~100M parameters),
 saved as a transformers checkpoint in a temporary folder and served by a sidecar subprocess
-(``CUVIL_MODEL`` = that folder: ``EagerDecoderEngine``, one slot per stream, unless the loader
-is given a compiled engine). Every request is greedy with ``ignore_eos`` (so each generates
-exactly its ``max_tokens``), prompts of ``--prompt-min``..``--prompt-max`` tokens and
-``--tokens-min``..``--tokens-max`` new tokens, spread evenly. ``sidecar``: all streams sent at
+(``CUVIL_MODEL`` = that folder: ``EagerDecoderEngine``, one slot per stream), or with
+``--engine compiled`` compiled by ``cuvil.jit(..., task="text-generation")`` into an artifact
+folder with one slot per stream, which the sidecar serves through its compiled prefill/decode.
+Every request is greedy with ``ignore_eos`` (so each generates exactly its ``max_tokens``),
+prompts of ``--prompt-min``..``--prompt-max`` tokens and ``--tokens-min``..``--tokens-max`` new
+tokens, spread evenly. ``sidecar``: all streams sent at
 once over REST ``generate_stream`` (server-sent events), from threads of this process;
 ``tokens_per_s`` = tokens received / seconds from the first request to the last token;
 ``time_to_first_token_ms`` and ``inter_token_ms`` percentiles are measured by the client.
@@ -58,6 +60,21 @@ def checkpoint(name: str, folder: Path) -> Path:
     config = LlamaConfig(**MODELS[name], max_position_embeddings=1024)
     LlamaForCausalLM(config).eval().save_pretrained(folder / name)
     return folder / name
+
+
+def compiled_artifact(checkpoint: Path, args: argparse.Namespace) -> Path:
+    """The checkpoint compiled for generation: one slot per stream, room for the longest."""
+    from transformers import AutoModelForCausalLM
+
+    import cuvil
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, local_files_only=True).eval()
+    example = {"input_ids": torch.randint(3, 100, (1, 8))}
+    compiled = cuvil.jit(
+        model, example, task="text-generation", max_batch=args.streams,
+        max_seq=args.prompt_max + args.tokens_max, name=args.model,
+    )  # fmt: skip
+    return compiled.save(checkpoint.parent / "artifact" / args.model, directory=True)
 
 
 def requests_for(args: argparse.Namespace, vocab: int) -> list[dict[str, Any]]:
@@ -215,13 +232,15 @@ def main() -> None:
     parser.add_argument("--static-batch", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--engine", choices=("eager", "compiled"), default="eager")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="cuvil-generate-") as folder:
         path = checkpoint(args.model, Path(folder))
         requests = requests_for(args, int(MODELS[args.model]["vocab_size"]))
-        process, port = start_sidecar(path, args.streams, args.threads, Path(folder) / "log")
+        served = path if args.engine == "eager" else compiled_artifact(path, args)
+        process, port = start_sidecar(served, args.streams, args.threads, Path(folder) / "log")
         try:
             sidecar = through_sidecar(port, path.name, requests)
         finally:
@@ -235,7 +254,7 @@ def main() -> None:
         "model": args.model,
         "streams": args.streams,
         "threads": args.threads,
-        "engine": "EagerDecoderEngine",
+        "engine": "EagerDecoderEngine" if args.engine == "eager" else "compiled (cuvil.jit)",
         "gomp_spincount": os.environ["GOMP_SPINCOUNT"],
         "cpu": _cpu(),
         "load_average": {"before": load_before, "after": os.getloadavg()},
