@@ -17,8 +17,9 @@ Per peer: time to first token (prefill), inter-token p50/p99 (decode steps), dec
 
 ``--streams N`` adds aggregate tokens/s for N concurrent streams of different prompt lengths
 (``STREAM_PEERS``): transformers in static batches (left-padded, all streams in one batch) and
-Cuvil's in-process ``generate`` in groups of its slots; ``sidecar_streams`` is where the
-sidecar's continuous-batching column goes (its own function, returning the same fields).
+Cuvil's in-process ``generate`` on the same batch. The same streams through the sidecar's
+continuous batching, over HTTP, are ``benchmarks/generate_streams.py`` (``--engine compiled``
+for this compiled model).
 """
 
 from __future__ import annotations
@@ -273,17 +274,9 @@ def cuvil_in_process(case: Case, prompts: list[torch.Tensor]) -> dict[str, Any]:
     return {"seconds": round(seconds, 3), "tokens_per_s": len(prompts) * case.new_tokens / seconds}
 
 
-def sidecar_streams(case: Case, prompts: list[torch.Tensor]) -> dict[str, Any] | None:
-    """The sidecar's column: the same streams as concurrent requests to a running sidecar
-    (continuous batching), returning ``seconds`` and ``tokens_per_s`` like the others; None
-    while the sidecar's generate endpoints are not part of this checkout."""
-    return None
-
-
-STREAM_PEERS: dict[str, Callable[[Case, list[torch.Tensor]], dict[str, Any] | None]] = {
+STREAM_PEERS: dict[str, Callable[[Case, list[torch.Tensor]], dict[str, Any]]] = {
     "transformers_static_batches": transformers_static_batches,
     "cuvil_in_process": cuvil_in_process,
-    "sidecar": sidecar_streams,
 }
 
 
@@ -295,8 +288,7 @@ def concurrent_streams(case: Case, streams: int) -> dict[str, Any]:
             result = peer(case, prompts)
         except Exception as error:
             result = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
-        if result is not None:
-            results[name] = result
+        results[name] = result
     base = results.get("transformers_static_batches", {}).get("tokens_per_s")
     for result in results.values():
         if base and "tokens_per_s" in result:
