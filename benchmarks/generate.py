@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # no compile workers left behind
+os.environ.setdefault("GOMP_SPINCOUNT", "3000")  # before torch loads libgomp: as the sidecar
 
 import torch
 
@@ -314,6 +315,7 @@ def main() -> None:
         "threads": args.threads,
         "cpu": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
+        "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),
         "load_average": os.getloadavg(),
         "torch": torch.__version__,
         "prompt_tokens": args.prompt,
