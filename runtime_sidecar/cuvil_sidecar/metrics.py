@@ -48,6 +48,9 @@ GAUGES = {
     "fraction of its cores [0.0 - 1.0]",
     "nv_cpu_memory_used_bytes": "Resident memory of the serving process, in bytes",
 }
+# the cumulative microseconds of failed requests: read by ModelStatistics (its ``fail``
+# duration), not exposed (Triton's metrics have no such counter)
+FAILURE_DURATION = "cuvil_request_failure_duration_us"
 RELOADS = "cuvil_model_reloads"
 INFO = "cuvil_model_info"
 REJECTED = "cuvil_inference_rejected"
@@ -86,6 +89,14 @@ class Metrics:
             for name, us in zip(HISTOGRAMS, (request_us, queue_us, compute_us), strict=True):
                 self._observe(name, labels, us / 1e6)
             self._last_inference_ms[labels] = time.time_ns() // 1_000_000
+
+    def request_failed(self, model: str, version: str, *, request_us: float) -> None:
+        """A request answered with an error after ``request_us``: counted, and its time added to
+        ``FAILURE_DURATION`` (Triton's statistics report failures with their duration)."""
+        labels = (("model", model), ("version", version))
+        with self._lock:
+            self._values["nv_inference_request_failure"][labels] += 1
+            self._values[FAILURE_DURATION][labels] += request_us
 
     def _observe(self, name: str, labels: Labels, seconds: float) -> None:
         counts = self._histograms[name].get(labels)

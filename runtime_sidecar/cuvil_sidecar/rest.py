@@ -151,6 +151,7 @@ class RestApi:
         return HttpResponse(200)
 
     async def infer(self, request: HttpRequest, model: str, version: str) -> HttpResponse:
+        started = time.time_ns()
         with tracing.http_span("POST /v2/models/{model}/infer", request.headers):
             try:
                 body = decoded_body(
@@ -160,7 +161,7 @@ class RestApi:
                     body, header_length(request.headers), model, version
                 )
             except SidecarError:
-                self.dataplane.count_failure(model)
+                self.dataplane.count_failure(model, started)
                 raise
             response = await self.dataplane.infer(neutral, _deadline_ns(neutral.parameters))
             plain, json_length = encode_infer(response, binary, all_binary)

@@ -7,7 +7,8 @@ configured ``policy.Policies`` see the call (its metadata and peer) and may refu
 ModelStreamInfer's messages are answered by ``stream_message``, which never aborts: errors go
 into the stream, one per request.
 A client's gRPC deadline goes with its request to the data plane, which drops the request unrun
-once the deadline has passed.
+once the deadline has passed, and so does, on the native front end, the call's ``client_gone``
+(grpcio cancels the call's task instead, which drops the request as well).
 """
 
 from __future__ import annotations
@@ -120,12 +121,14 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     @_rpc
     async def ModelInfer(self, request: Any, context: Any) -> Any:
+        started = time.time_ns()
         try:
             neutral = InferRequest.from_pb(request)
         except SidecarError:
-            self.dataplane.count_failure(request.model_name)
+            self.dataplane.count_failure(request.model_name, started)
             raise
-        return (await self.dataplane.infer(neutral, deadline_ns(context))).to_pb()
+        gone = getattr(context, "client_gone", None)  # the native front end's; grpcio cancels
+        return (await self.dataplane.infer(neutral, deadline_ns(context), gone)).to_pb()
 
     async def ModelStreamInfer(self, requests: AsyncIterator[Any], context: Any) -> Any:
         """grpcio's stream: each request answered by ``stream_message`` as it completes."""
@@ -194,6 +197,7 @@ class _InStream:
 
     def __init__(self, context: Any) -> None:
         self._context = context
+        self.client_gone = getattr(context, "client_gone", None)
 
     async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
         raise _StreamAbort(details)

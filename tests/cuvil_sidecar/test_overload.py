@@ -271,3 +271,52 @@ def test_requests_of_clients_that_hung_up_never_run(
         item.set_data_from_numpy(np.ones((1, 256), dtype=np.float32))
         assert client.infer("slow", [item]).as_numpy("output").shape == (1, 256)
         client.close()
+
+
+@pytest.mark.parametrize("frontend", ["native", "grpcio"])
+def test_a_cancelled_stream_stops(slow_artifact: Path, tmp_path: Path, frontend: str) -> None:
+    """A ModelStreamInfer stream of 300 messages, cancelled by its client once the first answer
+    has come: the messages the server had read but not yet run are dropped unrun (counted as
+    cancelled), and those that ran are all that reached the model."""
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    sidecar = Sidecar(
+        slow_artifact,
+        tmp_path / "sidecar.log",
+        CUVIL_MAX_BATCH_SIZE="1",
+        CUVIL_GRPC_FRONTEND=frontend,
+    )
+    sent = 300
+    with ready_sidecar(sidecar):
+        before = scrape(sidecar)
+        client = grpcclient.InferenceServerClient(sidecar.url)
+        answers: queue.Queue = queue.Queue()
+        client.start_stream(callback=lambda result, error: answers.put((result, error)))
+        item = grpcclient.InferInput("x", [1, 256], "FP32")
+        item.set_data_from_numpy(np.ones((1, 256), dtype=np.float32))
+        for index in range(sent):
+            client.async_stream_infer("slow", [item], request_id=str(index))
+        _, error = answers.get(timeout=60)
+        assert error is None, error
+        client.stop_stream(cancel_requests=True)
+        sidecar.wait_until(
+            lambda: labelled(scrape(sidecar), "nv_inference_pending_request_count") == 0
+        )
+        time.sleep(0.5)
+        after = scrape(sidecar)
+        ready = client.is_server_ready()  # the server serves on
+        client.close()
+
+    def moved(name: str, **labels: str) -> float:
+        return labelled(after, name, **labels) - labelled(before, name, **labels)
+
+    executed, cancelled = (
+        moved("nv_inference_count"),
+        moved("cuvil_inference_rejected", reason="cancelled"),
+    )
+    assert ready
+    assert cancelled > 0 and executed < sent, (executed, cancelled)
+    assert executed + cancelled <= sent  # a dropped message never ran
+    assert executed >= 1  # the first answer's
