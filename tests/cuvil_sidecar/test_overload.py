@@ -1,7 +1,8 @@
 """Overload: a bounded queue refuses the excess at once with UNAVAILABLE (counted in /metrics)
 and loses no accepted request; requests whose client's deadline passed while they waited never
-reach the model; idle and half-sent HTTP connections take no threads, are closed after the
-header timeout, and past the connection limit are answered 503. The model is made slow on
+reach the model, nor do those of calls and streams their clients cancelled (on both gRPC front
+ends); idle and half-sent HTTP connections take no threads, are closed after the header
+timeout, and past the connection limit are answered 503. The model is made slow on
 purpose (48 chained 256x256 linears, a few milliseconds a run) so that a queue forms."""
 
 from __future__ import annotations
@@ -320,3 +321,45 @@ def test_a_cancelled_stream_stops(slow_artifact: Path, tmp_path: Path, frontend:
     assert cancelled > 0 and executed < sent, (executed, cancelled)
     assert executed + cancelled <= sent  # a dropped message never ran
     assert executed >= 1  # the first answer's
+
+
+@pytest.mark.parametrize("frontend", ["native", "grpcio"])
+def test_cancelled_unary_calls_never_run(
+    slow_artifact: Path, tmp_path: Path, frontend: str
+) -> None:
+    """Sixty ModelInfer calls, cancelled by their client once the first is answered: those the
+    server holds but has not yet run are dropped unrun (counted as cancelled)."""
+    sidecar = Sidecar(
+        slow_artifact,
+        tmp_path / "sidecar.log",
+        CUVIL_MAX_BATCH_SIZE="1",
+        CUVIL_GRPC_FRONTEND=frontend,
+    )
+    sent = 60
+    x = np.ones((1, 256), dtype=np.float32)
+    with ready_sidecar(sidecar):
+        before = scrape(sidecar)
+
+        async def main() -> None:
+            client = aioclient.InferenceServerClient(sidecar.url)
+            try:
+                calls = [asyncio.ensure_future(call(client, x)) for _ in range(sent)]
+                await asyncio.wait(calls, return_when=asyncio.FIRST_COMPLETED)
+                for pending in calls:
+                    pending.cancel()
+                await asyncio.gather(*calls, return_exceptions=True)
+            finally:
+                await client.close()
+
+        asyncio.run(main())
+        sidecar.wait_until(
+            lambda: labelled(scrape(sidecar), "nv_inference_pending_request_count") == 0
+        )
+        time.sleep(0.5)
+        after = scrape(sidecar)
+    executed = labelled(after, "nv_inference_count") - labelled(before, "nv_inference_count")
+    cancelled = labelled(after, "cuvil_inference_rejected", reason="cancelled") - labelled(
+        before, "cuvil_inference_rejected", reason="cancelled"
+    )
+    assert cancelled > 0 and executed < sent, (executed, cancelled)
+    assert executed + cancelled <= sent
