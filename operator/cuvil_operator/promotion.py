@@ -83,7 +83,8 @@ def with_promotion(
         return patch
     previous = status.get("promoted") or None
     if phase == FAILED:
-        message = f"generation {generation} failed; {_serving(previous)}"
+        why = f" ({patch['message']})" if patch.get("message") else ""
+        message = f"generation {generation} failed{why}; {_serving(previous)}"
         update = (FALSE, "GenerationFailed", message)
         patch["candidate"] = None
     else:
