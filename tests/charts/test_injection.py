@@ -156,3 +156,21 @@ def test_example_app_is_valid_and_selected_by_the_webhook(tmp_path: Path) -> Non
     compilation = yaml.safe_load((ROOT / "examples" / "minilm-cpu.yaml").read_text())
     assert compilation["metadata"]["name"] == request.model
     assert request.target in compilation["spec"]["targets"]
+
+
+def test_injected_sidecars_get_the_sidecars_tls_and_token_secrets(render: Render) -> None:
+    sets = ("sidecar.tls.existingSecret=minilm-serving-tls", "sidecar.tls.clientCA=true",
+            "sidecar.auth.tokensSecret=minilm-tokens")  # fmt: skip
+    settings = InjectionSettings.from_env(_operator_env(render(INJECTION, sets=sets)))
+    assert settings.tls_secret == "minilm-serving-tls" and settings.tls_client_ca
+    assert settings.tokens_secret == "minilm-tokens"
+    plain = InjectionSettings.from_env(_operator_env(render(INJECTION)))
+    assert plain.tls_secret is None and plain.tokens_secret is None
+
+
+def test_token_checked_probes_are_refused_with_injection(helm_run: Any) -> None:
+    done = helm_run(
+        "template", "cuvil", str(CHART), "-f", str(INJECTION),
+        "--set", "sidecar.auth.tokensSecret=minilm-tokens", "--set", "sidecar.auth.health=required",
+    )  # fmt: skip
+    assert done.returncode != 0 and "fails the kubelet's probes" in done.stderr
