@@ -87,6 +87,11 @@
   parallel regions, short enough that after a run they give their cores back to the client,
   gRPC and the next request (``main.py``).
 
+- ``CUVIL_MEASURE_RUNS``, ``CUVIL_POD_NAME``, ``CUVIL_POD_NAMESPACE``, ``CUVIL_NODE_NAME``,
+  ``CUVIL_KUBE_API``, ``CUVIL_KUBE_TOKEN_FILE``, ``CUVIL_KUBE_CA``: the warm-up measurement of
+  an artifact whose speed gates were left to the node that runs it, and the pod annotation it
+  is published on (``measurement.py``).
+
 Tracing is configured by the standard ``OTEL_*`` variables (see ``tracing.py``).
 """
 
@@ -94,10 +99,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
+from cuvil_sidecar.measurement import MeasurementSettings
 from cuvil_sidecar.tls import TlsFiles
 
 T = TypeVar("T")
@@ -145,6 +151,7 @@ class SidecarConfig:
     max_graph_nodes: int = 100_000
     trust_policy: str = "off"
     trusted_keys: tuple[str, ...] = ()
+    measurement: MeasurementSettings = field(default_factory=MeasurementSettings)
 
     @property
     def batching(self) -> bool:
@@ -213,7 +220,15 @@ class SidecarConfig:
                 for path in env.get("CUVIL_TRUSTED_KEYS", "").split(",")
                 if path.strip()
             ),
+            measurement=_measurement(env),
         )
+
+
+def _measurement(env: Mapping[str, str]) -> MeasurementSettings:
+    try:
+        return MeasurementSettings.from_env(env)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _path(env: Mapping[str, str], key: str) -> Path | None:
