@@ -14,6 +14,12 @@ the manifest digest the compilation serves (``served_ref``), sized by its own an
 | ``cuvil.dev/cpu`` | the sidecar's CPU request and limit; its torch threads follow the limit |
 | ``cuvil.dev/memory`` | the sidecar's memory request and limit |
 | ``cuvil.dev/registry-secret`` | a docker-config Secret in the pod's namespace to pull with |
+| ``cuvil.dev/track`` | ``candidate``: a canary, pinned to ``status.candidate`` while there is |
+| | one (a generation whose speed gates wait to be measured where it runs), else promoted |
+
+Every sidecar is told its pod and node (downward API): one that serves an artifact whose speed
+gates were deferred measures it at warm-up and writes the measurement on its pod
+(``cuvil_sidecar.measurement``), which ``serving`` takes for the candidate.
 """
 
 from __future__ import annotations
@@ -28,6 +34,14 @@ from typing import Any
 ANNOTATION_PREFIX = "cuvil.dev/"
 MODEL_ANNOTATION = "cuvil.dev/model"
 INJECTED_ANNOTATION = "cuvil.dev/injected"  # the reference the sidecar was pinned to
+TRACK_ANNOTATION = "cuvil.dev/track"
+PROMOTED, CANDIDATE = "promoted", "candidate"  # what a pod's sidecar follows
+# the pod's own coordinates, for the sidecar to publish its measurement on
+DOWNWARD_ENV = {
+    "CUVIL_POD_NAME": "metadata.name",
+    "CUVIL_POD_NAMESPACE": "metadata.namespace",
+    "CUVIL_NODE_NAME": "spec.nodeName",
+}
 CONTAINER_NAME = "cuvil-sidecar"
 SIDECAR_UID = 10001
 SERVE_DIR = "/etc/cuvil/serve"  # the pod's cuvil.dev/injected annotation, as file "ref"
@@ -140,6 +154,7 @@ class SidecarRequest:
     cpu: str | None = None
     memory: str | None = None
     registry_secret: str | None = None
+    track: str = PROMOTED
 
     @property
     def threads(self) -> int | None:
@@ -190,19 +205,24 @@ def read_request(
     if secret is not None and not _DNS_SUBDOMAIN.match(secret):
         raise InjectionRefused(f"cuvil.dev/registry-secret {secret!r} is not a Secret name")
     target = annotations.get("cuvil.dev/target")
-    return SidecarRequest(model, target or None, port, cpu, memory, secret)
+    track = annotations.get(TRACK_ANNOTATION) or PROMOTED
+    if track not in (PROMOTED, CANDIDATE):
+        raise InjectionRefused(f"{TRACK_ANNOTATION} {track!r} is not {PROMOTED} or {CANDIDATE}")
+    return SidecarRequest(model, target or None, port, cpu, memory, secret, track)
 
 
 def served_ref(compilation: Mapping[str, Any] | None, request: SidecarRequest) -> str:
-    """The digest-pinned reference to serve: the promoted one, else a Succeeded compilation's
-    index (the sidecar picks its platform's manifest from it), or the target's own artifact
-    when the pod names a target."""
+    """The digest-pinned reference to serve: the promoted one (the candidate for a canary while
+    there is one), else a Succeeded compilation's index (the sidecar picks its platform's
+    manifest from it), or the target's own artifact when the pod names a target."""
     where = f"ModelCompilation {request.model}"
     if compilation is None:
         raise InjectionRefused(f"{where} does not exist in the pod's namespace")
     status = compilation.get("status") or {}
     served = status.get("promoted") or {}
     candidate = status.get("candidate") or {}
+    if candidate and request.track == CANDIDATE:
+        served = candidate
     if not served and candidate:
         raise InjectionRefused(
             f"{where} promotes nothing yet: generation {candidate.get('generation')} awaits a"
@@ -264,10 +284,14 @@ def build_sidecar_container(
         env["CUVIL_AUTH_TOKENS_FILE"] = f"{AUTH_DIR}/tokens"
     grpc_port = int(env.get("CUVIL_GRPC_PORT") or 8001)
     metrics_port = int(env.get("CUVIL_METRICS_PORT") or 8002)
+    downward = [
+        {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+        for name, path in DOWNWARD_ENV.items()
+    ]
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
         "image": settings.image,
-        "env": [{"name": k, "value": v} for k, v in sorted(env.items())],
+        "env": [{"name": k, "value": v} for k, v in sorted(env.items())] + downward,
         "ports": [{"name": "oip-grpc", "containerPort": grpc_port}],
         "securityContext": {
             "runAsNonRoot": True,

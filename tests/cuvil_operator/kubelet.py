@@ -35,6 +35,8 @@ def _field(pod: dict[str, Any], path: str) -> str:
         return str((meta.get("annotations") or {}).get(match.group(1), ""))
     if path in ("metadata.name", "metadata.namespace", "metadata.uid"):
         return str(meta.get(path.split(".", 1)[1], ""))
+    if path == "spec.nodeName":
+        return str((pod.get("spec") or {}).get("nodeName", ""))
     raise AssertionError(f"the emulated kubelet does not project {path}")
 
 
@@ -56,7 +58,12 @@ class PodSidecar:
             for item in (volumes[mount["name"]].get("downwardAPI") or {}).get("items") or []:
                 self.projected.append((local / item["path"], item["fieldRef"]["fieldPath"]))
         self._project(pod)
-        env = {e["name"]: self._local(e["value"]) for e in container.get("env") or []}
+        env = {
+            e["name"]: self._local(e["value"])
+            if "value" in e
+            else _field(pod, e["valueFrom"]["fieldRef"]["fieldPath"])
+            for e in container.get("env") or []
+        }
         self.env = {k: v for k, v in env.items() if k not in PORTS}
         self.sidecar = Sidecar(self.env.pop("CUVIL_MODEL"), folder / "sidecar.log", **self.env)
         self._stop = threading.Event()
