@@ -174,3 +174,12 @@ def test_token_checked_probes_are_refused_with_injection(helm_run: Any) -> None:
         "--set", "sidecar.auth.tokensSecret=minilm-tokens", "--set", "sidecar.auth.health=required",
     )  # fmt: skip
     assert done.returncode != 0 and "fails the kubelet's probes" in done.stderr
+
+
+def test_a_role_lets_app_sidecars_publish_measurements_on_their_own_pods(render: Render) -> None:
+    role = _one(render(INJECTION), "ClusterRole", "cuvil-sidecar-measurement")
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["patch"]}]
+    scoped = render(INJECTION, sets=("operator.watchNamespace=team-a",))
+    assert _one(scoped, "Role", "cuvil-sidecar-measurement")["metadata"]["namespace"] == "team-a"
+    off = render(INJECTION, sets=("injection.measurementRole=false",))
+    assert not [m for m in off if m["metadata"]["name"] == "cuvil-sidecar-measurement"]
