@@ -13,6 +13,7 @@ the manifest digest the compilation serves (``served_ref``), sized by its own an
 | ``cuvil.dev/port`` | the gRPC port the app talks to on localhost (default ``CUVIL_GRPC_PORT``) |
 | ``cuvil.dev/cpu`` | the sidecar's CPU request and limit; its torch threads follow the limit |
 | ``cuvil.dev/memory`` | the sidecar's memory request and limit |
+| ``cuvil.dev/gpu`` | NVIDIA GPUs for the sidecar (``nvidia.com/gpu``), to serve a CUDA target |
 | ``cuvil.dev/registry-secret`` | a docker-config Secret in the pod's namespace to pull with |
 | ``cuvil.dev/track`` | ``candidate``: a canary, pinned to ``status.candidate`` while there is |
 | | one (a generation whose speed gates wait to be measured where it runs), else promoted |
@@ -155,6 +156,7 @@ class SidecarRequest:
     memory: str | None = None
     registry_secret: str | None = None
     track: str = PROMOTED
+    gpus: int = 0
 
     @property
     def threads(self) -> int | None:
@@ -208,7 +210,10 @@ def read_request(
     track = annotations.get(TRACK_ANNOTATION) or PROMOTED
     if track not in (PROMOTED, CANDIDATE):
         raise InjectionRefused(f"{TRACK_ANNOTATION} {track!r} is not {PROMOTED} or {CANDIDATE}")
-    return SidecarRequest(model, target or None, port, cpu, memory, secret, track)
+    gpu_text = annotations.get("cuvil.dev/gpu") or "0"
+    if not gpu_text.isdigit():
+        raise InjectionRefused(f"cuvil.dev/gpu {gpu_text!r} is not a GPU count (e.g. 1)")
+    return SidecarRequest(model, target or None, port, cpu, memory, secret, track, int(gpu_text))
 
 
 def served_ref(compilation: Mapping[str, Any] | None, request: SidecarRequest) -> str:
@@ -322,6 +327,8 @@ def build_sidecar_container(
         container["readinessProbe"] = {**grpc, "periodSeconds": 5}
         container["livenessProbe"] = {**grpc, "periodSeconds": 10}
     resources = {k: v for k, v in (("cpu", request.cpu), ("memory", request.memory)) if v}
+    if request.gpus:
+        resources["nvidia.com/gpu"] = str(request.gpus)
     if resources:
         container["resources"] = {"requests": dict(resources), "limits": dict(resources)}
     if env.get("CUVIL_SHARED_MEMORY", "system") != "off":

@@ -183,3 +183,21 @@ def test_a_role_lets_app_sidecars_publish_measurements_on_their_own_pods(render:
     assert _one(scoped, "Role", "cuvil-sidecar-measurement")["metadata"]["namespace"] == "team-a"
     off = render(INJECTION, sets=("injection.measurementRole=false",))
     assert not [m for m in off if m["metadata"]["name"] == "cuvil-sidecar-measurement"]
+
+
+def test_canary_example_is_valid_and_pins_the_candidate(render: Render) -> None:
+    example = ROOT / "examples" / "apps" / "minilm-gpu-canary.yaml"
+    checked = validate_strict(example)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    docs = list(yaml.safe_load_all(example.read_text()))
+    deployment = next(d for d in docs if d["kind"] == "Deployment")
+    template = deployment["spec"]["template"]
+    request = read_request(template["metadata"]["annotations"], template["metadata"]["labels"])
+    assert request.track == "candidate" and request.gpus == 1 and request.target == "cuda-sm_90"
+    compilation = yaml.safe_load((ROOT / "examples" / "minilm-edge-gpus.yaml").read_text())
+    assert compilation["metadata"]["name"] == request.model
+    assert request.target in compilation["spec"]["targets"]
+    binding = next(d for d in docs if d["kind"] == "RoleBinding")
+    role = _one(render(INJECTION), "ClusterRole", binding["roleRef"]["name"])
+    assert role["rules"][0]["verbs"] == ["patch"]
+    assert binding["subjects"][0]["name"] == template["spec"]["serviceAccountName"]

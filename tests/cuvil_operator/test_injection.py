@@ -243,3 +243,13 @@ def test_the_sidecar_is_told_its_pod_and_node_to_publish_measurements_on() -> No
     assert fields == {"CUVIL_POD_NAME": "metadata.name",
                       "CUVIL_POD_NAMESPACE": "metadata.namespace",
                       "CUVIL_NODE_NAME": "spec.nodeName"}  # fmt: skip
+
+
+def test_a_gpu_annotation_gives_the_sidecar_its_gpus() -> None:
+    pod = _pod(**{"cuvil.dev/gpu": "1", "cuvil.dev/memory": "8Gi"})
+    request = read_request(pod["metadata"]["annotations"])
+    resources = _sidecar(build_pod_patch(pod, INDEX, request, InjectionSettings()))["resources"]
+    assert resources["limits"] == {"memory": "8Gi", "nvidia.com/gpu": "1"}
+    assert resources["requests"] == resources["limits"]
+    with pytest.raises(InjectionRefused, match=r"cuvil\.dev/gpu 'all'"):
+        read_request({"cuvil.dev/model": "minilm", "cuvil.dev/gpu": "all"})
