@@ -158,7 +158,10 @@ def load_checked(
         inputs = golden_inputs(model)
         if len(inputs) != len(model.signature.inputs):
             inputs = bucket_inputs(model, buckets[0])
-        measured = measure(model.run, inputs, model.contents.golden, measure_runs)
+        try:
+            measured = measure(model.run, inputs, model.contents.golden, measure_runs)
+        except Exception as error:
+            raise StartupError(f"measuring the deferred gates failed: {error}") from error
     tactics_cache.keep(model, digest, tactics_cache_dir, cached)
     before = resident_mib()
     if trim_heap():  # what loading and warm-up freed goes back to the OS
