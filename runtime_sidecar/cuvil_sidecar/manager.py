@@ -24,6 +24,8 @@ from cuvil.artifact.limits import LoadLimits
 from cuvil.artifact.trust import TrustSettings
 from cuvil_sidecar.config import SidecarConfig
 from cuvil_sidecar.errors import ModelNotFound, ModelNotReady
+from cuvil_sidecar.generation.loader import load_generation
+from cuvil_sidecar.generation.servable import GenerationServable
 from cuvil_sidecar.measurement import build_measurement, publish
 from cuvil_sidecar.metrics import Metrics
 from cuvil_sidecar.process_usage import CpuUtilization, resident_bytes
@@ -34,6 +36,7 @@ from cuvil_sidecar.startup import load_checked
 log = logging.getLogger("cuvil_sidecar.manager")
 
 ReadyHook = Callable[[bool], Awaitable[None]]
+Served = ServedModel | GenerationServable
 T = TypeVar("T")
 
 
@@ -64,7 +67,7 @@ class ModelManager:
         self.config = config
         self.source = source
         self.metrics = metrics
-        self.current: ServedModel | None = None
+        self.current: Served | None = None
         self.reason = "starting"
         self._on_ready = on_ready
         self._tried_digest: str | None = None
@@ -85,7 +88,7 @@ class ModelManager:
         index = f" index {current.index_digest}" if current.index_digest else ""
         return True, f"ready: {current.name} {current.digest}{index}"
 
-    def acquire(self, name: str, version: str) -> ServedModel:
+    def acquire(self, name: str, version: str) -> Served:
         """The model to serve this request, with its in-flight count raised (``release`` it)."""
         current = self.current
         if current is None:
@@ -128,6 +131,18 @@ class ModelManager:
             self._tried_digest = digest
             try:
                 trust = TrustSettings.load(self.config.trust_policy, self.config.trusted_keys)
+                generation = await self._within_time_limit(
+                    lambda: load_generation(self.source, digest, self.config, trust)
+                )
+            except Exception as error:
+                log.debug("load failure", exc_info=True)
+                self._refuse(str(error))
+                return False
+            if generation is not None:
+                generating = GenerationServable(generation, self.config, self.metrics)
+                generating.register_gauges()
+                return await self._swap(generating)
+            try:
                 loaded = await self._within_time_limit(
                     lambda: load_checked(
                         self.source,
@@ -151,37 +166,43 @@ class ModelManager:
                 log.debug("load failure", exc_info=True)
                 self._refuse(str(error))
                 return False
-            new = ServedModel(loaded, self.config, self.metrics)
-            old, self.current = self.current, new
-            self.metrics.gauge("cuvil_model_ready", new.name, new.version, lambda: 1.0)
-            self.metrics.served(new.name, new.version, new.digest, new.index_digest or "")
+            served = ServedModel(loaded, self.config, self.metrics)
             self.metrics.gauge(
-                "nv_inference_pending_request_count",
-                new.name,
-                new.version,
-                lambda: float(self.current.batcher.pending if self.current else 0),
+                "nv_inference_pending_request_count", served.name, served.version, self._pending
             )
-            self.metrics.gauge("nv_cpu_utilization", new.name, new.version, self._cpu.read)
-            self.metrics.gauge("nv_cpu_memory_used_bytes", new.name, new.version, resident_bytes)
-            self.metrics.reload("ok")
-            log.info(
-                "serving %s %s%s (from %s; %s)",
-                new.name,
-                new.digest,
-                f" index {new.index_digest}" if new.index_digest else "",
-                self.source,
-                new.batcher.mode,
-            )
+            swapped = await self._swap(served)
             if loaded.measured is not None:
-                self._publish(new)
-            if old is None:
-                if self._on_ready is not None:
-                    await self._on_ready(True)
-            else:
-                task = asyncio.create_task(old.retire())
-                self._retiring.add(task)
-                task.add_done_callback(self._retiring.discard)
-            return True
+                self._publish(served)
+            return swapped
+
+    def _pending(self) -> float:
+        current = self.current
+        return float(current.batcher.pending) if isinstance(current, ServedModel) else 0.0
+
+    async def _swap(self, new: Served) -> bool:
+        """Under the load lock: ``new`` serves from now on; the old model retires."""
+        old, self.current = self.current, new
+        self.metrics.gauge("cuvil_model_ready", new.name, new.version, lambda: 1.0)
+        self.metrics.served(new.name, new.version, new.digest, new.index_digest or "")
+        self.metrics.gauge("nv_cpu_utilization", new.name, new.version, self._cpu.read)
+        self.metrics.gauge("nv_cpu_memory_used_bytes", new.name, new.version, resident_bytes)
+        self.metrics.reload("ok")
+        log.info(
+            "serving %s %s%s (from %s; %s)",
+            new.name,
+            new.digest,
+            f" index {new.index_digest}" if new.index_digest else "",
+            self.source,
+            new.mode,
+        )
+        if old is None:
+            if self._on_ready is not None:
+                await self._on_ready(True)
+        else:
+            task = asyncio.create_task(old.retire())
+            self._retiring.add(task)
+            task.add_done_callback(self._retiring.discard)
+        return True
 
     async def start(self, first_delay_s: float = 1.0, max_delay_s: float = 60.0) -> None:
         """The first load, tried again with exponential backoff (``first_delay_s`` doubling up
@@ -211,7 +232,7 @@ class ModelManager:
             ) from None
 
     async def reload_on_signal(self) -> bool:
-        served = self.current.loaded.source_digest if self.current else None
+        served = self.current.source_digest if self.current else None
         return await self.load(only_if=lambda digest: digest != served)
 
     async def poll(self, interval_s: float) -> None:
