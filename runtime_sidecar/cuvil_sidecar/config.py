@@ -97,6 +97,11 @@
   ``CUVIL_PREFILL_CHUNK`` (128): prompt tokens prefilled per scheduler step, between decode
   steps of the running streams.
 
+- ``CUVIL_MEASURE_RUNS``, ``CUVIL_POD_NAME``, ``CUVIL_POD_NAMESPACE``, ``CUVIL_NODE_NAME``,
+  ``CUVIL_KUBE_API``, ``CUVIL_KUBE_TOKEN_FILE``, ``CUVIL_KUBE_CA``: the warm-up measurement of
+  an artifact whose speed gates were left to the node that runs it, and the pod annotation it
+  is published on (``measurement.py``).
+
 Tracing is configured by the standard ``OTEL_*`` variables (see ``tracing.py``).
 """
 
@@ -104,10 +109,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
+from cuvil_sidecar.measurement import MeasurementSettings
 from cuvil_sidecar.tls import TlsFiles
 
 T = TypeVar("T")
@@ -160,6 +166,7 @@ class SidecarConfig:
     kv_cache_bytes: int = 0
     generation_max_waiting: int = 64
     prefill_chunk: int = 128
+    measurement: MeasurementSettings = field(default_factory=MeasurementSettings)
 
     @property
     def batching(self) -> bool:
@@ -237,7 +244,15 @@ class SidecarConfig:
                 env, "CUVIL_GENERATION_MAX_WAITING", cls.generation_max_waiting, low=0
             ),
             prefill_chunk=_integer(env, "CUVIL_PREFILL_CHUNK", cls.prefill_chunk, low=1),
+            measurement=_measurement(env),
         )
+
+
+def _measurement(env: Mapping[str, str]) -> MeasurementSettings:
+    try:
+        return MeasurementSettings.from_env(env)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _path(env: Mapping[str, str], key: str) -> Path | None:

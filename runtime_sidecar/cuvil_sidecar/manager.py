@@ -26,6 +26,7 @@ from cuvil_sidecar.config import SidecarConfig
 from cuvil_sidecar.errors import ModelNotFound, ModelNotReady
 from cuvil_sidecar.generation.loader import load_generation
 from cuvil_sidecar.generation.servable import GenerationServable
+from cuvil_sidecar.measurement import build_measurement, publish
 from cuvil_sidecar.metrics import Metrics
 from cuvil_sidecar.process_usage import CpuUtilization, resident_bytes
 from cuvil_sidecar.servable import ServedModel
@@ -73,6 +74,7 @@ class ModelManager:
         self._lock = asyncio.Lock()
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="cuvil-load")
         self._retiring: set[asyncio.Task[None]] = set()
+        self._publishing: set[asyncio.Task[bool]] = set()
         self._cpu = CpuUtilization()
 
     @property
@@ -157,6 +159,7 @@ class ModelManager:
                         ),
                         time_limit_s=self.config.load_timeout_s,
                         trust=trust,
+                        measure_runs=self.config.measurement.runs,
                     ),
                 )
             except Exception as error:
@@ -167,7 +170,10 @@ class ModelManager:
             self.metrics.gauge(
                 "nv_inference_pending_request_count", served.name, served.version, self._pending
             )
-            return await self._swap(served)
+            swapped = await self._swap(served)
+            if loaded.measured is not None:
+                self._publish(served)
+            return swapped
 
     def _pending(self) -> float:
         current = self.current
@@ -238,8 +244,21 @@ class ModelManager:
         current, self.current = self.current, None
         if current is not None:
             await current.retire()
-        await asyncio.gather(*self._retiring, return_exceptions=True)
+        await asyncio.gather(*self._retiring, *self._publishing, return_exceptions=True)
         self._loader.shutdown(wait=False, cancel_futures=True)
+
+    def _publish(self, served: ServedModel) -> None:
+        """The warm-up measurement of a model with deferred gates, to the pod's annotation (on
+        a thread: the API call never holds the event loop)."""
+        loaded = served.loaded
+        target = str(served.model.config.get("target") or "")
+        measurement = build_measurement(
+            loaded.measured or {}, target, served.digest, loaded.deferred or {},
+            self.config.measurement,
+        )  # fmt: skip
+        task = asyncio.create_task(asyncio.to_thread(publish, measurement, self.config.measurement))
+        self._publishing.add(task)
+        task.add_done_callback(self._publishing.discard)
 
     def _progress(self, message: str) -> None:
         if self.current is None:
