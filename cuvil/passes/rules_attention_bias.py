@@ -194,7 +194,7 @@ def fuse_alibi_attention(match: Match, rewriter: Rewriter) -> list[Node]:
         "key": operands["k"],
         "value": operands["v"],
         "mask": mask,
-        "scale": float(match.node("scores").arg("alpha", 1)),
+        "scale": match.node("scores").float_arg("alpha", 1.0),
         "causal": False,
         "gqa": False,
     }

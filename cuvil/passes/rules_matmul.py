@@ -38,7 +38,8 @@ def _swaps_two_dims(node: Node) -> bool:
     if node.op == "aten.t.default":
         return True
     if node.op == "aten.permute.default":
-        return tuple(node.arg("dims") or ()) in ((1, 0), (-1, -2), (1, -2), (-1, 0))
+        dims = node.arg("dims")
+        return isinstance(dims, tuple) and dims in ((1, 0), (-1, -2), (1, -2), (-1, 0))
     return {node.int_arg("dim0") % 2, node.int_arg("dim1") % 2} == {0, 1}
 
 

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from cuvil.backends.base import Lowering
-from cuvil.backends.cpu.dnnl import describe as describe_dnnl
 from cuvil.backends.cpu import kernel_choices
+from cuvil.backends.cpu.dnnl import describe as describe_dnnl
 from cuvil.backends.cpu.kernels import CPU_KERNELS
 from cuvil.backends.cpu.linear_kernels import compute_precision
 from cuvil.backends.cpu.native import describe as describe_native
