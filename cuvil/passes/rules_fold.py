@@ -7,6 +7,8 @@ becomes a linear on the transposed constant, so the linear rules, tactics and bf
     # bn(linear(x, w, b)) -> linear(x, w * scale, (b - mean) * scale + beta)
     # bn(cat(conv_1(x), …, conv_n(x))) -> cat(conv_1'(x), …, conv_n'(x))
     #     (each convolution folded with its channels' share of the statistics; MixConv)
+    # act(cat(conv_1(x), …, conv_n(x))) -> cat(act(conv_1(x)), …, act(conv_n(x)))
+    #     (then each convolution takes the activation as its epilogue)
     # addmm(b, x, w) -> linear(x, w^T, b)            (b, w constants; beta = alpha = 1)
 """
 
@@ -19,6 +21,7 @@ import torch
 from cuvil.ir import Node, Value
 from cuvil.passes.program import const_node
 from cuvil.passes.rewrite import Match, P, Rewriter, Rule, V
+from cuvil.passes.rules_epilogue import ACTIVATIONS, activation_of
 
 BATCH_NORM = "aten._native_batch_norm_legit_no_training.default"
 CONV = "aten.conv2d.default"
@@ -170,6 +173,29 @@ def fold_per_branch(match: Match, rewriter: Rewriter) -> tuple[list[Node], dict[
     return [*nodes, joined], {bn.value(0): joined.value()}
 
 
+def is_activation_of_conv_branches(match: Match) -> bool:
+    """A known activation of a concat whose every input is a convolution only it reads: the
+    activation commutes with the concat, and each convolution takes it as its epilogue."""
+    return activation_of(match.node("act")) is not None and _branches(match) is not None
+
+
+def activation_into_branches(match: Match, rewriter: Rewriter) -> list[Node]:
+    act, cat = match.node("act"), match.node("cat")
+    branches = _branches(match)
+    assert branches is not None
+    moved = [
+        replace(
+            act,
+            name=rewriter.names.fresh(f"{act.name}_{layer.name}"),
+            args=tuple((k, layer.value() if k == "self" else a) for k, a in act.args),
+            types=layer.types[:1],
+        )
+        for layer in branches
+    ]
+    args = tuple((k, tuple(m.value() for m in moved) if k == "tensors" else a) for k, a in cat.args)
+    return [*moved, replace(cat, name=rewriter.names.fresh(cat.name), args=args)]
+
+
 ADDMM = "aten.addmm.default"
 
 
@@ -207,6 +233,12 @@ rules_addmm = (
 rules_fold_batch_norm = (
     Rule("conv_bn_fold", _batch_norm_of(CONV), fold_into_layer, is_foldable),
     Rule("linear_bn_fold", _batch_norm_of(LINEAR), fold_into_layer, is_foldable),
+    Rule(
+        "activation_into_branches",
+        P(ACTIVATIONS, {"self": P(CAT, {}, name="cat")}, name="act"),
+        activation_into_branches,
+        is_activation_of_conv_branches,
+    ),
     Rule(
         "concat_bn_fold",
         P(BATCH_NORM, {"input": P(CAT, {}, name="cat")}, name="bn"),

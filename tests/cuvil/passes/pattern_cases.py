@@ -170,7 +170,7 @@ PATTERN_CASES = [
         "mixconv",
         MixConv(),
         lambda n: (torch.randn(n, 3, 12, 12),),
-        ("concat_bn_fold", "conv_plain", "layout_borders"),
+        ("concat_bn_fold", "activation_into_branches", "conv_act", "layout_borders"),
     ),
     RuleCase(
         "dense_block", DenseBlock(), lambda n: (torch.randn(n, 3, 10, 10),), ("layout_borders",)
