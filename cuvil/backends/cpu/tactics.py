@@ -145,14 +145,12 @@ class Tactics:
 
     def preset(self, choices: Mapping[int, str]) -> int:
         """Take choices made before (bucket -> candidate name; ``backends/cpu/tactics_cache.py``)
-        instead of timing those buckets again; a choice given replaces the one a bucket holds
-        (the node's own tactics cache, timed on this very machine, wins over the choice the
-        artifact carries for its CPU family). A name this op does not offer for that bucket is
+        instead of timing those buckets again. A name this op does not offer for that bucket is
         skipped, and the bucket is timed as usual. Returns how many choices were taken."""
         taken = 0
         for key, name in choices.items():
             offered = dict(self.candidates_for(key))
-            if name not in offered or self.chosen.get(key, ("",))[0] == name:
+            if key in self.chosen or name not in offered:
                 continue
             self.chosen[key] = (name, offered[name])
             self._trials.pop(key, None)
