@@ -83,3 +83,17 @@ def test_compiling_again_keeps_the_families_it_did_not_time_on() -> None:
     compiled.contents.config[kernel_choices.CONFIG_KEY] = seen
     entry = kernel_choices.choose_at_compile(compiled, X, lambda model, inputs: 0)
     assert set(entry[kernel_choices.CONFIG_KEY]) == {*seen, kernel_choices.cpu_family()}
+
+
+def test_compile_also_makes_the_choices_of_one_item() -> None:
+    """A batch-2 example with a dynamic batch: the first batch-1 call is timed no more."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    batch = cuvil.Dim("batch", min=1, max=8)
+    compiled = cuvil.jit(model.eval(), (X["input"],), dynamic_shapes=({0: batch},))
+    carried = _carried(compiled)[kernel_choices.cpu_family()]
+    assert all({"1", "2"} <= set(buckets) for buckets in carried.values()), carried
+    compiled.run({"input": torch.randn(1, 16)})
+    assert compiled.plan.kernel_trials() == {}
+    compiled.run({"input": torch.randn(8, 16)})  # a bucket neither shape reached: timed
+    assert compiled.plan.kernel_trials() != {}
