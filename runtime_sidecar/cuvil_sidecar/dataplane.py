@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 import torch
 
@@ -20,6 +20,8 @@ from cuvil_sidecar import tracing
 from cuvil_sidecar.codec import DATATYPES, decode_input, encode_output, write_output
 from cuvil_sidecar.config import SidecarConfig
 from cuvil_sidecar.errors import InvalidInput, NotSupported, SidecarError
+from cuvil_sidecar.generation.requests import GenerateRequest
+from cuvil_sidecar.generation.servable import GenerationServable, GenerationStream
 from cuvil_sidecar.manager import ModelManager
 from cuvil_sidecar.messages import (
     InferInput,
@@ -138,6 +140,11 @@ class DataPlane:
         """One inference; ``deadline_ns`` is when the client stops waiting (epoch ns)."""
         model = self.manager.acquire(request.model_name, request.model_version)
         try:
+            if isinstance(model, GenerationServable):
+                raise NotSupported(
+                    f"model {model.name!r} generates tokens (a decoupled model): use "
+                    "ModelStreamInfer over gRPC, or POST .../generate or .../generate_stream"
+                )
             with tracing.infer_span(model.name, model.digest, model.links):
                 response = await self._infer(model, request, deadline_ns)
         except Exception:
@@ -146,6 +153,29 @@ class DataPlane:
         finally:
             model.release()
         return response
+
+    def is_generation(self, name: str) -> bool:
+        """Whether ``name`` is served by a generation model (streams answer per token)."""
+        current = self.manager.current
+        return isinstance(current, GenerationServable) and current.name == name
+
+    def open_generation(
+        self, name: str, version: str, read: Callable[[GenerationServable], GenerateRequest]
+    ) -> GenerationStream:
+        """Start a generation: ``read`` turns the request into a ``GenerateRequest`` for the
+        model (raising ``InvalidInput``); a refusal is raised here, before any answer. The
+        stream holds the model until it ends; ``close`` it when the client goes away."""
+        model = self.manager.acquire(name, version)
+        try:
+            if not isinstance(model, GenerationServable):
+                raise NotSupported(
+                    f"model {model.name!r} is not a generation model: use ModelInfer or .../infer"
+                )
+            return model.open(read(model))
+        except Exception:
+            self.metrics.add("nv_inference_request_failure", model.name, model.version)
+            model.release()
+            raise
 
     def count_failure(self, name: str) -> None:
         """A request that failed before it reached ``infer`` (unparseable contents)."""

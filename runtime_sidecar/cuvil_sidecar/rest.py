@@ -8,6 +8,8 @@ tracing are shared.
     GET  /v2/models/{m}[/versions/{v}]                    model metadata
     GET  /v2/models/{m}[/versions/{v}]/ready | /config | /stats
     POST /v2/models/{m}[/versions/{v}]/infer              JSON tensors, or binary data
+    POST /v2/models/{m}[/versions/{v}]/generate[_stream]  a generation model's tokens
+                                                          (generation/rest_generate.py)
     POST /v2/repository/index
     POST /v2/repository/models/{m}/load | /unload         501: not supported here
 
@@ -39,6 +41,7 @@ from cuvil_sidecar.errors import (
     Unauthenticated,
     http_status,
 )
+from cuvil_sidecar.generation import rest_generate
 from cuvil_sidecar.http_encoding import decoded_body, encoded_answer
 from cuvil_sidecar.http_server import (
     HttpRequest,
@@ -166,6 +169,17 @@ class RestApi:
         headers["Inference-Header-Content-Length"] = str(json_length)
         return HttpResponse(200, parts, "application/octet-stream", headers)
 
+    async def generate(self, request: HttpRequest, model: str, version: str) -> HttpResponse:
+        with tracing.http_span("POST /v2/models/{model}/generate", request.headers):
+            response: HttpResponse = await rest_generate.generate(
+                self.dataplane, request, model, version
+            )
+            return response
+
+    async def generate_stream(self, request: HttpRequest, model: str, version: str) -> HttpResponse:
+        with tracing.http_span("POST /v2/models/{model}/generate_stream", request.headers):
+            return await rest_generate.generate_stream(self.dataplane, request, model, version)
+
 
 def _deadline_ns(parameters: Any) -> int | None:
     timeout = parameters.get("timeout")
@@ -203,5 +217,7 @@ _TABLE: tuple[tuple[str, dict[str, Route]], ...] = (
     (_MODEL + "/config", {"GET": RestApi.model_config}),
     (_MODEL + "/stats", {"GET": RestApi.statistics}),
     (_MODEL + "/infer", {"POST": RestApi.infer}),
+    (_MODEL + "/generate", {"POST": RestApi.generate}),
+    (_MODEL + "/generate_stream", {"POST": RestApi.generate_stream}),
 )
 ROUTES = [(re.compile(path), methods) for path, methods in _TABLE]
