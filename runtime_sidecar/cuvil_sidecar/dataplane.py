@@ -136,9 +136,16 @@ class DataPlane:
             "unloading models by request is not supported: stop the sidecar to stop serving"
         )
 
-    async def infer(self, request: InferRequest, deadline_ns: int | None = None) -> InferResponse:
-        """One inference; ``deadline_ns`` is when the client stops waiting (epoch ns)."""
+    async def infer(
+        self,
+        request: InferRequest,
+        deadline_ns: int | None = None,
+        client_gone: Callable[[], bool] | None = None,
+    ) -> InferResponse:
+        """One inference; ``deadline_ns`` is when the client stops waiting (epoch ns), and
+        ``client_gone`` says whether it has stopped already (asked before the request runs)."""
         model = self.manager.acquire(request.model_name, request.model_version)
+        started = time.time_ns()
         try:
             if isinstance(model, GenerationServable):
                 raise NotSupported(
@@ -146,9 +153,10 @@ class DataPlane:
                     "ModelStreamInfer over gRPC, or POST .../generate or .../generate_stream"
                 )
             with tracing.infer_span(model.name, model.digest, model.links):
-                response = await self._infer(model, request, deadline_ns)
+                response = await self._infer(model, request, deadline_ns, client_gone)
         except Exception:
-            self.metrics.add("nv_inference_request_failure", model.name, model.version)
+            took_us = (time.time_ns() - started) / 1e3
+            self.metrics.request_failed(model.name, model.version, request_us=took_us)
             raise
         finally:
             model.release()
@@ -177,14 +185,20 @@ class DataPlane:
             model.release()
             raise
 
-    def count_failure(self, name: str) -> None:
-        """A request that failed before it reached ``infer`` (unparseable contents)."""
+    def count_failure(self, name: str, started_ns: int) -> None:
+        """A request that failed before it reached ``infer`` (unparseable contents), begun at
+        ``started_ns`` (epoch ns)."""
         current = self.manager.current
         if current is not None and current.name == name:
-            self.metrics.add("nv_inference_request_failure", current.name, current.version)
+            took_us = (time.time_ns() - started_ns) / 1e3
+            self.metrics.request_failed(current.name, current.version, request_us=took_us)
 
     async def _infer(
-        self, model: ServedModel, request: InferRequest, deadline_ns: int | None
+        self,
+        model: ServedModel,
+        request: InferRequest,
+        deadline_ns: int | None,
+        client_gone: Callable[[], bool] | None,
     ) -> InferResponse:
         started = time.time_ns()
         inputs = self._decode(model, request)
@@ -204,7 +218,9 @@ class DataPlane:
             first = next(iter(inputs.values()))
             rows = int(first.shape[0])
             key = tuple((name, tuple(t.shape[1:])) for name, t in sorted(inputs.items()))
-        result = await model.batcher.submit(inputs, rows=rows, key=key, deadline_ns=deadline_ns)
+        result = await model.batcher.submit(
+            inputs, rows=rows, key=key, deadline_ns=deadline_ns, client_gone=client_gone
+        )
         tracing.record_batch_spans(
             enqueued_ns=result.enqueued_ns,
             started_ns=result.started_ns,

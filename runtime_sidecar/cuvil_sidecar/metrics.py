@@ -57,6 +57,9 @@ GAUGES = {
     "cuvil_generation_running": "Sequences holding a KV cache slot",
     "cuvil_generation_waiting": "Generation requests waiting for KV cache room",
 }
+# the cumulative microseconds of failed requests: read by ModelStatistics (its ``fail``
+# duration), not exposed (Triton's metrics have no such counter)
+FAILURE_DURATION = "cuvil_request_failure_duration_us"
 RELOADS = "cuvil_model_reloads"
 INFO = "cuvil_model_info"
 REJECTED = "cuvil_inference_rejected"
@@ -100,6 +103,14 @@ class Metrics:
             for name, us in zip(REQUEST_HISTOGRAMS, durations, strict=True):
                 self._observe(name, labels, us / 1e6)
             self._last_inference_ms[labels] = time.time_ns() // 1_000_000
+
+    def request_failed(self, model: str, version: str, *, request_us: float) -> None:
+        """A request answered with an error after ``request_us``: counted, and its time added to
+        ``FAILURE_DURATION`` (Triton's statistics report failures with their duration)."""
+        labels = (("model", model), ("version", version))
+        with self._lock:
+            self._values["nv_inference_request_failure"][labels] += 1
+            self._values[FAILURE_DURATION][labels] += request_us
 
     def observe(self, name: str, model: str, version: str, seconds: float) -> None:
         """One value of the histogram ``name`` (one of ``HISTOGRAMS``)."""

@@ -18,7 +18,7 @@ from typing import Any
 from cuvil_sidecar.config import SidecarConfig
 from cuvil_sidecar.generation.servable import GenerationServable
 from cuvil_sidecar.messages import TensorMetadata
-from cuvil_sidecar.metrics import Metrics
+from cuvil_sidecar.metrics import FAILURE_DURATION, Metrics
 from cuvil_sidecar.servable import ServedModel
 
 INT32_MAX = 2**31 - 1
@@ -228,7 +228,9 @@ def model_statistics(model: ServedModel | GenerationServable, metrics: Metrics) 
         inference_count=int(value("nv_inference_count")),
         execution_count=int(value("nv_inference_exec_count")),
         success=Duration(succeeded, int(value("nv_inference_request_duration_us") * 1e3)),
-        fail=Duration(int(value("nv_inference_request_failure")), 0),
+        fail=Duration(
+            int(value("nv_inference_request_failure")), int(value(FAILURE_DURATION) * 1e3)
+        ),
         queue=Duration(succeeded, int(value("nv_inference_queue_duration_us") * 1e3)),
         compute_infer=Duration(
             succeeded, int(value("nv_inference_compute_infer_duration_us") * 1e3)

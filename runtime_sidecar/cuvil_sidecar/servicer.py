@@ -10,7 +10,8 @@ response per token instead (``generation/grpc_generate.py``, Triton's decoupled 
 grpcio's front end; the native one answers one response per message, so it answers those
 requests with an error that says to use grpcio.
 A client's gRPC deadline goes with its request to the data plane, which drops the request unrun
-once the deadline has passed.
+once the deadline has passed, and so does, on the native front end, the call's ``client_gone``
+(grpcio cancels the call's task instead, which drops the request as well).
 """
 
 from __future__ import annotations
@@ -124,12 +125,14 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     @_rpc
     async def ModelInfer(self, request: Any, context: Any) -> Any:
+        started = time.time_ns()
         try:
             neutral = InferRequest.from_pb(request)
         except SidecarError:
-            self.dataplane.count_failure(request.model_name)
+            self.dataplane.count_failure(request.model_name, started)
             raise
-        return (await self.dataplane.infer(neutral, deadline_ns(context))).to_pb()
+        gone = getattr(context, "client_gone", None)  # the native front end's; grpcio cancels
+        return (await self.dataplane.infer(neutral, deadline_ns(context), gone)).to_pb()
 
     async def ModelStreamInfer(self, requests: AsyncIterator[Any], context: Any) -> Any:
         """grpcio's stream: each request answered as its answers come."""
@@ -221,6 +224,7 @@ class _InStream:
 
     def __init__(self, context: Any) -> None:
         self._context = context
+        self.client_gone = getattr(context, "client_gone", None)
 
     async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
         raise _StreamAbort(details)
