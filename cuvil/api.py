@@ -27,6 +27,7 @@ def jit(
     patterns: tuple[Any, ...] | None = None,
     tolerance: float | None = None,
     on_mismatch: str = "fallback",
+    choose_kernels: bool | None = None,
 ) -> CompiledModel:
     """Compile ``model`` for ``target``; ``dynamic_shapes`` is what torch.export.export takes.
 
@@ -36,6 +37,11 @@ def jit(
     the output's scale), the passes are bisected: the responsible pass is named in
     ``report["bisection"]`` and left out (``on_mismatch="fallback"``) or the compile fails
     (``"raise"``). ``patterns`` defaults to those accepted by ``cuvil.patterns.register_pattern``.
+
+    ``choose_kernels`` (default: on unless ``CUVIL_KERNEL_CHOICES=off``) times the backend's
+    kernel choices at the example shapes now and carries them in the artifact, so the first
+    calls run at full speed; off, kernels time their candidates on their first calls instead
+    (a quicker compile, e.g. for test suites that compile many models).
     """
     from cuvil.patterns import registered_patterns
     from cuvil.pipeline import CompileOptions, compile_model
@@ -53,6 +59,11 @@ def jit(
         patterns=tuple(registered_patterns() if patterns is None else patterns),
         tolerance=budget if tolerance is None else tolerance,
         on_mismatch=on_mismatch,
+        choose_kernels=(
+            os.environ.get("CUVIL_KERNEL_CHOICES", "compile").strip().lower() != "off"
+            if choose_kernels is None
+            else choose_kernels
+        ),
     )
     return compile_model(model, example_inputs, dynamic_shapes, options)
 

@@ -99,6 +99,7 @@ class CompileOptions:
     patterns: tuple[Rule, ...] = ()  # user rewrite rules (see cuvil.patterns)
     tolerance: float = 1e-4  # max error relative to the output scale, else bisect
     on_mismatch: str = "fallback"  # "fallback": compile without the culprit pass; "raise"
+    choose_kernels: bool = True  # time kernel choices now and carry them (kernel_choices.py)
 
 
 @dataclass
@@ -313,7 +314,8 @@ def compile_model(
                 errors = measure(compiled, inputs, expected)
             # kernel choices are made here, not on the first calls (the artifact carries them)
             choosing = time.perf_counter()
-            config.update(backend.choose_kernels(compiled, inputs))
+            if options.choose_kernels:
+                config.update(backend.choose_kernels(compiled, inputs))
             tactics_seconds = round(time.perf_counter() - choosing, 3)
     compiled.contents.golden = {f"input.{k}": v for k, v in inputs.items()} | {
         f"output.{k}": v for k, v in expected.items()

@@ -20,6 +20,15 @@ X = {"input": torch.randn(2, 16)}
 @pytest.fixture(autouse=True)
 def _timed_tactics(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CUVIL_TACTICS", raising=False)  # candidates are timed, not "first"
+    monkeypatch.setenv("CUVIL_KERNEL_CHOICES", "compile")  # tests/conftest.py turns it off
+
+
+def test_choose_kernels_off_carries_no_choices(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUVIL_KERNEL_CHOICES", "off")
+    assert kernel_choices.CONFIG_KEY not in _compiled().config
+    model = torch.nn.Linear(16, 4).eval()
+    chosen = cuvil.jit(model, (X["input"],), choose_kernels=True)
+    assert chosen.config[kernel_choices.CONFIG_KEY][kernel_choices.cpu_family()]
 
 
 def _compiled() -> CompiledModel:
