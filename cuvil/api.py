@@ -27,6 +27,7 @@ def jit(
     patterns: tuple[Any, ...] | None = None,
     tolerance: float | None = None,
     on_mismatch: str = "fallback",
+    choose_kernels: bool | None = None,
     task: str | None = None,
     max_batch: int = 8,
     max_seq: int = 512,
@@ -40,6 +41,11 @@ def jit(
     the output's scale), the passes are bisected: the responsible pass is named in
     ``report["bisection"]`` and left out (``on_mismatch="fallback"``) or the compile fails
     (``"raise"``). ``patterns`` defaults to those accepted by ``cuvil.patterns.register_pattern``.
+
+    ``choose_kernels`` (default: on unless ``CUVIL_KERNEL_CHOICES=off``) times the backend's
+    kernel choices at the example shapes now and carries them in the artifact, so the first
+    calls run at full speed; off, kernels time their candidates on their first calls instead
+    (a quicker compile, e.g. for test suites that compile many models).
 
     ``task="text-generation"`` compiles a causal LM for generation instead (cuvil/generation/
     compile.py): a prefill and a decode graph over a KV cache of ``max_batch`` slots of
@@ -62,6 +68,11 @@ def jit(
         patterns=tuple(registered_patterns() if patterns is None else patterns),
         tolerance=budget if tolerance is None else tolerance,
         on_mismatch=on_mismatch,
+        choose_kernels=(
+            os.environ.get("CUVIL_KERNEL_CHOICES", "compile").strip().lower() != "off"
+            if choose_kernels is None
+            else choose_kernels
+        ),
     )
     if task == "text-generation":
         from cuvil.generation.compile import compile_generation

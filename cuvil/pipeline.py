@@ -99,6 +99,7 @@ class CompileOptions:
     patterns: tuple[Rule, ...] = ()  # user rewrite rules (see cuvil.patterns)
     tolerance: float = 1e-4  # max error relative to the output scale, else bisect
     on_mismatch: str = "fallback"  # "fallback": compile without the culprit pass; "raise"
+    choose_kernels: bool = True  # time kernel choices now and carry them (kernel_choices.py)
 
 
 @dataclass
@@ -311,6 +312,11 @@ def compile_model(
                 kernels = pack_kernels(backend.codegen(program.graph, program.weights))
                 compiled = build(program, config, output_spec, kernels)
                 errors = measure(compiled, inputs, expected)
+            # kernel choices are made here, not on the first calls (the artifact carries them)
+            choosing = time.perf_counter()
+            if options.choose_kernels:
+                config.update(backend.choose_kernels(compiled, inputs))
+            tactics_seconds = round(time.perf_counter() - choosing, 3)
     compiled.contents.golden = {f"input.{k}": v for k, v in inputs.items()} | {
         f"output.{k}": v for k, v in expected.items()
     }
@@ -331,6 +337,7 @@ def compile_model(
         "bisection": bisection,
         "memory_plan": plan_memory(program.graph, _symbol_values(signature, inputs)).summary(),
         "fusions": dict(program.hits),
+        "kernel_choice_seconds": tactics_seconds,
         "weights_bytes": sum(t.numel() * t.element_size() for t in program.weights.values()),
     }
     return compiled

@@ -1,4 +1,5 @@
-"""Shared test setup: deterministic torch, offline HuggingFace, few threads (CI has 2 cores)."""
+"""Shared test setup: deterministic torch, offline HuggingFace, few threads (CI has 2 cores),
+kernel choices timed as models run rather than at compile time."""
 
 from __future__ import annotations
 
@@ -6,6 +7,10 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# cuvil.jit times kernel choices at compile time by default (ResNet-50: ~1 min on 2 cores);
+# tests compile hundreds of models, so kernels time as they run unless a test turns it on
+# (tests/cuvil/backends/cpu/test_kernel_choices.py does).
+os.environ.setdefault("CUVIL_KERNEL_CHOICES", "off")
 
 import pytest
 import torch

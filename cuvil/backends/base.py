@@ -5,7 +5,8 @@ from one target to another lives behind ``Backend``: which fused ops it implemen
 per ``cuvil.*`` op of ``cuvil.fused_ops``), the lowering choices the pass pipeline makes for it
 (``Lowering``), the artifact's kernels layer it writes at compile time (``codegen``) and reads
 back at load (``load_kernels``), what runs the plan's calls (``runner``), how a loaded model is
-prepared for a shape before it serves (``prepare``), and what it reports about what runs
+prepared for a shape before it serves (``prepare``), which kernel choices it makes at compile
+time and carries in the artifact (``choose_kernels``), and what it reports about what runs
 (``describe``). The generic runtime (``cuvil.runtime``) asks a backend, never a device type.
 """
 
@@ -67,6 +68,13 @@ class Backend(Protocol):
 
     def prepare(self, model: CompiledModel, inputs: Mapping[str, torch.Tensor]) -> int:
         """Make a loaded model ready to serve inputs of this shape; returns the runs made."""
+        ...
+
+    def choose_kernels(
+        self, model: CompiledModel, inputs: Mapping[str, torch.Tensor]
+    ) -> dict[str, Any]:
+        """At compile time, make the per-shape kernel choices the example inputs meet; returns
+        the config entries that carry them in the artifact (empty when there are none)."""
         ...
 
     def describe(self, model: CompiledModel) -> dict[str, Any]:

@@ -8,12 +8,21 @@ from functools import partial
 from cuvil.backends.base import Lowering
 from cuvil.passes.program import Program
 from cuvil.passes.rewrite import apply_rules
+from cuvil.passes.rules_attention_bias import rules_attention_bias
 from cuvil.passes.rules_epilogue import epilogue_rules
 from cuvil.passes.rules_fold import rules_addmm, rules_fold_batch_norm
+from cuvil.passes.rules_matmul import rules_matmul
 from cuvil.passes.rules_norms import rules_layer_norm, rules_rms_norm, rules_rope, rules_swiglu
 from cuvil.passes.rules_transformer import rules_attention, rules_gelu
 
-rules_transformer = rules_attention + rules_layer_norm + rules_rms_norm + rules_swiglu + rules_rope
+rules_transformer = (
+    rules_attention
+    + rules_attention_bias
+    + rules_layer_norm
+    + rules_rms_norm
+    + rules_swiglu
+    + rules_rope
+)
 
 
 def canonicalize_activations(program: Program) -> Program:
@@ -22,8 +31,9 @@ def canonicalize_activations(program: Program) -> Program:
 
 
 def fold_batch_norm(program: Program) -> Program:
-    """BatchNorm into the layer before it; a constant-weight addmm into a linear first."""
-    return apply_rules(program, rules_addmm + rules_fold_batch_norm)
+    """BatchNorm into the layer before it; a constant-weight addmm or matmul into a linear
+    first (with the bias added after it)."""
+    return apply_rules(program, rules_addmm + rules_matmul + rules_fold_batch_norm)
 
 
 def fuse_transformer_blocks(program: Program) -> Program:

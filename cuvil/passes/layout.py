@@ -7,6 +7,9 @@ the default layout (a view, anything not known to preserve the layout) and befor
 
     # conv(x)            -> conv(to_channels_last(x))      (x contiguous)
     # view(y)            -> view(to_contiguous(y))         (y channels_last)
+
+Concats and channel splits keep channels-last, so a dense-connected or mixed-kernel network
+converts once on the way in and once on the way out, not around every join.
 """
 
 from __future__ import annotations
@@ -32,6 +35,15 @@ PRESERVING = {
     "aten.avg_pool2d.default",
     "aten.adaptive_avg_pool2d.default",
     "aten.constant_pad_nd.default",
+    # joins and slices: ATen's cat keeps the layout its inputs share, and a slice of a
+    # channels-last tensor keeps its stride order (DenseNet's concats, MixConv's splits)
+    "aten.cat.default",
+    # a BatchNorm no layer absorbed (DenseNet's, after a concat): ATen's CPU kernel keeps NHWC
+    "aten._native_batch_norm_legit_no_training.default",
+    "aten.split.Tensor",
+    "aten.split_with_sizes.default",
+    "aten.slice.Tensor",
+    "aten.narrow.default",
 }
 # Padding keeps channels-last in ATen for these modes (circular returns a contiguous tensor).
 PRESERVING_PAD_MODES = {"constant", "reflect", "replicate"}

@@ -5,6 +5,7 @@
 # sdpa(q, k, v, m)                       -> cuvil.attention(q, k, v, m)
 # x*0.5 * (1 + erf(x/sqrt2))             -> gelu(x)
 # x*0.5 * (1 + tanh(c*(x + a*x^3)))       -> gelu(x, tanh)
+# x*0.5 * (1 + tanh(c*x * (1 + a*x*x)))   -> gelu(x, tanh)   (Bloom's and FastGELU's form)
 # layer_norm(x, w, b) / its decomposition -> cuvil.layer_norm(x, w, b)
 # w * (x * rsqrt(mean(x^2) + eps))       -> cuvil.rms_norm(x, w)
 # silu(x @ Wg^T) * (x @ Wu^T)            -> cuvil.swiglu(x, [Wg; Wu])
@@ -163,6 +164,39 @@ def _gelu_tanh() -> list[P]:
     ]
 
 
+def _gelu_tanh_factored() -> list[P]:
+    """``tanh(c*x * (1 + a*x*x))``: the same polynomial with ``x`` factored out."""
+    out = []
+    for ax in (
+        P(MUL, {"self": V("x"), "other": L("a")}),
+        P(MUL, {"self": L("a"), "other": V("x")}),
+    ):
+        for square in (
+            P(MUL, {"self": ax, "other": V("x")}),
+            P(MUL, {"self": V("x"), "other": ax}),
+        ):
+            poly = P(ADD, {"self": square, "other": L("one_inner")})
+            cx = P(MUL, {"self": V("x"), "other": L("c")})
+            tanh = P("aten.tanh.default", {"self": P(MUL, {"self": cx, "other": poly})})
+            out += [
+                P(MUL, {"self": half, "other": P(ADD, {"self": tanh, "other": L("one")})})
+                for half in _HALF_X
+            ]
+    return out
+
+
+def is_gelu_tanh_factored(match: Match) -> bool:
+    lit = match.literals
+    return (
+        lit.get("one") == 1
+        and lit.get("one_inner") == 1
+        and isinstance(lit.get("a"), float)
+        and math.isclose(lit["a"], 0.044715, rel_tol=1e-4)
+        and isinstance(lit.get("c"), float)
+        and math.isclose(lit["c"], math.sqrt(2 / math.pi), rel_tol=1e-6)
+    )
+
+
 def is_gelu_erf(match: Match) -> bool:
     c, one = match.literals.get("c"), match.literals.get("one")
     if not isinstance(c, int | float) or one != 1:
@@ -194,4 +228,5 @@ def to_gelu(approximate: str) -> Replacement:
 rules_gelu = (
     *(Rule("gelu_erf", p, to_gelu("none"), is_gelu_erf) for p in _gelu_erf()),
     *(Rule("gelu_tanh", p, to_gelu("tanh"), is_gelu_tanh) for p in _gelu_tanh()),
+    *(Rule("gelu_tanh", p, to_gelu("tanh"), is_gelu_tanh_factored) for p in _gelu_tanh_factored()),
 )

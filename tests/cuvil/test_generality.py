@@ -127,6 +127,34 @@ def phi() -> Any:
     return tf.PhiForCausalLM(tf.PhiConfig(vocab_size=500, use_cache=False, **SMALL))
 
 
+def bloom() -> Any:
+    """ALiBi attention written with baddbmm over [batch*heads] rows; Bloom's tanh GELU."""
+    config = tf.BloomConfig(hidden_size=64, n_layer=2, n_head=4, vocab_size=500, use_cache=False)
+    return tf.BloomModel(config)
+
+
+def mpt() -> Any:
+    """ALiBi added to the scaled scores, then the causal mask filled in with the dtype's min."""
+    return tf.MptModel(tf.MptConfig(d_model=64, n_layers=2, n_heads=4, vocab_size=500))
+
+
+def falcon_alibi() -> Any:
+    """Linears written ``x @ W.T + b`` (FalconLinear), ALiBi as an attention mask."""
+    config = tf.FalconConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        vocab_size=500,
+        alibi=True,
+        new_decoder_architecture=False,
+        multi_query=False,
+        parallel_attn=True,
+        bias=True,
+        use_cache=False,
+    )
+    return tf.FalconModel(config)
+
+
 def swin() -> Any:
     config = tf.SwinConfig(
         image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=4
@@ -217,6 +245,16 @@ MODELS: dict[str, tuple[Factory, Inputs, dict]] = {
     "gemma2_padded_sliding_window": (gemma2, _text_with_padding(500), PADDED_TEXT_SHAPES),
     "wav2vec2_derived_dim": (wav2vec2, _audio, AUDIO_SHAPES),
     "mixtral_experts": (mixtral, _text(500), TEXT_SHAPES),
+    "bloom_alibi_baddbmm": (bloom, _text(500), TEXT_SHAPES),
+    "mpt_alibi_filled": (mpt, _text(500), TEXT_SHAPES),
+    "falcon_alibi_matmul_linears": (falcon_alibi, _text(500), TEXT_SHAPES),
+}
+# The rules each family is built to exercise: they must fire on it.
+EXPECTED_RULES = {
+    "bloom_alibi_baddbmm": ("attention_alibi", "gelu_tanh", "linear_act"),
+    "mpt_alibi_filled": ("attention_filled",),
+    "falcon_alibi_matmul_linears": ("matmul_as_linear", "linear_bias_add", "linear_act"),
+    "swin_windows": ("attention",),
 }
 
 
@@ -231,6 +269,10 @@ def test_model_family_matches_eager(name: str) -> None:
     assert getattr(getattr(model, "config", None), "_experts_implementation", None) == experts
     assert compiled.report["verification"]["max_relative_to_scale"] <= TOLERANCE
     assert compiled.report["bisection"] is None  # every pass kept: none had to be dropped
+    passes = compiled.report["passes"]
+    assert passes[-1]["ops_after"] <= passes[0]["ops_before"], name  # no model grows
+    fired = compiled.report["fusions"]
+    assert all(fired.get(rule) for rule in EXPECTED_RULES.get(name, ())), (name, fired)
     for b, s in ((1, 5), (3, 17)):
         inputs = make_inputs(b, s)
         with torch.no_grad():

@@ -3,7 +3,9 @@ op's path chosen on the machine that runs it (tactics.py).
 
 Its kernels are built when a model is loaded, on the machine that serves it (primitives and
 packed weights depend on the CPU), so it writes no kernels layer into the artifact; preparing
-a model for a shape runs it until every per-shape choice its kernels make is settled.
+a model for a shape runs it until every per-shape choice its kernels make is settled. The
+compiler settles the example shapes' choices and the artifact carries them per CPU family
+(kernel_choices.py), so a load on a CPU of that family runs them from its first call.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from cuvil.backends.base import Lowering
+from cuvil.backends.cpu import kernel_choices
 from cuvil.backends.cpu.dnnl import describe as describe_dnnl
 from cuvil.backends.cpu.kernels import CPU_KERNELS
 from cuvil.backends.cpu.linear_kernels import compute_precision
@@ -60,6 +63,8 @@ class CpuBackend:
         return {}
 
     def runner(self, model: CompiledModel) -> PlanRunner:
+        """The plan, running the kernel choices the artifact carries for this CPU family."""
+        kernel_choices.take_carried(model)
         return model.plan
 
     def prepare(self, model: CompiledModel, inputs: Mapping[str, torch.Tensor]) -> int:
@@ -74,10 +79,17 @@ class CpuBackend:
             before = after
         return SETTLE_RUNS
 
+    def choose_kernels(
+        self, model: CompiledModel, inputs: Mapping[str, torch.Tensor]
+    ) -> dict[str, Any]:
+        """Settle the choices the example shapes meet, kept per CPU family (kernel_choices.py)."""
+        return kernel_choices.choose_at_compile(model, inputs, self.prepare)
+
     def describe(self, model: CompiledModel) -> dict[str, Any]:
         """The precision the GEMMs compute in (a bf16 artifact runs fp32 GEMMs on a CPU without
         bf16 instructions), the path each kernel with a choice took, which oneDNN the
-        convolutions and linears call, and whether Cuvil's native kernels are offered."""
+        convolutions and linears call, and whether Cuvil's native kernels are offered; which of
+        the choices came from the artifact (made at compile time on this CPU family)."""
         dtypes = {tensor.dtype for tensor in model.contents.weights.values()}
         has_bf16 = torch.bfloat16 in dtypes
         return {
@@ -85,6 +97,8 @@ class CpuBackend:
             "weights": "bf16" if has_bf16 else "fp32",
             "gemm_compute": compute_precision(torch.bfloat16) if has_bf16 else "fp32",
             "tactics": model.plan.kernel_choices(),
+            "cpu_family": kernel_choices.cpu_family(),
+            "tactics_from_artifact": kernel_choices.from_artifact(model),
             "onednn": describe_dnnl(),
             "winograd": describe_native("winograd"),
             "rowwise": describe_native("rowwise"),

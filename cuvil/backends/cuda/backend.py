@@ -179,6 +179,12 @@ class CudaBackend:
         model.runner.try_capture(placed, model.bind(placed))
         return 3
 
+    def choose_kernels(
+        self, model: CompiledModel, inputs: Mapping[str, torch.Tensor]
+    ) -> dict[str, Any]:
+        """The kernels layer fixes every kernel at codegen: nothing is left to choose."""
+        return {}
+
     def describe(self, model: CompiledModel) -> dict[str, Any]:
         """The architecture the cubins are for, what runs each fused node (a kernel of the
         layer, or ATen and why) and what executes the plan on this machine."""

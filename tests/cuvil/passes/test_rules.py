@@ -11,9 +11,13 @@ from cuvil.backends.cpu.backend import LOWERING
 from cuvil.passes.fusion import rules_transformer
 from cuvil.passes.rules_epilogue import epilogue_rules
 from cuvil.passes.rules_fold import rules_addmm, rules_fold_batch_norm
+from cuvil.passes.rules_matmul import rules_matmul
 from cuvil.passes.rules_transformer import rules_gelu
-from tests.cuvil.passes.rule_cases import CASES, RuleCase
+from tests.cuvil.passes.pattern_cases import PATTERN_CASES
+from tests.cuvil.passes.rule_cases import CASES as RULE_CASES
+from tests.cuvil.passes.rule_cases import RuleCase
 
+CASES = RULE_CASES + PATTERN_CASES
 ALL_RULES = {
     r.name
     for r in rules_gelu
@@ -21,6 +25,7 @@ ALL_RULES = {
     + epilogue_rules(LOWERING.conv_epilogues, LOWERING.linear_epilogues)
     + rules_fold_batch_norm
     + rules_addmm
+    + rules_matmul
 }
 OTHER_REWRITES = {
     "identity",
@@ -48,6 +53,9 @@ def test_rule_fires_and_matches_eager(case: RuleCase) -> None:
     fired = compiled.report["fusions"]
     missing = [name for name in case.expected if not fired.get(name)]
     assert not missing, f"rules {missing} did not fire; fired: {fired}"
+    if case in PATTERN_CASES:  # (a lone conv between graph input and output needs 2 borders)
+        passes = compiled.report["passes"]
+        assert passes[-1]["ops_after"] <= passes[0]["ops_before"], passes  # never more ops
     for n in (1, 3, 8):
         inputs = case.make(n)
         with torch.no_grad():
@@ -74,3 +82,22 @@ def test_sibling_linears_become_one_gemm_per_group() -> None:
     assert compiled.report["fusions"]["sibling_linears"] == 2  # q/k/v and the two GELU ups
     linears = [node for node in compiled.graph.nodes if node.op == "cuvil.linear"]
     assert len(linears) == 2
+
+
+@pytest.mark.parametrize("name", ["mixconv", "dense_block"])
+def test_concat_and_split_keep_channels_last(name: str) -> None:
+    """One conversion into channels-last for the whole network, none around its joins."""
+    case = next(case for case in CASES if case.name == name)
+    compiled = cuvil.jit(case.module.eval(), case.make(2))
+    assert compiled.report["fusions"]["layout_borders"] == 1
+    clones = [node for node in compiled.graph.nodes if node.op == "aten.clone.default"]
+    assert len(clones) == 1
+
+
+def test_batch_norm_after_a_concat_is_folded_into_every_branch() -> None:
+    from tests.cuvil.passes.pattern_cases import MixConv
+
+    compiled = cuvil.jit(MixConv().eval(), (torch.randn(2, 3, 12, 12),))
+    ops = [node.op for node in compiled.graph.nodes]
+    assert "aten._native_batch_norm_legit_no_training.default" not in ops
+    assert ops.count("cuvil.conv2d") == 5  # stem, three mixed kernels, projection

@@ -194,12 +194,15 @@ def test_prepare_makes_the_choices_a_shape_meets_then_results_are_bit_stable() -
 
     torch.manual_seed(4)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
-    compiled = cuvil.jit(model.eval(), (torch.randn(4, 32),))
-    x = torch.randn(4, 32)
+    rows = cuvil.Dim("rows", min=1, max=64)
+    example = torch.randn(4, 32)
+    compiled = cuvil.jit(model.eval(), (example,), dynamic_shapes=({0: rows},))
+    assert compiled.prepare({"input": example}) == 1  # the compiler made the example's choices
+    x = torch.randn(16, 32)  # a bucket the example did not reach
     runs = compiled.prepare({"input": x})
-    assert 1 < runs <= SETTLE_RUNS  # (verification already made a call or two)
+    assert 1 < runs <= SETTLE_RUNS
     choices = compiled.execution()["tactics"]
-    assert all(choice[bucket(4)] in ("mkl", "onednn", "split") for choice in choices.values())
+    assert all(choice[bucket(16)] in ("mkl", "onednn", "split") for choice in choices.values())
     first, second = compiled(x), compiled(x)
     assert torch.equal(first, second)
     assert compiled.prepare({"input": x}) == 1  # nothing left to choose

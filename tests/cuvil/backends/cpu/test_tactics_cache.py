@@ -3,6 +3,7 @@ earlier load of the same artifact made on this machine, and anything else is a m
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 import cuvil
-from cuvil.backends.cpu import tactics_cache
+from cuvil.backends.cpu import kernel_choices, tactics_cache
 from cuvil.backends.cpu.tactics import Tactics, trial_length
 from cuvil.runtime.model import CompiledModel
 
@@ -18,9 +19,13 @@ DIGEST = "sha256:" + "ab" * 32
 
 
 def _compiled() -> CompiledModel:
+    """A model as loaded on a CPU family its artifact carries no kernel choices for (the
+    compiler's own, kernel_choices.py, would take precedence): its kernels time as they run."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
-    return cuvil.jit(model.eval(), (torch.randn(2, 16),))
+    compiled = cuvil.jit(model.eval(), (torch.randn(2, 16),))
+    config = {k: v for k, v in compiled.config.items() if k != kernel_choices.CONFIG_KEY}
+    return CompiledModel(dataclasses.replace(compiled.contents, config=config))
 
 
 def test_preset_takes_offered_names_and_leaves_the_rest_to_timing() -> None:
