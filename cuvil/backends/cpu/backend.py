@@ -18,14 +18,15 @@ from cuvil.backends.cpu.dnnl import describe as describe_dnnl
 from cuvil.backends.cpu.kernels import CPU_KERNELS
 from cuvil.backends.cpu.linear_kernels import compute_precision
 from cuvil.backends.cpu.native import describe as describe_native
+from cuvil.backends.cpu.native_plan import NativePlanRunner
 from cuvil.backends.cpu.tactics import trial_length
 from cuvil.runtime.kernels import KernelFactory
+from cuvil.runtime.plan import PlanRunner
 from cuvil.targets import Target
 
 if TYPE_CHECKING:
     from cuvil.ir import Graph
     from cuvil.runtime.model import CompiledModel
-    from cuvil.runtime.plan import PlanRunner
 
 SETTLE_RUNS = trial_length(3) + 1  # up to three candidates
 
@@ -60,7 +61,8 @@ class CpuBackend:
         return {}
 
     def runner(self, model: CompiledModel) -> PlanRunner:
-        return model.plan
+        """The plan run as native schedules once a shape is settled (native_plan.py)."""
+        return NativePlanRunner(model.plan)
 
     def prepare(self, model: CompiledModel, inputs: Mapping[str, torch.Tensor]) -> int:
         """Run these inputs until every kernel choice they meet is made: from then on, calls at
@@ -88,4 +90,11 @@ class CpuBackend:
             "onednn": describe_dnnl(),
             "winograd": describe_native("winograd"),
             "rowwise": describe_native("rowwise"),
+            "plan_loop": _describe_runner(model.runner),
         }
+
+
+def _describe_runner(runner: PlanRunner) -> dict[str, Any]:
+    if isinstance(runner, NativePlanRunner):
+        return runner.describe()
+    return {"status": "Python plan"}
