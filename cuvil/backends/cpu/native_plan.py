@@ -357,6 +357,7 @@ def _add_kept(schedule: Any, call: KeptCall, results: list[int]) -> None:
         primitive.scratchpad,
         primitive.weight,
         primitive.bias,
+        kept.dnnl.engine,
     ]
     flags = [
         primitive.scratchpad_size,

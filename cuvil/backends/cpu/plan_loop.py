@@ -8,7 +8,8 @@ and source into the native cache (runtime/native_build.py) and loaded with
 ``load()`` returns None and ``reason()`` says why; models then run the Python plan.
 
 The kept oneDNN primitives are executed through libdnnl's C functions, whose addresses are
-handed to the library once (libdnnl is loaded by ctypes, local to it).
+handed to the library once (libdnnl is loaded by ctypes, local to it); each primitive step
+carries its own engine.
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ def _give_dnnl() -> None:
     addresses = [
         int(ctypes.cast(getattr(dnnl.lib, name), ctypes.c_void_p).value or 0) for name in names
     ]
-    torch.ops.cuvil_native.set_dnnl([*addresses, int(dnnl.engine.value or 0)])
+    torch.ops.cuvil_native.set_dnnl(addresses)
 
 
 def reason() -> str | None:

@@ -40,7 +40,6 @@ struct Dnnl {
   Execute execute = nullptr;
   StreamCreate stream_create = nullptr;
   Destroy memory_destroy = nullptr;
-  void *engine = nullptr;
 };
 Dnnl dnnl;
 
@@ -51,10 +50,12 @@ void check(int status, const char *what) {
   TORCH_CHECK(status == 0, "oneDNN ", what, " failed with status ", status);
 }
 
-void *stream() {
-  thread_local void *own = nullptr;
-  if (own == nullptr) check(dnnl.stream_create(&own, dnnl.engine, 1), "stream_create");
-  return own;
+// this thread's stream on an engine (each loaded oneDNN object has its own engine)
+void *stream(void *engine) {
+  thread_local std::unordered_map<void *, void *> own;
+  void *&found = own[engine];
+  if (found == nullptr) check(dnnl.stream_create(&found, engine, 1), "stream_create");
+  return found;
 }
 
 void *scratchpad(size_t bytes) {
@@ -71,7 +72,7 @@ struct Bound {
 };
 
 struct Primitive {
-  void *handle, *src_md, *dst_md, *scratch_md, *weight, *bias;
+  void *engine, *handle, *src_md, *dst_md, *scratch_md, *weight, *bias;
   int64_t scratch_bytes;
   bool binary_residual;  // post-op 0 reads the residual
   bool donated;          // the output is written over the residual (sum post-op)
@@ -93,14 +94,14 @@ struct Primitive {
     auto found = bound.find(std::this_thread::get_id());
     if (found != bound.end()) return found->second;
     Bound &b = bound[std::this_thread::get_id()];
-    check(dnnl.memory_create(&b.src, src_md, dnnl.engine, nullptr), "memory_create");
-    check(dnnl.memory_create(&b.dst, dst_md, dnnl.engine, nullptr), "memory_create");
-    check(dnnl.memory_create(&b.scratch, scratch_md, dnnl.engine, nullptr), "memory_create");
+    check(dnnl.memory_create(&b.src, src_md, engine, nullptr), "memory_create");
+    check(dnnl.memory_create(&b.dst, dst_md, engine, nullptr), "memory_create");
+    check(dnnl.memory_create(&b.scratch, scratch_md, engine, nullptr), "memory_create");
     b.args = {{ARG_SRC, b.src}, {ARG_WEIGHTS, weight}, {ARG_DST, b.dst},
               {ARG_SCRATCHPAD, b.scratch}};
     if (bias != nullptr) b.args.push_back({ARG_BIAS, bias});
     if (binary_residual) {
-      check(dnnl.memory_create(&b.extra, dst_md, dnnl.engine, nullptr), "memory_create");
+      check(dnnl.memory_create(&b.extra, dst_md, engine, nullptr), "memory_create");
       b.args.push_back({POST_OP_0_SRC_1, b.extra});
     }
     return b;
@@ -185,7 +186,7 @@ struct Schedule : torch::CustomClassHolder {
     auto p = std::make_shared<Primitive>();
     auto h = [&](size_t i) { return reinterpret_cast<void *>(handles.at(i)); };
     p->handle = h(0), p->src_md = h(1), p->dst_md = h(2), p->scratch_md = h(3);
-    p->weight = h(4), p->bias = h(5);
+    p->weight = h(4), p->bias = h(5), p->engine = h(6);
     p->scratch_bytes = flags.at(0), p->binary_residual = flags.at(1) != 0;
     p->donated = flags.at(2) != 0, p->channels_last = flags.at(3) != 0;
     p->in_sizes = std::move(in_sizes), p->out_sizes = std::move(out_sizes);
@@ -234,7 +235,7 @@ struct Schedule : torch::CustomClassHolder {
     dnnl.set_handle(b.dst, out.data_ptr());
     if (b.extra != nullptr) dnnl.set_handle(b.extra, residual.data_ptr());
     if (p.scratch_bytes > 0) dnnl.set_handle(b.scratch, scratchpad(p.scratch_bytes));
-    check(dnnl.execute(p.handle, stream(), static_cast<int>(b.args.size()), b.args.data()),
+    check(dnnl.execute(p.handle, stream(p.engine), static_cast<int>(b.args.size()), b.args.data()),
           "primitive_execute");
     return p.result_sizes.empty() ? out : out.view(p.result_sizes);
   }
@@ -296,7 +297,6 @@ void set_dnnl(std::vector<int64_t> addresses) {
   dnnl.execute = reinterpret_cast<Execute>(as(2));
   dnnl.stream_create = reinterpret_cast<StreamCreate>(as(3));
   dnnl.memory_destroy = reinterpret_cast<Destroy>(as(4));
-  dnnl.engine = as(5);
 }
 
 }  // namespace
