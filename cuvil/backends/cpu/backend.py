@@ -66,15 +66,15 @@ class CpuBackend:
 
     def prepare(self, model: CompiledModel, inputs: Mapping[str, torch.Tensor]) -> int:
         """Run these inputs until every kernel choice they meet is made: from then on, calls at
-        this shape give bit-identical results. Returns the runs made."""
-        before = model.plan.kernel_trials()
-        for runs in range(1, SETTLE_RUNS + 1):
+        this shape give bit-identical results, and run as native schedules where the plan loop
+        is built (one more run records them if the last choice was made on the last run).
+        Returns the runs made."""
+        runs = _settle(model, inputs)
+        runner = model.runner
+        if isinstance(runner, NativePlanRunner) and not runner.has_shape(model.bind(inputs)):
             model.run(inputs)
-            after = model.plan.kernel_trials()
-            if not any(before.get(key) != calls for key, calls in after.items()):
-                return runs  # no choice this shape meets is still open
-            before = after
-        return SETTLE_RUNS
+            runs += 1
+        return runs
 
     def describe(self, model: CompiledModel) -> dict[str, Any]:
         """The precision the GEMMs compute in (a bf16 artifact runs fp32 GEMMs on a CPU without
@@ -92,6 +92,17 @@ class CpuBackend:
             "rowwise": describe_native("rowwise"),
             "plan_loop": _describe_runner(model.runner),
         }
+
+
+def _settle(model: CompiledModel, inputs: Mapping[str, torch.Tensor]) -> int:
+    before = model.plan.kernel_trials()
+    for runs in range(1, SETTLE_RUNS + 1):
+        model.run(inputs)
+        after = model.plan.kernel_trials()
+        if not any(before.get(key) != calls for key, calls in after.items()):
+            return runs  # no choice this shape meets is still open
+        before = after
+    return SETTLE_RUNS
 
 
 def _describe_runner(runner: PlanRunner) -> dict[str, Any]:

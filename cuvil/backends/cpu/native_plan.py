@@ -176,6 +176,12 @@ class NativePlanRunner:
             return self.plan.run(inputs, symbols)
         return self._run_recorded(key, inputs, symbols)
 
+    def has_shape(self, symbols: Mapping[str, int]) -> bool:
+        """Whether calls at these symbol values (and this thread count) run as schedules, or
+        the library is not there to build them."""
+        key = (ShapeCache.key(symbols), torch.get_num_threads())
+        return key in self._shapes or not load()
+
     def _run_recorded(
         self, key: tuple[Any, ...], inputs: Mapping[str, torch.Tensor], symbols: Mapping[str, int]
     ) -> dict[str, Any]:
