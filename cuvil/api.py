@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from cuvil.analysis.memory import MemoryPolicy
 from cuvil.runtime.model import CompiledModel
 from cuvil.runtime.model import load as load_artifact
 
@@ -26,6 +27,7 @@ def jit(
     patterns: tuple[Any, ...] | None = None,
     tolerance: float | None = None,
     on_mismatch: str = "fallback",
+    memory: MemoryPolicy | None = None,
 ) -> CompiledModel:
     """Compile ``model`` for ``target``; ``dynamic_shapes`` is what torch.export.export takes.
 
@@ -35,6 +37,9 @@ def jit(
     the output's scale), the passes are bisected: the responsible pass is named in
     ``report["bisection"]`` and left out (``on_mismatch="fallback"``) or the compile fails
     (``"raise"``). ``patterns`` defaults to those accepted by ``cuvil.patterns.register_pattern``.
+    ``memory`` (``cuvil.MemoryPolicy``) chooses the memory planner, whether kernels may write
+    in place over dead inputs, and a budget the plan must fit at the largest admitted shapes
+    (``MemoryBudgetError`` at compile time, with the numbers, where it does not).
     """
     from cuvil.patterns import registered_patterns
     from cuvil.pipeline import CompileOptions, compile_model
@@ -52,6 +57,7 @@ def jit(
         patterns=tuple(registered_patterns() if patterns is None else patterns),
         tolerance=budget if tolerance is None else tolerance,
         on_mismatch=on_mismatch,
+        memory=memory or MemoryPolicy(),
     )
     return compile_model(model, example_inputs, dynamic_shapes, options)
 

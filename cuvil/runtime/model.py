@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from cuvil.analysis.memory import MemoryPolicy, plan_memory
 from cuvil.artifact.files import ArtifactContents, read_artifact, write_artifact
 from cuvil.artifact.kernels_layer import unpack_kernels
 from cuvil.backends import Backend, backend_for
@@ -35,7 +36,14 @@ class CompiledModel:
             **self.backend.kernels,
             **self.backend.load_kernels(unpack_kernels(contents.kernels)),
         }
-        self.plan = ExecutionPlan(contents.graph, contents.weights, self.device, factories)
+        self.memory_policy = MemoryPolicy.from_json(contents.config.get("memory_policy"))
+        self.plan = ExecutionPlan(
+            contents.graph,
+            contents.weights,
+            self.device,
+            factories,
+            in_place=self.memory_policy.in_place,
+        )
         self._output_spec = output_spec  # the model's own output structure, when known
         self.runner = self.backend.runner(self)
 
@@ -64,9 +72,18 @@ class CompiledModel:
     def memory_plan(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         """The arena plan for the intermediates at these inputs' shapes (bytes, vs the naive
         sum of every intermediate); the executor frees each value after its last use."""
-        from cuvil.analysis.memory import plan_memory
+        return plan_memory(
+            self.graph, self._binder.bind(inputs), planner=self.memory_policy.planner
+        ).summary()
 
-        return plan_memory(self.graph, self._binder.bind(inputs)).summary()
+    def measure_memory(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        """``memory_plan(inputs)`` with the peak activation bytes one call at these inputs
+        allocates (allocator events, analysis/memory_report.py), after one unmeasured call."""
+        from cuvil.analysis.memory_report import measure_peak_bytes
+
+        self.run(inputs)
+        measured = measure_peak_bytes(lambda: self.run(inputs))
+        return {**self.memory_plan(inputs), "measured_bytes": measured}
 
     def prepare(self, inputs: Mapping[str, torch.Tensor]) -> int:
         """Make the model ready to serve inputs of this shape, the backend's way (the CPU runs

@@ -84,8 +84,11 @@ class ExecutionPlan:
         weights: Mapping[str, torch.Tensor],
         device: torch.device | str,
         factories: Mapping[str, KernelFactory],
+        *,
+        in_place: bool = True,
     ) -> None:
-        """``factories``: the backend's kernel factory for each fused op it implements."""
+        """``factories``: the backend's kernel factory for each fused op it implements;
+        ``in_place``: kernels may write over inputs nothing reads later (runtime/donation.py)."""
         self.graph = graph
         self.device = torch.device(device)
         self._kernels = PLAN_KERNELS
@@ -100,7 +103,7 @@ class ExecutionPlan:
         self._const_slots: set[int] = set()
         self._read_slots: set[int] = {slot for _, slot in self.output_slots}
         last_use = self._last_uses()
-        self._donated = donated_residuals(graph)
+        self._donated = donated_residuals(graph) if in_place else frozenset()
         self.steps: tuple[Step, ...] = tuple(
             self._step(node, last_use) for node in graph.nodes if not self._place(node, weights)
         )
