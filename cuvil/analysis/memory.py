@@ -2,7 +2,8 @@
 
 Every intermediate value lives from the step that makes it to the last step that reads it
 (graph outputs to the end). Views (reshape, transpose, slice, …) allocate nothing: they extend
-their source's life. The ``greedy`` planner places buffers largest first at the lowest offset
+their source's life. A kernel known to allocate a temporary of its own (``SCRATCH_DTYPES``) has
+it planned too, alive during its step. The ``greedy`` planner places buffers largest first at the lowest offset
 that does not overlap a buffer alive at the same time; ``naive`` gives every buffer its own
 bytes. ``naive_bytes`` is what keeping every intermediate would cost; ``arena_bytes`` what the
 plan needs. The executor frees each value after its last use, so its peak follows this plan's
@@ -43,6 +44,17 @@ VIEW_OPS = {
 }
 
 
+# Ops whose kernel allocates a temporary it frees before returning: the temporary's dtype (its
+# shape is the output's). ATen's CPU max_pool2d computes the indices of every maximum and drops
+# them, an int64 tensor twice the size of a float output.
+SCRATCH_DTYPES = {"aten.max_pool2d.default": "i64"}
+
+
+def scratch_value(node_name: str, outputs: int) -> Value:
+    """The value standing for a node's kernel temporary (an index past its outputs)."""
+    return Value(node_name, outputs)
+
+
 @dataclass(frozen=True)
 class MemoryPlan:
     symbols: dict[str, int]
@@ -80,6 +92,8 @@ def lifetimes(graph: Graph) -> dict[Value, tuple[int, int]]:
                 root[value] = sources[0]
             else:
                 life[value] = [step, step]
+        if node.op in SCRATCH_DTYPES:  # alive during its own step only
+            life[scratch_value(node.name, len(node.types))] = [step, step]
     end = len(graph.nodes)
     for _, value in graph.outputs:
         source = root.get(value, value)
@@ -148,11 +162,14 @@ def plan_memory(
     spans = lifetimes(graph)
     sizes: dict[Value, int] = {}
     for value in spans:
-        tensor_type = graph.type_of(value)
+        node = graph.node(value.node)
+        scratch = value.index >= len(node.types)
+        tensor_type = node.types[0] if scratch else graph.type_of(value)
         count = 1
         for dim in tensor_type.shape:
             count *= int(compile_expr(dim)(symbols))
-        raw = count * torch_dtype(tensor_type.dtype).itemsize
+        dtype = SCRATCH_DTYPES[node.op] if scratch else tensor_type.dtype
+        raw = count * torch_dtype(dtype).itemsize
         sizes[value] = (raw + alignment - 1) // alignment * alignment
     offsets = place(spans, sizes, planner)
     arena = max((offsets[v] + sizes[v] for v in offsets), default=0)

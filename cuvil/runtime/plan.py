@@ -103,7 +103,7 @@ class ExecutionPlan:
         self._const_slots: set[int] = set()
         self._read_slots: set[int] = {slot for _, slot in self.output_slots}
         last_use = self._last_uses()
-        self._donated = donated_residuals(graph) if in_place else frozenset()
+        self.donated = donated_residuals(graph) if in_place else frozenset()
         self.steps: tuple[Step, ...] = tuple(
             self._step(node, last_use) for node in graph.nodes if not self._place(node, weights)
         )
@@ -184,7 +184,7 @@ class ExecutionPlan:
             constants,
             tuple(key for key, _ in runtime),
             sizes,
-            residual_donated=node.name in self._donated,
+            residual_donated=node.name in self.donated,
         )
         try:
             prepared = self._factories[node.op](call)
