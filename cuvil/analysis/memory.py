@@ -2,12 +2,12 @@
 
 Every intermediate value lives from the step that makes it to the last step that reads it
 (graph outputs to the end). Views (reshape, transpose, slice, …) allocate nothing: they extend
-their source's life. A kernel known to allocate a temporary of its own (``SCRATCH_DTYPES``) has
-it planned too, alive during its step. The ``greedy`` planner places buffers largest first at the lowest offset
-that does not overlap a buffer alive at the same time; ``naive`` gives every buffer its own
-bytes. ``naive_bytes`` is what keeping every intermediate would cost; ``arena_bytes`` what the
-plan needs. The executor frees each value after its last use, so its peak follows this plan's
-liveness (``cuvil inspect --memory`` measures it).
+their source's life. A kernel known to allocate a temporary of its own (``SCRATCH_DTYPES``)
+has it planned too, alive during its step. The ``greedy`` planner places buffers largest first
+at the lowest offset that does not overlap a buffer alive at the same time; ``naive`` gives
+every buffer its own bytes. ``naive_bytes`` is what keeping every intermediate would cost;
+``arena_bytes`` what the plan needs. The executor frees each value after its last use, so its
+peak follows this plan's liveness (``cuvil inspect --memory`` measures it).
 
 ``MemoryPolicy`` is what a user declares on ``cuvil.jit``: the planner, whether kernels may
 write over an input nothing reads later (runtime/donation.py), and a budget the plan must fit
