@@ -70,6 +70,8 @@ class ShapeRun:
     native_steps: int
     python_steps: tuple[str, ...]
     whole: Segment | None = None  # every step native: the one schedule
+    whole_inputs: tuple[str, ...] = ()  # its reads, as input names
+    whole_outputs: tuple[tuple[str, int], ...] = ()  # output name -> position in its writes
 
     def summary(self) -> dict[str, Any]:
         segments = sum(isinstance(part, Segment) for part in self.parts)
@@ -169,7 +171,9 @@ class NativePlanRunner:
         key = (ShapeCache.key(symbols), torch.get_num_threads())
         shape = self._shapes.get(key)
         if shape is not None and shape.whole is not None:
-            return self._run_whole(shape.whole, inputs)
+            given = [inputs[name] for name in shape.whole_inputs]
+            values = _run_schedule(shape.whole.schedule, given)
+            return {name: values[index] for name, index in shape.whole_outputs}
         if shape is not None:
             return self._run_parts(shape, inputs, symbols)
         if not load():
@@ -194,19 +198,13 @@ class NativePlanRunner:
                     self._shapes[key] = self._assemble(recording.entries)
         return outputs
 
-    def _run_whole(self, whole: Segment, inputs: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-        by_slot = {slot: inputs[name] for name, slot in self.plan.input_slots}
-        values = _RUN(whole.schedule, [by_slot[slot] for slot in whole.reads])
-        written = dict(zip(whole.writes, values, strict=True))
-        return {name: written[slot] for name, slot in self.plan.output_slots}
-
     def _run_parts(
         self, shape: ShapeRun, inputs: Mapping[str, torch.Tensor], symbols: Mapping[str, int]
     ) -> dict[str, Any]:
         slots = self.plan.start(inputs, symbols)
         for part in shape.parts:
             if isinstance(part, Segment):
-                values = _RUN(part.schedule, [slots[slot] for slot in part.reads])
+                values = _run_schedule(part.schedule, [slots[slot] for slot in part.reads])
                 for slot, value in zip(part.writes, values, strict=True):
                     slots[slot] = value
                 for slot in part.release:
@@ -240,6 +238,11 @@ class NativePlanRunner:
                 slot in whole.writes for _, slot in self.plan.output_slots
             ):
                 shape.whole = whole
+                name_of = {slot: name for name, slot in self.plan.input_slots}
+                shape.whole_inputs = tuple(name_of[slot] for slot in whole.reads)
+                shape.whole_outputs = tuple(
+                    (name, whole.writes.index(slot)) for name, slot in self.plan.output_slots
+                )
         return shape
 
     def _segment(self, run: list[NativeStep], after: Sequence[NativeStep | Step]) -> Segment:
@@ -281,8 +284,8 @@ class NativePlanRunner:
         return {"status": "native schedules per settled shape", "shapes": shapes}
 
 
-def _RUN(schedule: Any, values: list[Any]) -> list[torch.Tensor]:
-    return torch.ops.cuvil_native.run.default(schedule, values)
+def _run_schedule(schedule: Any, values: list[Any]) -> list[torch.Tensor]:
+    return torch.ops.cuvil_native.run.default(schedule, values)  # releases the GIL
 
 
 def _step_of(entry: NativeStep | Step) -> Step:
