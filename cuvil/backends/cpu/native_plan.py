@@ -387,7 +387,6 @@ def _add_kept(schedule: Any, call: KeptCall, results: list[int]) -> None:
         list(empty.stride()),
         list(call.result_shape),
         reads,
-        -1,
     )
 
 

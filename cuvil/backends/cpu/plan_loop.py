@@ -29,6 +29,7 @@ from cuvil.runtime.native_build import NativeError, cache_dir, compile_into
 SOURCE = Path(__file__).parent / "native" / "plan_loop.cc"
 FLAGS = ("-O2", "-std=c++17", "-fPIC", "-shared", "-w")
 _failure: list[str] = []
+_loaded: list[Path] = []  # a process registers the library's ops once: a second one would abort
 
 
 def _compiler() -> str | None:
@@ -78,7 +79,10 @@ def load() -> bool:
         _failure.append("switched off (CUVIL_NATIVE_PLAN=off)")
         return False
     try:
-        torch.ops.load_library(str(build()))
+        path = build()
+        if not _loaded:
+            torch.ops.load_library(str(path))
+            _loaded.append(path)
     except (NativeError, OSError, RuntimeError) as error:
         _failure.append(str(error))
         return False

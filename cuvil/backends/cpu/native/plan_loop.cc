@@ -5,8 +5,6 @@
 // argument template with slots filled in, or the execution of a oneDNN primitive kept by the
 // Python side (kept_primitives.py), whose handles it is given. Values live in slots; a slot is
 // cleared after its last reader, so tensors are freed when the Python plan would free them.
-// Intermediates of kept-primitive steps may sit at fixed offsets of one arena buffer per
-// schedule (the memory plan's offsets), owned per thread.
 //
 // Built as a TorchScript custom class and op: torch.ops calls release the GIL while the op
 // runs, so a whole call runs with the GIL released and two Python threads run two calls at once.
@@ -78,7 +76,6 @@ struct Primitive {
   bool donated;          // the output is written over the residual (sum post-op)
   bool channels_last;
   std::vector<int64_t> in_sizes, out_sizes, out_strides, result_sizes;
-  int64_t arena_offset;  // bytes into the arena, or -1 for a fresh tensor
   std::mutex lock;
   std::unordered_map<std::thread::id, Bound> bound;
 
@@ -124,20 +121,12 @@ struct Step {
   std::vector<int64_t> release;
 };
 
-at::Tensor arena_for_thread(const void *owner, int64_t bytes) {
-  thread_local std::unordered_map<const void *, at::Tensor> arenas;
-  at::Tensor &arena = arenas[owner];
-  if (!arena.defined() || arena.numel() < bytes) arena = at::empty({bytes}, at::kByte);
-  return arena;
-}
-
 }  // namespace
 
 struct Schedule : torch::CustomClassHolder {
   std::vector<Step> steps;
   std::vector<int64_t> input_slots, output_slots;
   int64_t slot_count = 0;
-  int64_t arena_bytes = 0;
 
   Schedule(int64_t slots, std::vector<int64_t> inputs, std::vector<int64_t> outputs)
       : input_slots(std::move(inputs)), output_slots(std::move(outputs)), slot_count(slots) {}
@@ -181,7 +170,7 @@ struct Schedule : torch::CustomClassHolder {
   void primitive(std::vector<int64_t> handles, std::vector<int64_t> flags,
                  std::vector<int64_t> in_sizes, std::vector<int64_t> out_sizes,
                  std::vector<int64_t> out_strides, std::vector<int64_t> result_sizes,
-                 std::vector<int64_t> reads, int64_t arena_offset) {
+                 std::vector<int64_t> reads) {
     TORCH_CHECK(dnnl.execute != nullptr, "libdnnl's functions were not given");
     auto p = std::make_shared<Primitive>();
     auto h = [&](size_t i) { return reinterpret_cast<void *>(handles.at(i)); };
@@ -191,14 +180,6 @@ struct Schedule : torch::CustomClassHolder {
     p->donated = flags.at(2) != 0, p->channels_last = flags.at(3) != 0;
     p->in_sizes = std::move(in_sizes), p->out_sizes = std::move(out_sizes);
     p->out_strides = std::move(out_strides), p->result_sizes = std::move(result_sizes);
-    p->arena_offset = arena_offset;
-    if (arena_offset >= 0) {
-      int64_t elements = 1;
-      for (size_t i = 0; i < p->out_sizes.size(); i++)
-        elements += (p->out_sizes[i] - 1) * p->out_strides[i];
-      int64_t end = arena_offset + 4 * elements;
-      arena_bytes = std::max(arena_bytes, end);
-    }
     Step step;
     step.primitive = std::move(p);
     step.reads = std::move(reads);
@@ -223,10 +204,6 @@ struct Schedule : torch::CustomClassHolder {
     at::Tensor out;
     if (p.donated && residual.defined()) {
       out = residual;
-    } else if (p.arena_offset >= 0) {
-      at::Tensor arena = arena_for_thread(this, arena_bytes);
-      out = at::from_blob(static_cast<char *>(arena.data_ptr()) + p.arena_offset, p.out_sizes,
-                          p.out_strides, at::kFloat);
     } else {
       out = at::empty_strided(p.out_sizes, p.out_strides, at::kFloat);
     }
