@@ -1,6 +1,7 @@
 """Two Python threads calling one compiled model at once, against one thread: does a call hold
 the GIL? Each thread runs with ``torch.set_num_threads(1)``, so two threads can use two cores
-only if neither holds the GIL while the model computes.
+only if neither holds the GIL while the model computes. Also the fixed cost of one call of a
+tiny graph: the MLP at batch 1, Cuvil against eager (``call_overhead``).
 
     .venv/bin/python -m benchmarks.threads --models mlp resnet18 minilm --calls 40
 
@@ -93,6 +94,32 @@ def run_model(name: str, calls: int, rounds: int) -> dict[str, Any]:
     return row
 
 
+def call_overhead(calls: int, rounds: int) -> dict[str, Any]:
+    """Median microseconds per call of the MLP at batch 1, one thread, interleaved rounds."""
+    spec = catalog.mlp()
+    x = torch.randn(1, 784)
+    compiled = cuvil.jit(spec.model, spec.example_inputs, dynamic_shapes=spec.dynamic_shapes)
+    torch.set_num_threads(1)
+    compiled.prepare({"x": x})
+    candidates: dict[str, Callable[[], Any]] = {
+        "eager": lambda: spec.model(x),
+        "cuvil": lambda: compiled(x),
+    }
+    times: dict[str, list[float]] = {name: [] for name in candidates}
+    with torch.inference_mode():
+        for _ in range(rounds):
+            for name, call in candidates.items():
+                began = time.perf_counter()
+                for _ in range(calls):
+                    call()
+                times[name].append((time.perf_counter() - began) / calls * 1e6)
+    row: dict[str, Any] = {
+        f"{name}_us": round(statistics.median(t), 1) for name, t in times.items()
+    }
+    row["plan_loop"] = compiled.execution()["plan_loop"]
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["mlp", "resnet18", "minilm"])
@@ -103,6 +130,7 @@ def main() -> None:
         "cpu": _cpu(),
         "load_average_before": os.getloadavg(),
         "models": {name: run_model(name, args.calls, args.rounds) for name in args.models},
+        "call_overhead": call_overhead(args.calls * 50, args.rounds * 3),
         "load_average_after": os.getloadavg(),
     }
     print(json.dumps(results, indent=2))

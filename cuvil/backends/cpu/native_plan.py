@@ -12,8 +12,10 @@ filled arguments, seen just before it ran. From that record each step gets its n
 Tensors in the arguments are bound to slots by identity; every value that is not a slot whose
 value changes per call (an input or a data step's result) is a constant at this shape (weights,
 shape-only values, literals, symbolic sizes already evaluated) and baked into the schedule.
-Maximal runs of native steps become one ``Schedule`` each (native/plan_loop.cc); the shape's
-later calls run the schedules and the Python steps between them in order. When every step is
+Maximal runs of native steps become one ``Schedule`` each (native/plan_loop.cc). They are run
+once on the recorded inputs and must answer as the Python plan did (else the shape keeps the
+Python plan, and ``describe()`` says why); the shape's later calls run the schedules and the
+Python steps between them in order. When every step is
 native a call is one foreign call, made with the GIL released (``describe()`` says which it is
 per shape). Schedules free each value after its last reader, as the Python plan does.
 """
@@ -72,6 +74,7 @@ class ShapeRun:
     whole: Segment | None = None  # every step native: the one schedule
     whole_inputs: tuple[str, ...] = ()  # its reads, as input names
     whole_outputs: tuple[tuple[str, int], ...] = ()  # output name -> position in its writes
+    refused: str | None = None  # why this shape runs the Python plan after all
 
     def summary(self) -> dict[str, Any]:
         segments = sum(isinstance(part, Segment) for part in self.parts)
@@ -80,6 +83,7 @@ class ShapeRun:
             "python_steps": list(self.python_steps),
             "schedules": segments,
             "whole_plan_native": self.whole is not None,
+            **({"refused": self.refused} if self.refused is not None else {}),
         }
 
 
@@ -192,11 +196,41 @@ class NativePlanRunner:
         before = self.plan.kernel_trials()
         recording = _Recording(self.plan, self._runtime)
         outputs = self.plan.run(inputs, symbols, recording.observe)
-        if self.plan.kernel_trials() == before:  # no choice this shape meets is still open
-            with self._lock:
-                if key not in self._shapes and len(self._shapes) < MAX_SCHEDULES:
-                    self._shapes[key] = self._assemble(recording.entries)
+        if self.plan.kernel_trials() != before or len(self._shapes) >= MAX_SCHEDULES:
+            return outputs  # a choice this shape meets is still open: record a later call
+        shape = self._assemble(recording.entries)
+        refused = self._check(shape, inputs, symbols, outputs)
+        if refused is not None:
+            steps = self.plan.data_steps
+            names = tuple(step.name for step in steps)
+            shape = ShapeRun(list(steps), 0, names, refused=refused)
+        with self._lock:
+            self._shapes.setdefault(key, shape)
         return outputs
+
+    def _check(
+        self,
+        shape: ShapeRun,
+        inputs: Mapping[str, torch.Tensor],
+        symbols: Mapping[str, int],
+        expected: Mapping[str, Any],
+    ) -> str | None:
+        """Why the schedules must not serve this shape (a call that fails, or answers other
+        than the Python plan's on the recorded inputs), or None."""
+        try:
+            if shape.whole is not None:
+                given = [inputs[name] for name in shape.whole_inputs]
+                values = _run_schedule(shape.whole.schedule, given)
+                got = {name: values[index] for name, index in shape.whole_outputs}
+            else:
+                got = self._run_parts(shape, inputs, symbols)
+        except RuntimeError as error:
+            return f"the schedules failed: {str(error).splitlines()[0]}"
+        for name, value in expected.items():
+            other = got[name]
+            if isinstance(value, torch.Tensor) and not _same(value, other):
+                return f"output {name!r} differs from the Python plan's"
+        return None
 
     def _run_parts(
         self, shape: ShapeRun, inputs: Mapping[str, torch.Tensor], symbols: Mapping[str, int]
@@ -282,6 +316,14 @@ class NativePlanRunner:
             for key, run in list(self._shapes.items())
         }
         return {"status": "native schedules per settled shape", "shapes": shapes}
+
+
+def _same(expected: torch.Tensor, got: Any) -> bool:
+    if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
+        return False
+    if not expected.is_floating_point():
+        return torch.equal(got, expected)
+    return torch.allclose(got, expected, rtol=1e-4, atol=1e-5, equal_nan=True)
 
 
 def _run_schedule(schedule: Any, values: list[Any]) -> list[torch.Tensor]:
@@ -433,6 +475,8 @@ def _add_argument(schedule: Any, kind: str, value: Any) -> None:
             schedule.arg_floats([float(item) for item in value])
         else:
             raise NotNative
+    elif kind == "Tensor" and isinstance(value, (bool, int, float)):
+        schedule.arg_number(value)
     elif type(value) in ENUM_ADDERS:
         getattr(schedule, ENUM_ADDERS[type(value)])(value)
     elif value is None or isinstance(value, (bool, int, float, str, torch.Tensor)):

@@ -9,6 +9,7 @@
 // Built as a TorchScript custom class and op: torch.ops calls release the GIL while the op
 // runs, so a whole call runs with the GIL released and two Python threads run two calls at once.
 #include <ATen/ATen.h>
+#include <ATen/ScalarOps.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -148,6 +149,12 @@ struct Schedule : torch::CustomClassHolder {
   void arg_memory_format(c10::MemoryFormat value) { arg(value); }
   void arg_layout(c10::Layout value) { arg(value); }
   void arg_device(c10::Device value) { arg(value); }
+  // a Python number where the op takes a Tensor: a wrapped number, as Python's binding makes
+  void arg_number(c10::Scalar value) {
+    at::Tensor number = c10::scalar_to_tensor(value);
+    number.unsafeGetTensorImpl()->set_wrapped_number(true);
+    arg(number);
+  }
   void arg_slot(int64_t slot) {
     last().fills.push_back({static_cast<int64_t>(last().args.size()), -1, slot});
     last().args.emplace_back();
@@ -289,6 +296,7 @@ TORCH_LIBRARY(cuvil_native, m) {
       .def("arg_memory_format", &Schedule::arg_memory_format)
       .def("arg_layout", &Schedule::arg_layout)
       .def("arg_device", &Schedule::arg_device)
+      .def("arg_number", &Schedule::arg_number)
       .def("arg_slot", &Schedule::arg_slot)
       .def("arg_tensors", &Schedule::arg_tensors)
       .def("arg_optional_tensors", &Schedule::arg_optional_tensors)
