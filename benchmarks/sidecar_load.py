@@ -49,6 +49,12 @@ a slow phase of the host hits them alike.
 ``request_mean_ms`` (decode, run, encode), ``compute_mean_ms`` (the model run alone, to set
 against ``in_process_p50_ms``) and ``outside_ms`` = client p50 minus ``request_mean_ms``
 (gRPC both ways, protobuf, the servicer and the client library).
+``kserve_peer`` (``--peers kserve``, the default) is the same model run eagerly by KServe's
+Python model server (kserve_peer.py), loaded after the sidecar with the same client, requests,
+concurrencies and duration over gRPC and REST (``grpc``, ``http``); ``sidecar_vs_peer`` sets
+each of the sidecar's runs beside it, per concurrency: ``qps_ratio`` (sidecar QPS over the
+peer's), ``p50_ratio`` and ``p99_ratio`` (the peer's latency over the sidecar's), all above 1
+where the sidecar is ahead.
 """
 
 from __future__ import annotations
@@ -61,7 +67,6 @@ import hashlib
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -73,8 +78,13 @@ from typing import Any
 
 import numpy as np
 
+if __package__ in (None, ""):  # run as a file: make the `benchmarks` package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import kserve_peer
+from benchmarks.oip_load import DATATYPES, free_port, infer_inputs, load, rpc_floor
+
 REPO = Path(__file__).resolve().parents[1]
-DATATYPES = {np.dtype(np.float32): "FP32", np.dtype(np.int64): "INT64"}
 # the sizes the load sends, beyond the golden inputs' (which are sequence 16 for MiniLM): warmed
 # up before the sidecar is ready, as an operator would configure it
 WARMUP_SHAPES = {"minilm": "seq=128"}
@@ -158,12 +168,6 @@ def tactics_folder(artifact: Path) -> Path:
     so that the overhead measured is the serving's, not a different kernel choice's (on this
     host two loads' choices can differ by a few percent of a run)."""
     return artifact.parent / "tactics"
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def start_sidecar(
@@ -253,30 +257,6 @@ def server_split(before: dict[str, float], after: dict[str, float], p50_ms: floa
     }
 
 
-async def rpc_floor(url: str, calls: int = 300) -> float:
-    """p50 of ServerLive, the smallest round trip through the same client and server."""
-    import tritonclient.grpc.aio as aioclient
-
-    client = aioclient.InferenceServerClient(url)
-    times = []
-    for _ in range(calls):
-        started = time.perf_counter()
-        await client.is_server_live()
-        times.append((time.perf_counter() - started) * 1e3)
-    await client.close()
-    return statistics.median(times)
-
-
-def infer_inputs(kind: Callable[..., Any], inputs: dict[str, np.ndarray]) -> list[Any]:
-    """tritonclient's request inputs (``kind``: the sync or the aio ``InferInput``)."""
-    items = []
-    for name, array in inputs.items():
-        item = kind(name, list(array.shape), DATATYPES[array.dtype])
-        item.set_data_from_numpy(array)
-        items.append(item)
-    return items
-
-
 def interleaved_p50(calls: dict[str, Callable[[], object]], budget_s: float = 6.0) -> dict:
     """Median wall time in ms of each call, measured in alternating blocks of 10 so that every
     call sees the same phases of a noisy host; up to 400 runs each, fewer past the budget."""
@@ -350,53 +330,6 @@ def shared_memory_infer(
         for name, got in shared.infer(model, arrays).items():
             assert np.array_equal(got, outputs[name]), "the shared memory output differs from raw"
         yield lambda: shared.infer(model, arrays)
-
-
-async def load(
-    url: str,
-    model: str,
-    inputs: dict[str, np.ndarray],
-    concurrency: int,
-    duration_s: float,
-    protocol: str = "grpc",
-) -> dict[str, float]:
-    """Closed loop: ``concurrency`` callers on one aio client, each sending its next request
-    when its last is answered; over REST (``protocol="http"``) with binary tensors."""
-    if protocol == "http":
-        import tritonclient.http.aio as aioclient
-    else:
-        import tritonclient.grpc.aio as aioclient
-
-    client = aioclient.InferenceServerClient(url)
-    items = infer_inputs(aioclient.InferInput, inputs)
-    for _ in range(2):
-        await client.infer(model, items)
-    latencies: list[float] = []
-    stop = time.perf_counter() + duration_s
-
-    async def worker() -> None:
-        while time.perf_counter() < stop:
-            started = time.perf_counter()
-            await client.infer(model, items)
-            latencies.append((time.perf_counter() - started) * 1e3)
-
-    started = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    elapsed = time.perf_counter() - started
-    await client.close()
-    ordered = sorted(latencies)
-
-    def percentile(q: float) -> float:
-        return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 3)
-
-    return {
-        "concurrency": concurrency,
-        "requests": len(ordered),
-        "qps": round(len(ordered) / elapsed, 1),
-        "p50_ms": percentile(0.50),
-        "p95_ms": percentile(0.95),
-        "p99_ms": percentile(0.99),
-    }
 
 
 def record_response(url: str, model: str, inputs: dict[str, np.ndarray], folder: Path) -> Path:
@@ -495,6 +428,11 @@ def main() -> int:
         default="native,grpcio",
         help="CUVIL_GRPC_FRONTEND values: the first serves every run, all are in sync_client",
     )
+    parser.add_argument(
+        "--peers",
+        default="kserve",
+        help="peers loaded alike after the sidecar: kserve (KServe's model server), or none",
+    )
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -566,6 +504,16 @@ def main() -> int:
         idle_p50 = in_process_p50(path, inputs, 200, idle_s=idle)
         entry["in_process_idle_p50_ms"] = round(idle_p50, 3)
         entry["overhead_vs_idle_ms"] = round(off[0]["p50_ms"] - idle_p50, 3)
+        if "kserve" in args.peers.split(","):
+            entry["kserve_peer"] = kserve_peer.measure(
+                name,
+                inputs,
+                levels,
+                args.duration,
+                args.artifacts / f"{name}-kserve.log",
+                entry,
+                args.torch_threads,
+            )
         models[name] = entry
         print(json.dumps({name: entry}), file=sys.stderr, flush=True)
     report = {"cpu_count": os.cpu_count(), "load_average": os.getloadavg(), "models": models}

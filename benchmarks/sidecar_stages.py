@@ -89,7 +89,7 @@ def serve() -> int:
     for owner, attribute, name in (
         (frontend, "_on_call", "on_call"),
         (frontend, "_begin", "begin"),
-        (frontend, "_finish", "finish"),
+        (native_frontend.NativeCall, "finish", "finish"),
         (dataplane.DataPlane, "_decode", "decode"),
         (batcher.Batcher, "_execute", "execute"),
     ):

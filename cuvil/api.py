@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -62,13 +63,23 @@ def jit(
     return compile_model(model, example_inputs, dynamic_shapes, options)
 
 
-def load(path_or_ref: str | Path, *, cache_dir: str | Path | None = None) -> CompiledModel:
+def load(
+    path_or_ref: str | Path, *, cache_dir: str | Path | None = None, trust: Any = None
+) -> CompiledModel:
     """Load an artifact in any process, without the model's code: a file or directory written by
     ``save``, a local OCI layout (``oci:DIR[:tag]``), or a registry reference (by tag or digest;
     the entry for this machine is picked from an index, every digest checked, the node cache used).
-    """
-    if Path(path_or_ref).exists():
-        return load_artifact(path_or_ref)
-    from cuvil.artifact import resolve_model
 
-    return load_artifact(resolve_model(str(path_or_ref), cache_dir=cache_dir))
+    A reference's signatures are checked before anything is downloaded, by ``trust``
+    (``cuvil.artifact.trust.TrustSettings``), which defaults to ``CUVIL_TRUST_POLICY`` and
+    ``CUVIL_TRUSTED_KEYS`` as the sidecar and ``cuvil pull`` read them (off when unset).
+    A file written by ``save`` has no manifest to sign: ``require`` refuses it, ``warn`` logs.
+    """
+    from cuvil.artifact import resolve_model
+    from cuvil.artifact.trust import TrustSettings
+
+    settings = TrustSettings.from_env(os.environ) if trust is None else trust
+    if Path(path_or_ref).exists():
+        settings.check_path(str(path_or_ref))
+        return load_artifact(path_or_ref)
+    return load_artifact(resolve_model(str(path_or_ref), cache_dir=cache_dir, trust=settings))

@@ -16,6 +16,7 @@ from cuvil.dtypes import torch_dtype
 from cuvil.runtime.model import CompiledModel
 from cuvil.shape_expr import compile_expr
 from cuvil.verify import compare_outputs
+from cuvil_cli.trust_commands import add_trust_arguments, trust_from
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -37,6 +38,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--random", action="store_true", help="random inputs, not the golden ones")
     parser.add_argument("--runs", type=int, default=20, help="timed runs (default 20)")
+    add_trust_arguments(parser)
     parser.set_defaults(handler=run_run)
 
 
@@ -61,7 +63,7 @@ def random_inputs(model: CompiledModel, dims: dict[str, int]) -> dict[str, torch
 
 
 def run_run(args: argparse.Namespace) -> int:
-    model = load(args.path)
+    model = load(args.path, trust=trust_from(args))
     dims = dict(_pair(item, int) for item in args.dim)
     given = {name: torch.from_numpy(np.load(Path(file))) for name, file in map(_split, args.input)}
     golden_inputs = {

@@ -13,7 +13,14 @@ the manifest digest the compilation serves (``served_ref``), sized by its own an
 | ``cuvil.dev/port`` | the gRPC port the app talks to on localhost (default ``CUVIL_GRPC_PORT``) |
 | ``cuvil.dev/cpu`` | the sidecar's CPU request and limit; its torch threads follow the limit |
 | ``cuvil.dev/memory`` | the sidecar's memory request and limit |
+| ``cuvil.dev/gpu`` | NVIDIA GPUs for the sidecar (``nvidia.com/gpu``), to serve a CUDA target |
 | ``cuvil.dev/registry-secret`` | a docker-config Secret in the pod's namespace to pull with |
+| ``cuvil.dev/track`` | ``candidate``: a canary, pinned to ``status.candidate`` while there is |
+| | one (a generation whose speed gates wait to be measured where it runs), else promoted |
+
+Every sidecar is told its pod and node (downward API): one that serves an artifact whose speed
+gates were deferred measures it at warm-up and writes the measurement on its pod
+(``cuvil_sidecar.measurement``), which ``serving`` takes for the candidate.
 """
 
 from __future__ import annotations
@@ -28,9 +35,18 @@ from typing import Any
 ANNOTATION_PREFIX = "cuvil.dev/"
 MODEL_ANNOTATION = "cuvil.dev/model"
 INJECTED_ANNOTATION = "cuvil.dev/injected"  # the reference the sidecar was pinned to
+TRACK_ANNOTATION = "cuvil.dev/track"
+PROMOTED, CANDIDATE = "promoted", "candidate"  # what a pod's sidecar follows
+# the pod's own coordinates, for the sidecar to publish its measurement on
+DOWNWARD_ENV = {
+    "CUVIL_POD_NAME": "metadata.name",
+    "CUVIL_POD_NAMESPACE": "metadata.namespace",
+    "CUVIL_NODE_NAME": "spec.nodeName",
+}
 CONTAINER_NAME = "cuvil-sidecar"
 SIDECAR_UID = 10001
 SERVE_DIR = "/etc/cuvil/serve"  # the pod's cuvil.dev/injected annotation, as file "ref"
+TLS_DIR, AUTH_DIR = "/etc/cuvil/tls", "/etc/cuvil/auth"  # where the chart's Secrets are mounted
 DEFAULT_POLL_S = "15"  # how often a sidecar checks that file for a newly promoted digest
 REFUSE, ADMIT = "refuse", "admit"
 DIGEST_REF = re.compile(r"^[^@\s]+@sha256:[0-9a-f]{64}$")
@@ -55,7 +71,14 @@ class InjectionSettings:
     | ``CUVIL_INJECT_SHM_SIZE`` | ``256Mi`` | the shared-memory volume's size |
     | ``CUVIL_INJECT_REGISTRY_SECRET`` | (none) | pull Secret, in the pod's own namespace |
     | ``CUVIL_INJECT_TRUSTED_KEYS`` | (none) | ConfigMap of signing keys, in the pod's namespace |
+    | ``CUVIL_INJECT_TLS_SECRET`` | (none) | ``kubernetes.io/tls`` Secret: TLS on serving ports |
+    | ``CUVIL_INJECT_TLS_CLIENT_CA`` | ``false`` | ``true``: mutual TLS, by the Secret's ca.crt |
+    | ``CUVIL_INJECT_TOKENS_SECRET`` | (none) | Secret of bearer tokens (key ``tokens``) |
     | ``CUVIL_INJECT_UNSERVED`` | ``refuse`` | nothing to serve: ``refuse`` or ``admit`` the pod |
+
+    The TLS and tokens Secrets are looked up in the pod's own namespace, as the pull Secret is.
+    The kubelet's probes speak plaintext and carry no token, so both need the metrics port
+    (probes on it), and tokens need ``CUVIL_AUTH_HEALTH`` left ``exempt``.
     """
 
     image: str = "ghcr.io/cuvil/cuvil-sidecar:0.1.0"
@@ -64,6 +87,9 @@ class InjectionSettings:
     shm_size: str = "256Mi"
     registry_secret: str | None = None
     trusted_keys: str | None = None
+    tls_secret: str | None = None
+    tls_client_ca: bool = False
+    tokens_secret: str | None = None
     unserved: str = REFUSE
 
     @classmethod
@@ -77,6 +103,14 @@ class InjectionSettings:
         unserved = (env.get("CUVIL_INJECT_UNSERVED") or REFUSE).lower()
         if unserved not in (REFUSE, ADMIT):
             raise ValueError(f"CUVIL_INJECT_UNSERVED must be {REFUSE} or {ADMIT}, not {unserved}")
+        tls_secret = env.get("CUVIL_INJECT_TLS_SECRET") or None
+        tokens_secret = env.get("CUVIL_INJECT_TOKENS_SECRET") or None
+        client_ca = (env.get("CUVIL_INJECT_TLS_CLIENT_CA") or "false").lower()
+        if client_ca not in ("true", "false"):
+            raise ValueError(f"CUVIL_INJECT_TLS_CLIENT_CA must be true or false, not {client_ca}")
+        if client_ca == "true" and tls_secret is None:
+            raise ValueError("CUVIL_INJECT_TLS_CLIENT_CA needs CUVIL_INJECT_TLS_SECRET")
+        _check_probes_can_pass(sidecar_env, tls_secret, tokens_secret)
         return cls(
             image=env.get("CUVIL_INJECT_IMAGE") or cls.image,
             env={str(k): str(v) for k, v in sidecar_env.items()},
@@ -84,7 +118,30 @@ class InjectionSettings:
             shm_size=env.get("CUVIL_INJECT_SHM_SIZE") or cls.shm_size,
             registry_secret=env.get("CUVIL_INJECT_REGISTRY_SECRET") or None,
             trusted_keys=env.get("CUVIL_INJECT_TRUSTED_KEYS") or None,
+            tls_secret=tls_secret,
+            tls_client_ca=client_ca == "true",
+            tokens_secret=tokens_secret,
             unserved=unserved,
+        )
+
+
+def _check_probes_can_pass(
+    sidecar_env: Mapping[str, Any], tls_secret: str | None, tokens_secret: str | None
+) -> None:
+    """Refuse settings under which every injected sidecar would fail its probes: the kubelet
+    probes over plaintext without a token, so TLS and tokens need the (plaintext, token-free)
+    metrics port to probe on."""
+    if not (tls_secret or tokens_secret):
+        return
+    if str(sidecar_env.get("CUVIL_METRICS_PORT", "8002")) == "0":
+        raise ValueError(
+            "TLS or tokens for injected sidecars need CUVIL_METRICS_PORT: the kubelet's probes"
+            " speak plaintext and carry no token"
+        )
+    if tokens_secret and str(sidecar_env.get("CUVIL_AUTH_HEALTH", "exempt")) != "exempt":
+        raise ValueError(
+            "CUVIL_AUTH_HEALTH=required fails the kubelet's probes of injected sidecars"
+            " (they carry no token); leave it exempt"
         )
 
 
@@ -98,6 +155,8 @@ class SidecarRequest:
     cpu: str | None = None
     memory: str | None = None
     registry_secret: str | None = None
+    track: str = PROMOTED
+    gpus: int = 0
 
     @property
     def threads(self) -> int | None:
@@ -148,19 +207,27 @@ def read_request(
     if secret is not None and not _DNS_SUBDOMAIN.match(secret):
         raise InjectionRefused(f"cuvil.dev/registry-secret {secret!r} is not a Secret name")
     target = annotations.get("cuvil.dev/target")
-    return SidecarRequest(model, target or None, port, cpu, memory, secret)
+    track = annotations.get(TRACK_ANNOTATION) or PROMOTED
+    if track not in (PROMOTED, CANDIDATE):
+        raise InjectionRefused(f"{TRACK_ANNOTATION} {track!r} is not {PROMOTED} or {CANDIDATE}")
+    gpu_text = annotations.get("cuvil.dev/gpu") or "0"
+    if not gpu_text.isdigit():
+        raise InjectionRefused(f"cuvil.dev/gpu {gpu_text!r} is not a GPU count (e.g. 1)")
+    return SidecarRequest(model, target or None, port, cpu, memory, secret, track, int(gpu_text))
 
 
 def served_ref(compilation: Mapping[str, Any] | None, request: SidecarRequest) -> str:
-    """The digest-pinned reference to serve: the promoted one, else a Succeeded compilation's
-    index (the sidecar picks its platform's manifest from it), or the target's own artifact
-    when the pod names a target."""
+    """The digest-pinned reference to serve: the promoted one (the candidate for a canary while
+    there is one), else a Succeeded compilation's index (the sidecar picks its platform's
+    manifest from it), or the target's own artifact when the pod names a target."""
     where = f"ModelCompilation {request.model}"
     if compilation is None:
         raise InjectionRefused(f"{where} does not exist in the pod's namespace")
     status = compilation.get("status") or {}
     served = status.get("promoted") or {}
     candidate = status.get("candidate") or {}
+    if candidate and request.track == CANDIDATE:
+        served = candidate
     if not served and candidate:
         raise InjectionRefused(
             f"{where} promotes nothing yet: generation {candidate.get('generation')} awaits a"
@@ -214,12 +281,22 @@ def build_sidecar_container(
         env["CUVIL_REGISTRY_CONFIG"] = "/etc/cuvil/registry/config.json"
     if settings.trusted_keys:
         env["CUVIL_TRUSTED_KEYS"] = "/etc/cuvil/trust"
+    if settings.tls_secret:
+        env["CUVIL_TLS_CERT"], env["CUVIL_TLS_KEY"] = f"{TLS_DIR}/tls.crt", f"{TLS_DIR}/tls.key"
+        if settings.tls_client_ca:
+            env["CUVIL_TLS_CLIENT_CA"] = f"{TLS_DIR}/ca.crt"
+    if settings.tokens_secret:
+        env["CUVIL_AUTH_TOKENS_FILE"] = f"{AUTH_DIR}/tokens"
     grpc_port = int(env.get("CUVIL_GRPC_PORT") or 8001)
     metrics_port = int(env.get("CUVIL_METRICS_PORT") or 8002)
+    downward = [
+        {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+        for name, path in DOWNWARD_ENV.items()
+    ]
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
         "image": settings.image,
-        "env": [{"name": k, "value": v} for k, v in sorted(env.items())],
+        "env": [{"name": k, "value": v} for k, v in sorted(env.items())] + downward,
         "ports": [{"name": "oip-grpc", "containerPort": grpc_port}],
         "securityContext": {
             "runAsNonRoot": True,
@@ -250,6 +327,8 @@ def build_sidecar_container(
         container["readinessProbe"] = {**grpc, "periodSeconds": 5}
         container["livenessProbe"] = {**grpc, "periodSeconds": 10}
     resources = {k: v for k, v in (("cpu", request.cpu), ("memory", request.memory)) if v}
+    if request.gpus:
+        resources["nvidia.com/gpu"] = str(request.gpus)
     if resources:
         container["resources"] = {"requests": dict(resources), "limits": dict(resources)}
     if env.get("CUVIL_SHARED_MEMORY", "system") != "off":
@@ -262,6 +341,14 @@ def build_sidecar_container(
         container["volumeMounts"].append(
             {"name": "cuvil-trust", "mountPath": "/etc/cuvil/trust", "readOnly": True}
         )
+    if settings.tls_secret:
+        container["volumeMounts"].append(
+            {"name": "cuvil-tls", "mountPath": TLS_DIR, "readOnly": True}
+        )
+    if settings.tokens_secret:
+        container["volumeMounts"].append(
+            {"name": "cuvil-auth", "mountPath": AUTH_DIR, "readOnly": True}
+        )
     return container
 
 
@@ -271,7 +358,8 @@ def build_sidecar_volumes(
     """The volumes the sidecar mounts: the node cache (a host folder when the chart names
     one, so the node's pods pull an artifact once), scratch, the reference to serve (the pod's
     ``cuvil.dev/injected`` annotation, which the kubelet rewrites when the operator moves it),
-    shared memory, pull credentials, the public keys signatures are checked with."""
+    shared memory, pull credentials, the public keys signatures are checked with, the serving
+    certificate and the bearer tokens."""
     cache: dict[str, Any] = {"emptyDir": {}}
     if settings.cache_host_path:
         cache = {"hostPath": {"path": settings.cache_host_path, "type": "DirectoryOrCreate"}}
@@ -290,6 +378,14 @@ def build_sidecar_volumes(
         volumes.append({"name": "cuvil-registry", "secret": {"secretName": secret, "items": items}})
     if settings.trusted_keys:
         volumes.append({"name": "cuvil-trust", "configMap": {"name": settings.trusted_keys}})
+    if settings.tls_secret:  # tls.crt, tls.key (and ca.crt): renewals reach the sidecar live
+        volumes.append({"name": "cuvil-tls", "secret": {"secretName": settings.tls_secret}})
+    if settings.tokens_secret:
+        tokens = {
+            "secretName": settings.tokens_secret,
+            "items": [{"key": "tokens", "path": "tokens"}],
+        }
+        volumes.append({"name": "cuvil-auth", "secret": tokens})
     return volumes
 
 

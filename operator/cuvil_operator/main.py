@@ -262,7 +262,8 @@ def on_timer_serving(
     index: kopf.Index[Any, Any] = kwargs["served_pods"]  # kopf passes indices by name
     pods: list[Any] = list(index.get((meta.get("namespace"), meta["name"]), []))
     move = webhook.pod_mover(memo.kube)
-    _write_status(patch, serving.reconcile_serving(meta, status, pods, move, _notify(body)))
+    flow = serving.reconcile_serving(meta, status, pods, move, _notify(body), now_rfc3339())
+    _write_status(patch, flow)
 
 
 def register_webhook() -> None:

@@ -14,7 +14,8 @@ annotation on the compilation, one target at a time, as JSON
 (``reconcile_measurement``). When every target's deferred gates are measured and met, the
 candidate is promoted; a measurement that misses a gate rejects it, and the promoted generation
 stays served. Anyone allowed to patch the compilation can post one (a benchmark Job on a node of
-the target's kind); the sidecar does not post it itself.
+the target's kind). A canary's sidecar measures latency at warm-up and writes it on its own pod;
+``serving`` takes it from there into ``reconcile_measurement``, as if it had been posted here.
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ def with_promotion(
         return patch
     previous = status.get("promoted") or None
     if phase == FAILED:
-        message = f"generation {generation} failed; {_serving(previous)}"
+        why = f" ({patch['message']})" if patch.get("message") else ""
+        message = f"generation {generation} failed{why}; {_serving(previous)}"
         update = (FALSE, "GenerationFailed", message)
         patch["candidate"] = None
     else:

@@ -22,7 +22,8 @@ refused at once (``QueueFull``); a request carries an
 expiry, the sooner of ``queue_timeout_s`` after it arrived and its client's deadline, and one
 whose expiry passed before its run starts is dropped unrun (``QueueTimeout`` or
 ``DeadlinePassed``): a client that gave up costs no model run, nor does a request whose call
-was cancelled while it waited. ``on_reject`` counts each, by reason.
+was cancelled while it waited (its task cancelled, or its ``client_gone`` true when its turn
+comes: ``CallCancelled``). ``on_reject`` counts each, by reason.
 Handing a run to a worker thread and waking the loop when it is done costs a thread wake-up each
 way, more than a tiny model's whole run; a long run stays on the worker so that the loop keeps
 answering health checks and decoding the next request meanwhile.
@@ -81,9 +82,11 @@ class _Job:
     deadline_ns: int | None = None  # the client's deadline (epoch ns)
     abandoned: bool = False  # its call was cancelled while it waited for a worker
     started: bool = False  # a worker began to run it (batching off)
+    client_gone: Callable[[], bool] | None = None  # whether its client is gone (any thread)
 
     def expired(self) -> SidecarError | None:
-        """Why this job must not run now, if its queue timeout or its client's deadline passed."""
+        """Why this job must not run now, if its queue timeout or its client's deadline passed,
+        or its client is gone."""
         now = time.time_ns()
         if self.deadline_ns is not None and now >= self.deadline_ns:
             waited = (now - self.enqueued_ns) / 1e6
@@ -93,6 +96,8 @@ class _Job:
             return QueueTimeout(
                 f"the request waited {waited:.1f} ms in queue, past the queue timeout"
             )
+        if self.client_gone is not None and self.client_gone():
+            return CallCancelled("the call was cancelled before it ran")
         return None
 
 
@@ -163,15 +168,24 @@ class Batcher:
         rows: int = 1,
         key: Hashable = None,
         deadline_ns: int | None = None,
+        client_gone: Callable[[], bool] | None = None,
     ) -> BatchResult:
         """Queue one request; ``rows`` is its batch-dim size, ``key`` what must match to join,
-        ``deadline_ns`` when its client stops waiting (epoch ns)."""
+        ``deadline_ns`` when its client stops waiting (epoch ns), ``client_gone`` whether it has
+        stopped already (asked, from any thread, when the request's turn comes)."""
         if self._closed:
             raise ShuttingDown("the model is being unloaded")
         if self.max_queue and self.pending >= self.max_queue:
             self._reject(QueueFull(f"the model holds {self.max_queue} requests already"))
         loop = asyncio.get_running_loop()
-        job = _Job(inputs, rows, key, loop.create_future(), deadline_ns=deadline_ns)
+        job = _Job(
+            inputs,
+            rows,
+            key,
+            loop.create_future(),
+            deadline_ns=deadline_ns,
+            client_gone=client_gone,
+        )
         if self._queue_timeout_ns is not None:
             job.timeout_ns = job.enqueued_ns + self._queue_timeout_ns
         if not self._tasks:

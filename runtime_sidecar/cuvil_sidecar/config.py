@@ -86,6 +86,21 @@
   threads spin for more work before sleeping; long enough to bridge the gaps between a run's
   parallel regions, short enough that after a run they give their cores back to the client,
   gRPC and the next request (``main.py``).
+- Generation models (``generation/``): ``CUVIL_GENERATION_SLOTS`` (16): sequences decoded at
+  once, each with its own KV cache slot (an engine built here; a compiled artifact brings its
+  own). ``CUVIL_GENERATION_MAX_SEQ`` (0 = the model's ``max_position_embeddings``, at most
+  2048): positions per slot, prompt and generated tokens together. ``CUVIL_KV_CACHE_BYTES``
+  (0 = every slot's whole cache): the KV memory requests are admitted against; a request
+  reserves its prompt plus ``max_tokens`` positions, waits while they are taken, and is refused
+  RESOURCE_EXHAUSTED (HTTP 413) at once when it could never fit. ``CUVIL_GENERATION_MAX_WAITING``
+  (64): requests waiting for room; one more is refused RESOURCE_EXHAUSTED (HTTP 429).
+  ``CUVIL_PREFILL_CHUNK`` (128): prompt tokens prefilled per scheduler step, between decode
+  steps of the running streams.
+
+- ``CUVIL_MEASURE_RUNS``, ``CUVIL_POD_NAME``, ``CUVIL_POD_NAMESPACE``, ``CUVIL_NODE_NAME``,
+  ``CUVIL_KUBE_API``, ``CUVIL_KUBE_TOKEN_FILE``, ``CUVIL_KUBE_CA``: the warm-up measurement of
+  an artifact whose speed gates were left to the node that runs it, and the pod annotation it
+  is published on (``measurement.py``).
 
 Tracing is configured by the standard ``OTEL_*`` variables (see ``tracing.py``).
 """
@@ -94,10 +109,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
+from cuvil_sidecar.measurement import MeasurementSettings
 from cuvil_sidecar.tls import TlsFiles
 
 T = TypeVar("T")
@@ -145,6 +161,12 @@ class SidecarConfig:
     max_graph_nodes: int = 100_000
     trust_policy: str = "off"
     trusted_keys: tuple[str, ...] = ()
+    generation_slots: int = 16
+    generation_max_seq: int = 0
+    kv_cache_bytes: int = 0
+    generation_max_waiting: int = 64
+    prefill_chunk: int = 128
+    measurement: MeasurementSettings = field(default_factory=MeasurementSettings)
 
     @property
     def batching(self) -> bool:
@@ -213,7 +235,24 @@ class SidecarConfig:
                 for path in env.get("CUVIL_TRUSTED_KEYS", "").split(",")
                 if path.strip()
             ),
+            generation_slots=_integer(env, "CUVIL_GENERATION_SLOTS", cls.generation_slots, low=1),
+            generation_max_seq=_integer(
+                env, "CUVIL_GENERATION_MAX_SEQ", cls.generation_max_seq, low=0
+            ),
+            kv_cache_bytes=_integer(env, "CUVIL_KV_CACHE_BYTES", cls.kv_cache_bytes, low=0),
+            generation_max_waiting=_integer(
+                env, "CUVIL_GENERATION_MAX_WAITING", cls.generation_max_waiting, low=0
+            ),
+            prefill_chunk=_integer(env, "CUVIL_PREFILL_CHUNK", cls.prefill_chunk, low=1),
+            measurement=_measurement(env),
         )
+
+
+def _measurement(env: Mapping[str, str]) -> MeasurementSettings:
+    try:
+        return MeasurementSettings.from_env(env)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _path(env: Mapping[str, str], key: str) -> Path | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 import torch
 
@@ -20,6 +20,8 @@ from cuvil_sidecar import tracing
 from cuvil_sidecar.codec import DATATYPES, decode_input, encode_output, write_output
 from cuvil_sidecar.config import SidecarConfig
 from cuvil_sidecar.errors import InvalidInput, NotSupported, SidecarError
+from cuvil_sidecar.generation.requests import GenerateRequest
+from cuvil_sidecar.generation.servable import GenerationServable, GenerationStream
 from cuvil_sidecar.manager import ModelManager
 from cuvil_sidecar.messages import (
     InferInput,
@@ -134,27 +136,69 @@ class DataPlane:
             "unloading models by request is not supported: stop the sidecar to stop serving"
         )
 
-    async def infer(self, request: InferRequest, deadline_ns: int | None = None) -> InferResponse:
-        """One inference; ``deadline_ns`` is when the client stops waiting (epoch ns)."""
+    async def infer(
+        self,
+        request: InferRequest,
+        deadline_ns: int | None = None,
+        client_gone: Callable[[], bool] | None = None,
+    ) -> InferResponse:
+        """One inference; ``deadline_ns`` is when the client stops waiting (epoch ns), and
+        ``client_gone`` says whether it has stopped already (asked before the request runs)."""
         model = self.manager.acquire(request.model_name, request.model_version)
+        started = time.time_ns()
         try:
+            if isinstance(model, GenerationServable):
+                raise NotSupported(
+                    f"model {model.name!r} generates tokens (a decoupled model): use "
+                    "ModelStreamInfer over gRPC, or POST .../generate or .../generate_stream"
+                )
             with tracing.infer_span(model.name, model.digest, model.links):
-                response = await self._infer(model, request, deadline_ns)
+                response = await self._infer(model, request, deadline_ns, client_gone)
         except Exception:
-            self.metrics.add("nv_inference_request_failure", model.name, model.version)
+            took_us = (time.time_ns() - started) / 1e3
+            self.metrics.request_failed(model.name, model.version, request_us=took_us)
             raise
         finally:
             model.release()
         return response
 
-    def count_failure(self, name: str) -> None:
-        """A request that failed before it reached ``infer`` (unparseable contents)."""
+    def is_generation(self, name: str) -> bool:
+        """Whether ``name`` is served by a generation model (streams answer per token)."""
+        current = self.manager.current
+        return isinstance(current, GenerationServable) and current.name == name
+
+    def open_generation(
+        self, name: str, version: str, read: Callable[[GenerationServable], GenerateRequest]
+    ) -> GenerationStream:
+        """Start a generation: ``read`` turns the request into a ``GenerateRequest`` for the
+        model (raising ``InvalidInput``); a refusal is raised here, before any answer. The
+        stream holds the model until it ends; ``close`` it when the client goes away."""
+        model = self.manager.acquire(name, version)
+        try:
+            if not isinstance(model, GenerationServable):
+                raise NotSupported(
+                    f"model {model.name!r} is not a generation model: use ModelInfer or .../infer"
+                )
+            return model.open(read(model))
+        except Exception:
+            self.metrics.add("nv_inference_request_failure", model.name, model.version)
+            model.release()
+            raise
+
+    def count_failure(self, name: str, started_ns: int) -> None:
+        """A request that failed before it reached ``infer`` (unparseable contents), begun at
+        ``started_ns`` (epoch ns)."""
         current = self.manager.current
         if current is not None and current.name == name:
-            self.metrics.add("nv_inference_request_failure", current.name, current.version)
+            took_us = (time.time_ns() - started_ns) / 1e3
+            self.metrics.request_failed(current.name, current.version, request_us=took_us)
 
     async def _infer(
-        self, model: ServedModel, request: InferRequest, deadline_ns: int | None
+        self,
+        model: ServedModel,
+        request: InferRequest,
+        deadline_ns: int | None,
+        client_gone: Callable[[], bool] | None,
     ) -> InferResponse:
         started = time.time_ns()
         inputs = self._decode(model, request)
@@ -174,7 +218,9 @@ class DataPlane:
             first = next(iter(inputs.values()))
             rows = int(first.shape[0])
             key = tuple((name, tuple(t.shape[1:])) for name, t in sorted(inputs.items()))
-        result = await model.batcher.submit(inputs, rows=rows, key=key, deadline_ns=deadline_ns)
+        result = await model.batcher.submit(
+            inputs, rows=rows, key=key, deadline_ns=deadline_ns, client_gone=client_gone
+        )
         tracing.record_batch_spans(
             enqueued_ns=result.enqueued_ns,
             started_ns=result.started_ns,

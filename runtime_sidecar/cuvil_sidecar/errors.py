@@ -80,6 +80,16 @@ class QueueTimeout(SidecarError):
     """The request waited longer than ``CUVIL_QUEUE_TIMEOUT_US`` before it could run."""
 
 
+class GenerationQueueFull(SidecarError):
+    """A generation request found every KV cache slot taken and the waiting queue full
+    (``CUVIL_GENERATION_MAX_WAITING``); it may succeed later."""
+
+
+class KvBudgetExceeded(SidecarError):
+    """A generation request needs more KV cache positions than the whole budget holds
+    (``CUVIL_KV_CACHE_BYTES``): it can never run on this sidecar."""
+
+
 class CallCancelled(SidecarError):
     """The call was cancelled (its client hung up) before its request ran; it never runs."""
 
@@ -105,6 +115,8 @@ STATUS_CODES: dict[type[SidecarError], grpc.StatusCode] = {
     Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
     PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     RateLimited: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    GenerationQueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    KvBudgetExceeded: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
 HTTP_STATUS: dict[type[SidecarError], int] = {
@@ -125,6 +137,8 @@ HTTP_STATUS: dict[type[SidecarError], int] = {
     Unauthenticated: 401,
     PermissionDenied: 403,
     RateLimited: 429,
+    GenerationQueueFull: 429,
+    KvBudgetExceeded: 413,  # retrying cannot help: the request is larger than the budget
 }
 
 

@@ -9,7 +9,10 @@ and within ``max_body_bytes`` (a larger ``Content-Length`` is answered 413 befor
 read). Bodies need a ``Content-Length``; a chunked one is answered 411. Connections are kept
 alive as HTTP/1.1 says, and ``Expect: 100-continue`` is honoured (curl sends it for large
 bodies). A client that hangs up while its request is served has the request cancelled: one
-still queued for the model never runs. Errors of the server's own (bad framing) are answered
+still queued for the model never runs. A response may stream (``HttpResponse.stream``, for
+server-sent events): its parts go out as HTTP/1.1 chunks as they come, and a client that
+hangs up meanwhile has the stream closed (``aclose``), which ends whatever produced it.
+Errors of the server's own (bad framing) are answered
 ``{"error": "..."}`` with a 4xx status, and the connection is closed where its framing can no
 longer be trusted.
 """
@@ -20,7 +23,7 @@ import asyncio
 import json
 import logging
 import ssl
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +68,8 @@ class HttpResponse:
     body: Sequence[bytes | memoryview] = ()
     content_type: str = "application/json"
     headers: dict[str, str] = field(default_factory=dict)
+    # parts sent as chunks as they come, instead of ``body``; closed when the client hangs up
+    stream: AsyncIterator[bytes] | None = None
 
 
 Handler = Callable[[HttpRequest], Awaitable[HttpResponse]]
@@ -202,6 +207,8 @@ class HttpServer:
         except Exception as error:  # the handler's own errors are its to answer; this is a bug
             log.exception("%s %s failed", method, path)
             response = error_response(500, f"internal error: {error!r}")
+        if response.stream is not None:
+            return await self._send_stream(writer, response, connection.hung_up) and keep_alive
         await self._send(writer, response, close=not keep_alive)
         return keep_alive
 
@@ -236,6 +243,46 @@ class HttpServer:
         writer.writelines(response.body)
         async with asyncio.timeout(self._limits.timeout_s):
             await writer.drain()
+
+    async def _send_stream(
+        self, writer: asyncio.StreamWriter, response: HttpResponse, hung_up: asyncio.Future[None]
+    ) -> bool:
+        """The response's stream as chunks; False when the client hung up before its end."""
+        stream = response.stream
+        assert stream is not None
+        lines = [
+            f"HTTP/1.1 {response.status} {REASONS.get(response.status, 'Status')}",
+            f"Content-Type: {response.content_type}",
+            "Transfer-Encoding: chunked",
+            "Cache-Control: no-cache",
+            *(f"{key}: {value}" for key, value in response.headers.items()),
+        ]
+        try:
+            writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
+            parts = stream.__aiter__()
+            while True:
+                coming = asyncio.ensure_future(parts.__anext__())
+                await asyncio.wait((coming, hung_up), return_when=asyncio.FIRST_COMPLETED)
+                if not coming.done():
+                    coming.cancel()
+                    await asyncio.gather(coming, return_exceptions=True)
+                    return False
+                try:
+                    part = coming.result()
+                except StopAsyncIteration:
+                    break
+                if part:
+                    writer.write(b"%x\r\n%s\r\n" % (len(part), part))
+                    async with asyncio.timeout(self._limits.timeout_s):
+                        await writer.drain()
+            writer.write(b"0\r\n\r\n")
+            async with asyncio.timeout(self._limits.timeout_s):
+                await writer.drain()
+            return True
+        finally:
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                await aclose()
 
 
 class _Connection(asyncio.StreamReaderProtocol):

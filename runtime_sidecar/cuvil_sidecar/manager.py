@@ -24,6 +24,9 @@ from cuvil.artifact.limits import LoadLimits
 from cuvil.artifact.trust import TrustSettings
 from cuvil_sidecar.config import SidecarConfig
 from cuvil_sidecar.errors import ModelNotFound, ModelNotReady
+from cuvil_sidecar.generation.loader import load_generation
+from cuvil_sidecar.generation.servable import GenerationServable
+from cuvil_sidecar.measurement import build_measurement, publish
 from cuvil_sidecar.metrics import Metrics
 from cuvil_sidecar.process_usage import CpuUtilization, resident_bytes
 from cuvil_sidecar.servable import ServedModel
@@ -33,6 +36,7 @@ from cuvil_sidecar.startup import load_checked
 log = logging.getLogger("cuvil_sidecar.manager")
 
 ReadyHook = Callable[[bool], Awaitable[None]]
+Served = ServedModel | GenerationServable
 T = TypeVar("T")
 
 
@@ -63,13 +67,14 @@ class ModelManager:
         self.config = config
         self.source = source
         self.metrics = metrics
-        self.current: ServedModel | None = None
+        self.current: Served | None = None
         self.reason = "starting"
         self._on_ready = on_ready
         self._tried_digest: str | None = None
         self._lock = asyncio.Lock()
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="cuvil-load")
         self._retiring: set[asyncio.Task[None]] = set()
+        self._publishing: set[asyncio.Task[bool]] = set()
         self._cpu = CpuUtilization()
 
     @property
@@ -83,7 +88,7 @@ class ModelManager:
         index = f" index {current.index_digest}" if current.index_digest else ""
         return True, f"ready: {current.name} {current.digest}{index}"
 
-    def acquire(self, name: str, version: str) -> ServedModel:
+    def acquire(self, name: str, version: str) -> Served:
         """The model to serve this request, with its in-flight count raised (``release`` it)."""
         current = self.current
         if current is None:
@@ -126,6 +131,18 @@ class ModelManager:
             self._tried_digest = digest
             try:
                 trust = TrustSettings.load(self.config.trust_policy, self.config.trusted_keys)
+                generation = await self._within_time_limit(
+                    lambda: load_generation(self.source, digest, self.config, trust)
+                )
+            except Exception as error:
+                log.debug("load failure", exc_info=True)
+                self._refuse(str(error))
+                return False
+            if generation is not None:
+                generating = GenerationServable(generation, self.config, self.metrics)
+                generating.register_gauges()
+                return await self._swap(generating)
+            try:
                 loaded = await self._within_time_limit(
                     lambda: load_checked(
                         self.source,
@@ -142,41 +159,50 @@ class ModelManager:
                         ),
                         time_limit_s=self.config.load_timeout_s,
                         trust=trust,
+                        measure_runs=self.config.measurement.runs,
                     ),
                 )
             except Exception as error:
                 log.debug("load failure", exc_info=True)
                 self._refuse(str(error))
                 return False
-            new = ServedModel(loaded, self.config, self.metrics)
-            old, self.current = self.current, new
-            self.metrics.gauge("cuvil_model_ready", new.name, new.version, lambda: 1.0)
-            self.metrics.served(new.name, new.version, new.digest, new.index_digest or "")
+            served = ServedModel(loaded, self.config, self.metrics)
             self.metrics.gauge(
-                "nv_inference_pending_request_count",
-                new.name,
-                new.version,
-                lambda: float(self.current.batcher.pending if self.current else 0),
+                "nv_inference_pending_request_count", served.name, served.version, self._pending
             )
-            self.metrics.gauge("nv_cpu_utilization", new.name, new.version, self._cpu.read)
-            self.metrics.gauge("nv_cpu_memory_used_bytes", new.name, new.version, resident_bytes)
-            self.metrics.reload("ok")
-            log.info(
-                "serving %s %s%s (from %s; %s)",
-                new.name,
-                new.digest,
-                f" index {new.index_digest}" if new.index_digest else "",
-                self.source,
-                new.batcher.mode,
-            )
-            if old is None:
-                if self._on_ready is not None:
-                    await self._on_ready(True)
-            else:
-                task = asyncio.create_task(old.retire())
-                self._retiring.add(task)
-                task.add_done_callback(self._retiring.discard)
-            return True
+            swapped = await self._swap(served)
+            if loaded.measured is not None:
+                self._publish(served)
+            return swapped
+
+    def _pending(self) -> float:
+        current = self.current
+        return float(current.batcher.pending) if isinstance(current, ServedModel) else 0.0
+
+    async def _swap(self, new: Served) -> bool:
+        """Under the load lock: ``new`` serves from now on; the old model retires."""
+        old, self.current = self.current, new
+        self.metrics.gauge("cuvil_model_ready", new.name, new.version, lambda: 1.0)
+        self.metrics.served(new.name, new.version, new.digest, new.index_digest or "")
+        self.metrics.gauge("nv_cpu_utilization", new.name, new.version, self._cpu.read)
+        self.metrics.gauge("nv_cpu_memory_used_bytes", new.name, new.version, resident_bytes)
+        self.metrics.reload("ok")
+        log.info(
+            "serving %s %s%s (from %s; %s)",
+            new.name,
+            new.digest,
+            f" index {new.index_digest}" if new.index_digest else "",
+            self.source,
+            new.mode,
+        )
+        if old is None:
+            if self._on_ready is not None:
+                await self._on_ready(True)
+        else:
+            task = asyncio.create_task(old.retire())
+            self._retiring.add(task)
+            task.add_done_callback(self._retiring.discard)
+        return True
 
     async def start(self, first_delay_s: float = 1.0, max_delay_s: float = 60.0) -> None:
         """The first load, tried again with exponential backoff (``first_delay_s`` doubling up
@@ -206,7 +232,7 @@ class ModelManager:
             ) from None
 
     async def reload_on_signal(self) -> bool:
-        served = self.current.loaded.source_digest if self.current else None
+        served = self.current.source_digest if self.current else None
         return await self.load(only_if=lambda digest: digest != served)
 
     async def poll(self, interval_s: float) -> None:
@@ -218,8 +244,21 @@ class ModelManager:
         current, self.current = self.current, None
         if current is not None:
             await current.retire()
-        await asyncio.gather(*self._retiring, return_exceptions=True)
+        await asyncio.gather(*self._retiring, *self._publishing, return_exceptions=True)
         self._loader.shutdown(wait=False, cancel_futures=True)
+
+    def _publish(self, served: ServedModel) -> None:
+        """The warm-up measurement of a model with deferred gates, to the pod's annotation (on
+        a thread: the API call never holds the event loop)."""
+        loaded = served.loaded
+        target = str(served.model.config.get("target") or "")
+        measurement = build_measurement(
+            loaded.measured or {}, target, served.digest, loaded.deferred or {},
+            self.config.measurement,
+        )  # fmt: skip
+        task = asyncio.create_task(asyncio.to_thread(publish, measurement, self.config.measurement))
+        self._publishing.add(task)
+        task.add_done_callback(self._publishing.discard)
 
     def _progress(self, message: str) -> None:
         if self.current is None:

@@ -16,6 +16,11 @@ process's; process_usage.py); counters ``cuvil_model_reloads`` with ``result`` o
 ``cuvil_model_info{model, version, digest, index}`` 1 for the artifact served (``digest``: the
 OCI manifest, as in the ModelCompilation's status.artifacts[]; ``index``: the index it came
 from, empty when none).
+
+Generation models add ``cuvil_generation_tokens`` (tokens generated; its rate is tokens/s),
+histograms ``cuvil_time_to_first_token_seconds`` and ``cuvil_inter_token_latency_seconds``,
+and gauges ``cuvil_kv_cache_usage`` (the fraction of the KV budget reserved),
+``cuvil_generation_running`` (sequences holding a cache slot) and ``cuvil_generation_waiting``.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ COUNTERS = {
     "nv_inference_queue_duration_us": "Cumulative inference queuing duration in microseconds",
     "nv_inference_compute_infer_duration_us": "Cumulative compute inference duration in "
     "microseconds",
+    "cuvil_generation_tokens": "Tokens generated, all streams",
 }
 GAUGES = {
     "nv_inference_pending_request_count": "Instantaneous number of pending requests awaiting "
@@ -47,7 +53,13 @@ GAUGES = {
     "nv_cpu_utilization": "CPU utilization of the serving process since the last scrape, as a "
     "fraction of its cores [0.0 - 1.0]",
     "nv_cpu_memory_used_bytes": "Resident memory of the serving process, in bytes",
+    "cuvil_kv_cache_usage": "Fraction of the KV cache budget reserved by running sequences",
+    "cuvil_generation_running": "Sequences holding a KV cache slot",
+    "cuvil_generation_waiting": "Generation requests waiting for KV cache room",
 }
+# the cumulative microseconds of failed requests: read by ModelStatistics (its ``fail``
+# duration), not exposed (Triton's metrics have no such counter)
+FAILURE_DURATION = "cuvil_request_failure_duration_us"
 RELOADS = "cuvil_model_reloads"
 INFO = "cuvil_model_info"
 REJECTED = "cuvil_inference_rejected"
@@ -55,7 +67,11 @@ HISTOGRAMS = {
     "cuvil_request_duration_seconds": "Time from a request's arrival to its answer",
     "cuvil_queue_duration_seconds": "Time a request waited before its batch ran",
     "cuvil_compute_duration_seconds": "Time the model ran for the batch a request rode in",
+    "cuvil_time_to_first_token_seconds": "Time from a generation request's arrival to its "
+    "first token",
+    "cuvil_inter_token_latency_seconds": "Time between successive tokens of one stream",
 }
+REQUEST_HISTOGRAMS = tuple(HISTOGRAMS)[:3]  # what every inference request observes
 BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 Labels = tuple[tuple[str, str], ...]
@@ -83,9 +99,23 @@ class Metrics:
             self._values["nv_inference_request_duration_us"][labels] += request_us
             self._values["nv_inference_queue_duration_us"][labels] += queue_us
             self._values["nv_inference_compute_infer_duration_us"][labels] += compute_us
-            for name, us in zip(HISTOGRAMS, (request_us, queue_us, compute_us), strict=True):
+            durations = (request_us, queue_us, compute_us)
+            for name, us in zip(REQUEST_HISTOGRAMS, durations, strict=True):
                 self._observe(name, labels, us / 1e6)
             self._last_inference_ms[labels] = time.time_ns() // 1_000_000
+
+    def request_failed(self, model: str, version: str, *, request_us: float) -> None:
+        """A request answered with an error after ``request_us``: counted, and its time added to
+        ``FAILURE_DURATION`` (Triton's statistics report failures with their duration)."""
+        labels = (("model", model), ("version", version))
+        with self._lock:
+            self._values["nv_inference_request_failure"][labels] += 1
+            self._values[FAILURE_DURATION][labels] += request_us
+
+    def observe(self, name: str, model: str, version: str, seconds: float) -> None:
+        """One value of the histogram ``name`` (one of ``HISTOGRAMS``)."""
+        with self._lock:
+            self._observe(name, (("model", model), ("version", version)), seconds)
 
     def _observe(self, name: str, labels: Labels, seconds: float) -> None:
         counts = self._histograms[name].get(labels)

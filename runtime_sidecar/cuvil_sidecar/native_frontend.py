@@ -19,7 +19,11 @@ twice more.
 
 A method marked ``streaming`` (ModelStreamInfer) is a bidirectional stream on the native side;
 each message read from it comes here as a call of its own, answered by ``handler`` like a unary
-call, and the answer is written to the stream (an abort status ends the stream).
+call, and the answer is written to the stream (an abort status ends the stream). Whether a call's
+client is gone (a unary call cancelled, a stream cancelled, a hang-up, a deadline past) is asked
+of the native side through the call's context (``NativeContext.client_gone``): the data plane
+drops a request unrun whose client is gone when its turn comes, so a cancelled stream stops
+instead of running the messages it had already handed over.
 
 Every call is finished exactly once: with the method's answer, with its abort status, INTERNAL
 for a bug, INVALID_ARGUMENT for bytes that do not parse, or UNAVAILABLE when the server stops
@@ -86,12 +90,45 @@ class Aborted(Exception):
         self.details = details
 
 
-class NativeContext:
-    """The part of ``grpc.aio.ServicerContext`` the servicer uses."""
+class NativeCall:
+    """A call handed over by the native side, until it is finished: finished exactly once, and
+    asked whether its client is gone (``client_gone``) only while not finished, since the native
+    side frees the call when it is; the two are serialized, as they may run on any thread."""
 
-    def __init__(self, deadline_ns: int = 0, metadata: bytes = b"") -> None:
+    __slots__ = ("_call", "_finished", "_library", "_lock")
+
+    def __init__(self, library: ctypes.CDLL, call: int) -> None:
+        self._library = library
+        self._call = call
+        self._lock = threading.Lock()
+        self._finished = False
+
+    def client_gone(self) -> bool:
+        """Whether the client cancelled the call (or the stream it is a message of), hung up,
+        or let its deadline pass; True once the call is finished."""
+        with self._lock:
+            return self._finished or bool(self._library.cuvil_frontend_cancelled(self._call))
+
+    def finish(self, code: grpc.StatusCode, details: str, response: bytes) -> None:
+        with self._lock:
+            if self._finished:
+                return
+            self._finished = True
+            self._library.cuvil_frontend_finish(
+                self._call, code.value[0], details.encode(errors="replace"), response, len(response)
+            )
+
+
+class NativeContext:
+    """The part of ``grpc.aio.ServicerContext`` the servicer uses, and ``client_gone``: whether
+    the call's client is gone, which the data plane asks before the request runs."""
+
+    def __init__(
+        self, deadline_ns: int = 0, metadata: bytes = b"", call: NativeCall | None = None
+    ) -> None:
         self._deadline_ns = deadline_ns
         self._metadata = metadata
+        self.client_gone = call.client_gone if call is not None else None
 
     def invocation_metadata(self) -> tuple[tuple[str, str | bytes], ...]:
         return tuple(pair for pair in parse_metadata(self._metadata) if pair[0] != PEER)
@@ -313,14 +350,15 @@ class NativeFrontend:
     ) -> None:
         """The whole call, on the loop or (after a handoff) on a worker thread."""
         code, details, response = grpc.StatusCode.UNAVAILABLE, "the server is stopping", b""
+        handle = NativeCall(self._library, call)
         try:
             with tracing.server_span(method.path, lambda: parse_metadata(metadata)) as span:
                 code, details, response = await self._answer(
-                    method, request, NativeContext(deadline_ns, metadata)
+                    method, request, NativeContext(deadline_ns, metadata, handle)
                 )
                 tracing.set_rpc_status(span, code.value[0], details)
         finally:
-            self._finish(call, code, details, response)
+            handle.finish(code, details, response)
             with self._alive_lock:
                 self._alive -= 1
 

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from cuvil_sidecar.config import SidecarConfig
+from cuvil_sidecar.generation.servable import GenerationServable
 from cuvil_sidecar.messages import TensorMetadata
-from cuvil_sidecar.metrics import Metrics
+from cuvil_sidecar.metrics import FAILURE_DURATION, Metrics
 from cuvil_sidecar.servable import ServedModel
 
 INT32_MAX = 2**31 - 1
@@ -37,7 +38,11 @@ class IndexEntry:
 
 
 def repository_index(
-    current: ServedModel | None, config: SidecarConfig, reason: str, *, ready_only: bool
+    current: ServedModel | GenerationServable | None,
+    config: SidecarConfig,
+    reason: str,
+    *,
+    ready_only: bool,
 ) -> list[IndexEntry]:
     """The one model this sidecar serves; before it is ready, its configured name (if any) and
     why it is not ready (LOADING while it loads, UNAVAILABLE after a failed load)."""
@@ -61,6 +66,7 @@ class ModelConfig:
     max_queue_delay_us: int
     max_queue_size: int
     queue_timeout_us: int
+    decoupled: bool = False  # a generation model: one request, a response per token
 
     def to_json(self) -> dict[str, Any]:
         config: dict[str, Any] = {
@@ -82,6 +88,8 @@ class ModelConfig:
                     "max_queue_size": self.max_queue_size,
                 },
             }
+        if self.decoupled:
+            config["model_transaction_policy"] = {"decoupled": True}
         return config
 
     def to_pb(self) -> Any:
@@ -115,8 +123,22 @@ class ModelConfig:
         return pb.ModelConfigResponse(config=config)
 
 
-def model_config(model: ServedModel, config: SidecarConfig) -> ModelConfig:
+def model_config(model: ServedModel | GenerationServable, config: SidecarConfig) -> ModelConfig:
     metadata = model.metadata()
+    if isinstance(model, GenerationServable):
+        return ModelConfig(
+            name=metadata.name,
+            platform=metadata.platform,
+            max_batch_size=0,
+            inputs=metadata.inputs,
+            outputs=metadata.outputs,
+            instances=1,
+            batching=False,  # not the dynamic batcher: the scheduler batches every step
+            max_queue_delay_us=0,
+            max_queue_size=config.generation_max_waiting,
+            queue_timeout_us=0,
+            decoupled=True,
+        )
     max_batch_size = 0
     inputs, outputs = metadata.inputs, metadata.outputs
     if model.batch_symbol is not None:
@@ -194,7 +216,7 @@ class ModelStatistics:
         )
 
 
-def model_statistics(model: ServedModel, metrics: Metrics) -> ModelStatistics:
+def model_statistics(model: ServedModel | GenerationServable, metrics: Metrics) -> ModelStatistics:
     def value(name: str) -> float:
         return metrics.value(name, model=model.name, version=model.version)
 
@@ -206,7 +228,9 @@ def model_statistics(model: ServedModel, metrics: Metrics) -> ModelStatistics:
         inference_count=int(value("nv_inference_count")),
         execution_count=int(value("nv_inference_exec_count")),
         success=Duration(succeeded, int(value("nv_inference_request_duration_us") * 1e3)),
-        fail=Duration(int(value("nv_inference_request_failure")), 0),
+        fail=Duration(
+            int(value("nv_inference_request_failure")), int(value(FAILURE_DURATION) * 1e3)
+        ),
         queue=Duration(succeeded, int(value("nv_inference_queue_duration_us") * 1e3)),
         compute_infer=Duration(
             succeeded, int(value("nv_inference_compute_infer_duration_us") * 1e3)

@@ -2,16 +2,21 @@
 routes over the same ``DataPlane`` the gRPC servicer calls, so batching, limits, metrics and
 tracing are shared.
 
-    GET  /v2/health/live | /v2/health/ready
+    GET  /v2/health/live | /v2/health/ready               {"live": true} / {"ready": true}
     GET  /v2                                              server metadata
     GET  /v2/models/stats                                 every model's statistics
     GET  /v2/models/{m}[/versions/{v}]                    model metadata
     GET  /v2/models/{m}[/versions/{v}]/ready | /config | /stats
     POST /v2/models/{m}[/versions/{v}]/infer              JSON tensors, or binary data
+    POST /v2/models/{m}[/versions/{v}]/generate[_stream]  a generation model's tokens
+                                                          (generation/rest_generate.py)
     POST /v2/repository/index
     POST /v2/repository/models/{m}/load | /unload         501: not supported here
 
-Every request passes the configured ``policy.Policies`` first. A ``SidecarError`` is answered
+Health and readiness answer with their status and, as KServe's model server does, a JSON body
+(``{"live": true}``, ``{"ready": true}``, ``{"name": m, "ready": true}``): Triton's clients read
+the status alone, KServe's ``InferenceRESTClient`` reads the body. Every request passes the
+configured ``policy.Policies`` first. A ``SidecarError`` is answered
 ``{"error": message}`` with the status of ``errors.HTTP_STATUS``; a path it does not serve is a
 404, a method it does not take there a 405. An infer request's ``traceparent`` header is
 continued, as gRPC's metadata is; its ``timeout`` parameter (microseconds, tritonclient's
@@ -39,6 +44,7 @@ from cuvil_sidecar.errors import (
     Unauthenticated,
     http_status,
 )
+from cuvil_sidecar.generation import rest_generate
 from cuvil_sidecar.http_encoding import decoded_body, encoded_answer
 from cuvil_sidecar.http_server import (
     HttpRequest,
@@ -89,11 +95,12 @@ class RestApi:
         return error_response(404, f"no route {request.method} {request.path}; see /v2")
 
     async def live(self, request: HttpRequest, model: str, version: str) -> HttpResponse:
-        return HttpResponse(200 if self.dataplane.live() else 503)
+        live = self.dataplane.live()
+        return json_response(200 if live else 503, {"live": live})
 
     async def ready(self, request: HttpRequest, model: str, version: str) -> HttpResponse:
         ready, reason = self.dataplane.manager.readiness()
-        return HttpResponse(200) if ready else error_response(503, reason)
+        return json_response(200, {"ready": True}) if ready else error_response(503, reason)
 
     async def server_metadata(self, request: HttpRequest, model: str, version: str) -> HttpResponse:
         metadata = self.dataplane.server_metadata()
@@ -120,8 +127,9 @@ class RestApi:
         )
 
     async def model_ready(self, request: HttpRequest, model: str, version: str) -> HttpResponse:
-        ready = self.dataplane.model_ready(model, version)
-        return HttpResponse(200) if ready else error_response(503, f"model {model!r} is not ready")
+        if self.dataplane.model_ready(model, version):
+            return json_response(200, {"name": model, "ready": True})
+        return error_response(503, f"model {model!r} is not ready")
 
     async def model_config(self, request: HttpRequest, model: str, version: str) -> HttpResponse:
         return json_response(200, self.dataplane.model_config(model, version).to_json())
@@ -146,6 +154,7 @@ class RestApi:
         return HttpResponse(200)
 
     async def infer(self, request: HttpRequest, model: str, version: str) -> HttpResponse:
+        started = time.time_ns()
         with tracing.http_span("POST /v2/models/{model}/infer", request.headers):
             try:
                 body = decoded_body(
@@ -155,7 +164,7 @@ class RestApi:
                     body, header_length(request.headers), model, version
                 )
             except SidecarError:
-                self.dataplane.count_failure(model)
+                self.dataplane.count_failure(model, started)
                 raise
             response = await self.dataplane.infer(neutral, _deadline_ns(neutral.parameters))
             plain, json_length = encode_infer(response, binary, all_binary)
@@ -165,6 +174,17 @@ class RestApi:
             return HttpResponse(200, parts, headers=headers)
         headers["Inference-Header-Content-Length"] = str(json_length)
         return HttpResponse(200, parts, "application/octet-stream", headers)
+
+    async def generate(self, request: HttpRequest, model: str, version: str) -> HttpResponse:
+        with tracing.http_span("POST /v2/models/{model}/generate", request.headers):
+            response: HttpResponse = await rest_generate.generate(
+                self.dataplane, request, model, version
+            )
+            return response
+
+    async def generate_stream(self, request: HttpRequest, model: str, version: str) -> HttpResponse:
+        with tracing.http_span("POST /v2/models/{model}/generate_stream", request.headers):
+            return await rest_generate.generate_stream(self.dataplane, request, model, version)
 
 
 def _deadline_ns(parameters: Any) -> int | None:
@@ -203,5 +223,7 @@ _TABLE: tuple[tuple[str, dict[str, Route]], ...] = (
     (_MODEL + "/config", {"GET": RestApi.model_config}),
     (_MODEL + "/stats", {"GET": RestApi.statistics}),
     (_MODEL + "/infer", {"POST": RestApi.infer}),
+    (_MODEL + "/generate", {"POST": RestApi.generate}),
+    (_MODEL + "/generate_stream", {"POST": RestApi.generate_stream}),
 )
 ROUTES = [(re.compile(path), methods) for path, methods in _TABLE]

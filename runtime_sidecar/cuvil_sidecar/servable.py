@@ -68,6 +68,15 @@ class ServedModel:
         self.in_flight = 0
         self._in_flight_lock = threading.Lock()  # a call may end on a worker (handoff.py)
 
+    @property
+    def source_digest(self) -> str:
+        """What the source reported before this model was fetched (a reload compares it)."""
+        return self.loaded.source_digest
+
+    @property
+    def mode(self) -> str:
+        return self.batcher.mode
+
     def _count_execution(self, requests: int, rows: int) -> None:
         self._metrics.add("nv_inference_exec_count", self.name, self.version)
         self._metrics.add("nv_inference_count", self.name, self.version, rows)

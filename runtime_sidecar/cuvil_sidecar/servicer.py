@@ -5,9 +5,13 @@ Every RPC goes through ``_rpc``: a ``SidecarError`` becomes the status code from
 answered INTERNAL, so no request can take the server down. Before the method runs, the
 configured ``policy.Policies`` see the call (its metadata and peer) and may refuse it.
 ModelStreamInfer's messages are answered by ``stream_message``, which never aborts: errors go
-into the stream, one per request.
+into the stream, one per request. A generation model's requests are answered with one
+response per token instead (``generation/grpc_generate.py``, Triton's decoupled mode), on
+grpcio's front end; the native one answers one response per message, so it answers those
+requests with an error that says to use grpcio.
 A client's gRPC deadline goes with its request to the data plane, which drops the request unrun
-once the deadline has passed.
+once the deadline has passed, and so does, on the native front end, the call's ``client_gone``
+(grpcio cancels the call's task instead, which drops the request as well).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from cuvil_sidecar._generated import grpc_service_pb2 as pb
 from cuvil_sidecar._generated import grpc_service_pb2_grpc as pb_grpc
 from cuvil_sidecar.dataplane import DataPlane
 from cuvil_sidecar.errors import PermissionDenied, SidecarError, grpc_status
+from cuvil_sidecar.generation import grpc_generate
 from cuvil_sidecar.messages import InferRequest
 from cuvil_sidecar.peer_credentials import grpc_peer_uid
 from cuvil_sidecar.policy import Call, Policies, grpc_peer_host, is_local_peer
@@ -120,20 +125,41 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     @_rpc
     async def ModelInfer(self, request: Any, context: Any) -> Any:
+        started = time.time_ns()
         try:
             neutral = InferRequest.from_pb(request)
         except SidecarError:
-            self.dataplane.count_failure(request.model_name)
+            self.dataplane.count_failure(request.model_name, started)
             raise
-        return (await self.dataplane.infer(neutral, deadline_ns(context))).to_pb()
+        gone = getattr(context, "client_gone", None)  # the native front end's; grpcio cancels
+        return (await self.dataplane.infer(neutral, deadline_ns(context), gone)).to_pb()
 
     async def ModelStreamInfer(self, requests: AsyncIterator[Any], context: Any) -> Any:
-        """grpcio's stream: each request answered by ``stream_message`` as it completes."""
-        async for answer in serve_stream(requests, lambda r: self.stream_message(r, context)):
+        """grpcio's stream: each request answered as its answers come."""
+        async for answer in serve_stream(requests, lambda r: self._stream_answers(r, context)):
+            yield answer
+
+    async def _stream_answers(self, request: Any, context: Any) -> AsyncIterator[Any]:
+        if not self.dataplane.is_generation(request.model_name):
+            yield await self.stream_message(request, context)
+            return
+        if self.policies.active:
+            try:
+                self.policies.check(_call_of(context, "ModelStreamInfer"))
+            except SidecarError as refused:
+                yield _stream_error(request, str(refused))
+                return
+        async for answer in grpc_generate.stream_answers(self.dataplane, request):
             yield answer
 
     async def stream_message(self, request: Any, context: Any) -> EncodedStreamResponse:
         """One message of ModelStreamInfer: its response, or its error in the stream."""
+        if self.dataplane.is_generation(request.model_name):
+            return _stream_error(
+                request,
+                f"model {request.model_name!r} streams a response per token, which this gRPC "
+                "front end does not: serve it with CUVIL_GRPC_FRONTEND=grpcio",
+            )
         try:
             return EncodedStreamResponse("", await self.ModelInfer(request, _InStream(context)))
         except _StreamAbort as abort:
@@ -141,8 +167,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         except Exception as failure:  # answered in the stream all the same
             log.exception("ModelStreamInfer failed")
             error = f"internal error in ModelStreamInfer: {failure!r}"
-        header = encode_response_header(request.model_name, request.model_version, request.id, [])
-        return EncodedStreamResponse(error, EncodedInferResponse(header, []))
+        return _stream_error(request, error)
 
     @_rpc
     async def SystemSharedMemoryRegister(self, request: Any, context: Any) -> Any:
@@ -182,6 +207,11 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         )
 
 
+def _stream_error(request: Any, error: str) -> EncodedStreamResponse:
+    header = encode_response_header(request.model_name, request.model_version, request.id, [])
+    return EncodedStreamResponse(error, EncodedInferResponse(header, []))
+
+
 class _StreamAbort(Exception):
     def __init__(self, details: str) -> None:
         super().__init__(details)
@@ -194,6 +224,7 @@ class _InStream:
 
     def __init__(self, context: Any) -> None:
         self._context = context
+        self.client_gone = getattr(context, "client_gone", None)
 
     async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
         raise _StreamAbort(details)

@@ -2,8 +2,10 @@
 reload): fetch the artifact, verify every file's digest while reading it, load it, warm up every
 shape bucket (until the kernel choices it meets are made: then served results are bit-stable),
 and compare the outputs on the artifact's golden inputs with the golden outputs
-recorded at compile time. Any failure raises StartupError saying which step failed and why; the
-caller keeps the model not ready (first load) or keeps serving the old one (reload).
+recorded at compile time; for an artifact whose speed gates were left to the node that runs it,
+time the golden inputs too (``measurement.py``). Any failure raises StartupError saying which
+step failed and why; the caller keeps the model not ready (first load) or keeps serving the old
+one (reload).
 
 Shape buckets: the sizes the sidecar will actually run. Each symbol takes its golden value; an
 artifact may list more in ``config["shape_buckets"]`` (symbol -> size maps), and so may the
@@ -29,6 +31,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import sympy
 import torch
@@ -45,6 +48,7 @@ from cuvil.runtime.model import CompiledModel
 from cuvil.runtime.signature import InputBinder, InputError, Signature
 from cuvil.shape_expr import compile_expr
 from cuvil_sidecar.heap import resident_mib, trim_heap
+from cuvil_sidecar.measurement import deferred_gates, measure
 from cuvil_sidecar.source import ModelSource
 
 log = logging.getLogger("cuvil_sidecar.startup")
@@ -68,6 +72,8 @@ class LoadedModel:
     fastest_run_ms: float  # quickest warm-up run (smallest bucket): how heavy one call is
     manifest_digest: str | None = None  # the OCI manifest served (None: a local artifact)
     index_digest: str | None = None  # the index it was picked from, when the reference named one
+    deferred: Mapping[str, float] | None = None  # gates its report left to this node: limits
+    measured: Mapping[str, Any] | None = None  # what warm-up measured for them (measurement.py)
 
     @property
     def served_digest(self) -> str:
@@ -92,6 +98,7 @@ def load_checked(
     limits: LoadLimits = DEFAULT_LIMITS,
     time_limit_s: float = 0.0,
     trust: TrustSettings | None = None,
+    measure_runs: int = 0,
 ) -> LoadedModel:
     started = time.perf_counter()
     in_time = _time_keeper(started, time_limit_s)
@@ -144,6 +151,17 @@ def load_checked(
             raise StartupError(f"warm-up at {bucket} failed: {error}") from error
     step("checking golden outputs")
     check_golden(model, golden_tolerance)
+    deferred = deferred_gates(model.report)
+    measured = None
+    if deferred and measure_runs:
+        step(f"measuring {measure_runs} runs for the deferred gates {sorted(deferred)}")
+        inputs = golden_inputs(model)
+        if len(inputs) != len(model.signature.inputs):
+            inputs = bucket_inputs(model, buckets[0])
+        try:
+            measured = measure(model.run, inputs, model.contents.golden, measure_runs)
+        except Exception as error:
+            raise StartupError(f"measuring the deferred gates failed: {error}") from error
     tactics_cache.keep(model, digest, tactics_cache_dir, cached)
     before = resident_mib()
     if trim_heap():  # what loading and warm-up freed goes back to the OS
@@ -161,7 +179,7 @@ def load_checked(
     )
     return LoadedModel(
         model, digest, source_digest, path, symbol, tuple(buckets), seconds, fastest,
-        manifest_digest, index_digest,
+        manifest_digest, index_digest, deferred or None, measured,
     )  # fmt: skip
 
 

@@ -15,6 +15,10 @@ continue the caller's W3C ``traceparent``)::
 The batch runs once for many requests, so its spans are recorded afterwards with the measured
 start and end times, once under each request's trace.
 
+A generation request has one ``cuvil.generate`` span from its arrival to its last token,
+with a ``first_token`` event and the attributes ``cuvil.generate.time_to_first_token_ms``,
+``cuvil.generate.prompt_tokens``, ``cuvil.generate.tokens`` and ``cuvil.generate.finish_reason``.
+
 Environment: ``OTEL_SDK_DISABLED``; ``OTEL_TRACES_EXPORTER`` (``otlp``, ``console`` or ``none``;
 when unset, ``otlp`` if an ``OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT`` is set, else none, so an
 unconfigured sidecar does not retry a collector that is not there); ``OTEL_SERVICE_NAME``
@@ -211,3 +215,34 @@ def record_batch_spans(
     )
     execute.end(end_time=finished_ns)
     batch.end(end_time=finished_ns)
+
+
+def start_generate_span(model: str, digest: str, links: Sequence[Link]) -> Any:
+    """The ``cuvil.generate`` span of one generation request (a child of the current span),
+    ended by ``end_generate_span``; None when tracing is off."""
+    if not _enabled:
+        return None
+    return tracer.start_span(
+        "cuvil.generate",
+        links=links,
+        attributes={"cuvil.model": model, "cuvil.model.digest": digest},
+    )
+
+
+def first_token(span: Any, seconds: float) -> None:
+    if span is not None:
+        span.add_event("first_token")
+        span.set_attribute("cuvil.generate.time_to_first_token_ms", seconds * 1e3)
+
+
+def end_generate_span(
+    span: Any, *, prompt_tokens: int = 0, tokens: int = 0, finish: str = "", error: str = ""
+) -> None:
+    if span is None:
+        return
+    span.set_attribute("cuvil.generate.prompt_tokens", prompt_tokens)
+    span.set_attribute("cuvil.generate.tokens", tokens)
+    span.set_attribute("cuvil.generate.finish_reason", finish or "refused")
+    if error:
+        span.set_status(Status(StatusCode.ERROR, error))
+    span.end()

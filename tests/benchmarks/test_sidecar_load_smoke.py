@@ -2,7 +2,8 @@
 two concurrencies with batching off and on, over gRPC and REST, the synchronous and
 shared-memory clients (whose outputs must equal the raw ones) on both gRPC front ends beside
 in-process runs and the echo servers' floors (answering at once, and after running the model),
-and the JSON it prints."""
+KServe's model server as the peer loaded alike (gRPC and REST, the ratios beside each of the
+sidecar's runs), and the JSON it prints."""
 
 from __future__ import annotations
 
@@ -40,3 +41,16 @@ def test_mlp_load_report(tmp_path: Path) -> None:
     assert mlp["overhead_ms"] == round(
         mlp["batching_off"][0]["p50_ms"] - mlp["in_process_p50_ms"], 3
     )
+    peer = mlp["kserve_peer"]
+    for protocol in ("grpc", "http"):
+        assert [row["concurrency"] for row in peer[protocol]] == [1, 2]
+        assert all(row["requests"] > 0 and row["qps"] > 0 for row in peer[protocol])
+    versus = peer["sidecar_vs_peer"]
+    assert set(versus) == {"batching_off", "batching_on", "batching_off_http", "batching_on_http"}
+    for mode, rows in versus.items():
+        theirs = peer["http" if mode.endswith("_http") else "grpc"]
+        for ratio, ours, peer_row in zip(rows, mlp[mode], theirs, strict=True):
+            assert ratio["concurrency"] == ours["concurrency"] == peer_row["concurrency"]
+            assert ratio["qps_ratio"] == round(ours["qps"] / peer_row["qps"], 2)
+            assert ratio["p50_ratio"] == round(peer_row["p50_ms"] / ours["p50_ms"], 2)
+            assert ratio["p99_ratio"] == round(peer_row["p99_ms"] / ours["p99_ms"], 2)

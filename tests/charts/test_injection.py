@@ -156,3 +156,48 @@ def test_example_app_is_valid_and_selected_by_the_webhook(tmp_path: Path) -> Non
     compilation = yaml.safe_load((ROOT / "examples" / "minilm-cpu.yaml").read_text())
     assert compilation["metadata"]["name"] == request.model
     assert request.target in compilation["spec"]["targets"]
+
+
+def test_injected_sidecars_get_the_sidecars_tls_and_token_secrets(render: Render) -> None:
+    sets = ("sidecar.tls.existingSecret=minilm-serving-tls", "sidecar.tls.clientCA=true",
+            "sidecar.auth.tokensSecret=minilm-tokens")  # fmt: skip
+    settings = InjectionSettings.from_env(_operator_env(render(INJECTION, sets=sets)))
+    assert settings.tls_secret == "minilm-serving-tls" and settings.tls_client_ca
+    assert settings.tokens_secret == "minilm-tokens"
+    plain = InjectionSettings.from_env(_operator_env(render(INJECTION)))
+    assert plain.tls_secret is None and plain.tokens_secret is None
+
+
+def test_token_checked_probes_are_refused_with_injection(helm_run: Any) -> None:
+    done = helm_run(
+        "template", "cuvil", str(CHART), "-f", str(INJECTION),
+        "--set", "sidecar.auth.tokensSecret=minilm-tokens", "--set", "sidecar.auth.health=required",
+    )  # fmt: skip
+    assert done.returncode != 0 and "fails the kubelet's probes" in done.stderr
+
+
+def test_a_role_lets_app_sidecars_publish_measurements_on_their_own_pods(render: Render) -> None:
+    role = _one(render(INJECTION), "ClusterRole", "cuvil-sidecar-measurement")
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["patch"]}]
+    scoped = render(INJECTION, sets=("operator.watchNamespace=team-a",))
+    assert _one(scoped, "Role", "cuvil-sidecar-measurement")["metadata"]["namespace"] == "team-a"
+    off = render(INJECTION, sets=("injection.measurementRole=false",))
+    assert not [m for m in off if m["metadata"]["name"] == "cuvil-sidecar-measurement"]
+
+
+def test_canary_example_is_valid_and_pins_the_candidate(render: Render) -> None:
+    example = ROOT / "examples" / "apps" / "minilm-gpu-canary.yaml"
+    checked = validate_strict(example)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    docs = list(yaml.safe_load_all(example.read_text()))
+    deployment = next(d for d in docs if d["kind"] == "Deployment")
+    template = deployment["spec"]["template"]
+    request = read_request(template["metadata"]["annotations"], template["metadata"]["labels"])
+    assert request.track == "candidate" and request.gpus == 1 and request.target == "cuda-sm_90"
+    compilation = yaml.safe_load((ROOT / "examples" / "minilm-edge-gpus.yaml").read_text())
+    assert compilation["metadata"]["name"] == request.model
+    assert request.target in compilation["spec"]["targets"]
+    binding = next(d for d in docs if d["kind"] == "RoleBinding")
+    role = _one(render(INJECTION), "ClusterRole", binding["roleRef"]["name"])
+    assert role["rules"][0]["verbs"] == ["patch"]
+    assert binding["subjects"][0]["name"] == template["spec"]["serviceAccountName"]

@@ -67,14 +67,20 @@ def compile_target(self: Any, request: dict[str, Any], target: str) -> dict[str,
 
 
 def _speed_gates(gates: dict[str, Any], target: str) -> dict[str, Any]:
-    """minSpeedup as the real worker reports it: met at 2.0x, or deferred for a CUDA target
-    (its speed is not measured on a CPU worker)."""
-    if "minSpeedup" not in gates:
-        return {}
-    limit = float(gates["minSpeedup"])
-    if target.startswith("cuda-"):
-        return {"minSpeedup": {"measured": None, "limit": limit, "deferred": "not measured"}}
-    return {"minSpeedup": {"measured": 2.0, "limit": limit, "passed": limit <= 2.0}}
+    """The speed gates as the real worker reports them: met at 2.0x and 1 ms, or deferred for a
+    CUDA target (its speed is not measured on a CPU worker)."""
+    measured = {"minSpeedup": (2.0, ">="), "maxLatencyP99Ms": (1.0, "<=")}
+    checked: dict[str, Any] = {}
+    for gate, (value, relation) in measured.items():
+        if gate not in gates:
+            continue
+        limit = float(gates[gate])
+        if target.startswith("cuda-"):
+            checked[gate] = {"measured": None, "limit": limit, "deferred": "not measured"}
+        else:
+            met = value >= limit if relation == ">=" else value <= limit
+            checked[gate] = {"measured": value, "limit": limit, "passed": met}
+    return checked
 
 
 @app.task(name=contract.TASK_INDEX, bind=True)

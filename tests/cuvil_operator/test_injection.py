@@ -51,7 +51,7 @@ def _sidecar(patch: dict[str, Any]) -> dict[str, Any]:
 
 
 def _env(container: dict[str, Any]) -> dict[str, str]:
-    return {e["name"]: e["value"] for e in container["env"]}
+    return {e["name"]: e["value"] for e in container["env"] if "value" in e}
 
 
 def test_index_is_served_by_default_and_a_named_target_gets_its_own_artifact() -> None:
@@ -215,3 +215,41 @@ def test_trusted_keys_are_mounted_from_the_pods_namespace() -> None:
     volume = next(v for v in patch["spec"]["volumes"] if v["name"] == "cuvil-trust")
     assert volume["configMap"] == {"name": "cuvil-trusted-keys"}
     assert {"name": "oip-http", "containerPort": 8000} in sidecar["ports"]
+
+
+def test_a_canary_is_pinned_to_the_candidate_while_there_is_one() -> None:
+    candidate = {"generation": 2, "ref": CPU_REF, "targets": {"cuda-sm_90": CUDA_REF}}
+    promoted = {"generation": 1, "ref": INDEX, "targets": {"cpu-x86_64": INDEX}}
+    canary = read_request({"cuvil.dev/model": "minilm", "cuvil.dev/track": "candidate"})
+    assert canary.track == "candidate"
+    both = _succeeded(promoted=promoted, candidate=candidate)
+    assert served_ref(both, canary) == CPU_REF
+    assert served_ref(both, SidecarRequest("minilm")) == INDEX  # everyone else: promoted
+    assert served_ref(_succeeded(promoted=promoted), canary) == INDEX  # no candidate
+    # a first generation awaiting its measurement can run on a canary only
+    assert served_ref(_succeeded(candidate=candidate), canary) == CPU_REF
+    with pytest.raises(InjectionRefused, match="awaits a measurement"):
+        served_ref(_succeeded(candidate=candidate), SidecarRequest("minilm"))
+    with pytest.raises(InjectionRefused, match=r"cuvil\.dev/track 'beta'"):
+        read_request({"cuvil.dev/model": "minilm", "cuvil.dev/track": "beta"})
+
+
+def test_the_sidecar_is_told_its_pod_and_node_to_publish_measurements_on() -> None:
+    sidecar = _sidecar(
+        build_pod_patch(_pod(), INDEX, SidecarRequest("minilm"), InjectionSettings())
+    )
+    fields = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"]
+              for e in sidecar["env"] if "valueFrom" in e}  # fmt: skip
+    assert fields == {"CUVIL_POD_NAME": "metadata.name",
+                      "CUVIL_POD_NAMESPACE": "metadata.namespace",
+                      "CUVIL_NODE_NAME": "spec.nodeName"}  # fmt: skip
+
+
+def test_a_gpu_annotation_gives_the_sidecar_its_gpus() -> None:
+    pod = _pod(**{"cuvil.dev/gpu": "1", "cuvil.dev/memory": "8Gi"})
+    request = read_request(pod["metadata"]["annotations"])
+    resources = _sidecar(build_pod_patch(pod, INDEX, request, InjectionSettings()))["resources"]
+    assert resources["limits"] == {"memory": "8Gi", "nvidia.com/gpu": "1"}
+    assert resources["requests"] == resources["limits"]
+    with pytest.raises(InjectionRefused, match=r"cuvil\.dev/gpu 'all'"):
+        read_request({"cuvil.dev/model": "minilm", "cuvil.dev/gpu": "all"})

@@ -72,7 +72,10 @@ def test_a_failed_generation_leaves_the_promoted_one_and_says_so() -> None:
     assert "promoted" not in patch and patch["candidate"] is None
     condition = get_condition(patch["conditions"], "Promoted")
     assert condition is not None and condition["reason"] == "GenerationFailed"
-    assert condition["message"] == "generation 3 failed; generation 2 (sha256:two) stays served"
+    assert condition["message"] == (
+        "generation 3 failed (gate minSpeedup failed: measured 1.8, required >= 50);"
+        " generation 2 (sha256:two) stays served"
+    )
 
 
 def test_phases_before_the_end_change_nothing() -> None:

@@ -1,7 +1,8 @@
 """Overload: a bounded queue refuses the excess at once with UNAVAILABLE (counted in /metrics)
 and loses no accepted request; requests whose client's deadline passed while they waited never
-reach the model; idle and half-sent HTTP connections take no threads, are closed after the
-header timeout, and past the connection limit are answered 503. The model is made slow on
+reach the model, nor do those of calls and streams their clients cancelled (on both gRPC front
+ends); idle and half-sent HTTP connections take no threads, are closed after the header
+timeout, and past the connection limit are answered 503. The model is made slow on
 purpose (48 chained 256x256 linears, a few milliseconds a run) so that a queue forms."""
 
 from __future__ import annotations
@@ -271,3 +272,94 @@ def test_requests_of_clients_that_hung_up_never_run(
         item.set_data_from_numpy(np.ones((1, 256), dtype=np.float32))
         assert client.infer("slow", [item]).as_numpy("output").shape == (1, 256)
         client.close()
+
+
+@pytest.mark.parametrize("frontend", ["native", "grpcio"])
+def test_a_cancelled_stream_stops(slow_artifact: Path, tmp_path: Path, frontend: str) -> None:
+    """A ModelStreamInfer stream of 300 messages, cancelled by its client once the first answer
+    has come: the messages the server had read but not yet run are dropped unrun (counted as
+    cancelled), and those that ran are all that reached the model."""
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    sidecar = Sidecar(
+        slow_artifact,
+        tmp_path / "sidecar.log",
+        CUVIL_MAX_BATCH_SIZE="1",
+        CUVIL_GRPC_FRONTEND=frontend,
+    )
+    sent = 300
+    with ready_sidecar(sidecar):
+        before = scrape(sidecar)
+        client = grpcclient.InferenceServerClient(sidecar.url)
+        answers: queue.Queue = queue.Queue()
+        client.start_stream(callback=lambda result, error: answers.put((result, error)))
+        item = grpcclient.InferInput("x", [1, 256], "FP32")
+        item.set_data_from_numpy(np.ones((1, 256), dtype=np.float32))
+        for index in range(sent):
+            client.async_stream_infer("slow", [item], request_id=str(index))
+        _, error = answers.get(timeout=60)
+        assert error is None, error
+        client.stop_stream(cancel_requests=True)
+        sidecar.wait_until(
+            lambda: labelled(scrape(sidecar), "nv_inference_pending_request_count") == 0
+        )
+        time.sleep(0.5)
+        after = scrape(sidecar)
+        ready = client.is_server_ready()  # the server serves on
+        client.close()
+
+    def moved(name: str, **labels: str) -> float:
+        return labelled(after, name, **labels) - labelled(before, name, **labels)
+
+    executed, cancelled = (
+        moved("nv_inference_count"),
+        moved("cuvil_inference_rejected", reason="cancelled"),
+    )
+    assert ready
+    assert cancelled > 0 and executed < sent, (executed, cancelled)
+    assert executed + cancelled <= sent  # a dropped message never ran
+    assert executed >= 1  # the first answer's
+
+
+@pytest.mark.parametrize("frontend", ["native", "grpcio"])
+def test_cancelled_unary_calls_never_run(
+    slow_artifact: Path, tmp_path: Path, frontend: str
+) -> None:
+    """Sixty ModelInfer calls, cancelled by their client once the first is answered: those the
+    server holds but has not yet run are dropped unrun (counted as cancelled)."""
+    sidecar = Sidecar(
+        slow_artifact,
+        tmp_path / "sidecar.log",
+        CUVIL_MAX_BATCH_SIZE="1",
+        CUVIL_GRPC_FRONTEND=frontend,
+    )
+    sent = 60
+    x = np.ones((1, 256), dtype=np.float32)
+    with ready_sidecar(sidecar):
+        before = scrape(sidecar)
+
+        async def main() -> None:
+            client = aioclient.InferenceServerClient(sidecar.url)
+            try:
+                calls = [asyncio.ensure_future(call(client, x)) for _ in range(sent)]
+                await asyncio.wait(calls, return_when=asyncio.FIRST_COMPLETED)
+                for pending in calls:
+                    pending.cancel()
+                await asyncio.gather(*calls, return_exceptions=True)
+            finally:
+                await client.close()
+
+        asyncio.run(main())
+        sidecar.wait_until(
+            lambda: labelled(scrape(sidecar), "nv_inference_pending_request_count") == 0
+        )
+        time.sleep(0.5)
+        after = scrape(sidecar)
+    executed = labelled(after, "nv_inference_count") - labelled(before, "nv_inference_count")
+    cancelled = labelled(after, "cuvil_inference_rejected", reason="cancelled") - labelled(
+        before, "cuvil_inference_rejected", reason="cancelled"
+    )
+    assert cancelled > 0 and executed < sent, (executed, cancelled)
+    assert executed + cancelled <= sent

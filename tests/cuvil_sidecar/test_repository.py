@@ -70,6 +70,16 @@ def test_statistics_move_as_requests_are_served(mlp_sidecar: Sidecar) -> None:
     assert duration(after, "success", "ns") > duration(before, "success", "ns")
     assert duration(after, "compute_infer", "ns") > duration(before, "compute_infer", "ns")
     assert duration(after, "queue", "count") - duration(before, "queue", "count") == 4
+    assert duration(after, "fail", "count") == duration(before, "fail", "count")
+    wrong = grpcclient.InferInput("x", [1, 783], "FP32")  # the model takes 784 columns
+    wrong.set_data_from_numpy(np.zeros((1, 783), dtype=np.float32))
+    for _ in range(2):
+        with pytest.raises(InferenceServerException, match="784"):
+            client.infer("mlp", [wrong])
+    failed = stats()
+    assert duration(failed, "fail", "count") - duration(after, "fail", "count") == 2
+    assert duration(failed, "fail", "ns") > duration(after, "fail", "ns")  # each took its time
+    assert duration(failed, "success", "count") == duration(after, "success", "count")
     assert int(after["last_inference"]) >= int(before.get("last_inference", 0))
     assert int(after["last_inference"]) > 1.7e12  # milliseconds since the epoch
     (every,) = client.get_inference_statistics(as_json=True)["model_stats"]  # no name: all

@@ -200,8 +200,13 @@ def test_kserve_v2_wire_format_with_requests(mlp_sidecar: Sidecar, mlp_spec) -> 
         "outputs": [{"name": "output"}],
     }
     base = f"http://{mlp_sidecar.http_url}"
-    assert requests.get(f"{base}/v2/health/ready", timeout=10).status_code == 200
-    assert requests.get(f"{base}/v2/models/mlp/ready", timeout=10).status_code == 200
+    for path, health in (
+        ("/v2/health/live", {"live": True}),
+        ("/v2/health/ready", {"ready": True}),
+        ("/v2/models/mlp/ready", {"name": "mlp", "ready": True}),
+    ):
+        answer = requests.get(f"{base}{path}", timeout=10)
+        assert answer.status_code == 200 and answer.json() == health, path
     answer = requests.post(f"{base}/v2/models/mlp/infer", json=body, timeout=30)
     assert answer.status_code == 200 and answer.headers["Content-Type"] == "application/json"
     document = answer.json()

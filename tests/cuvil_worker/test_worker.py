@@ -186,8 +186,7 @@ def test_registry_outage_is_retried_until_the_registry_is_back(
         assert state == "RETRY", info
         assert "RegistryFault" in type(info).__name__ or "RegistryFault" in repr(info)
         assert contract.read_progress(app, request).phase == contract.PHASE_PUSHING
-        wait_state(app, target_id, ("RETRY",), timeout=10)
-        time.sleep(2.5)  # let at least one more retry hit the closed port
+        _wait_for_retry(worker, 2, timeout=60)  # a second try hits the closed port too
     finally:
         registry.start()
     progress = wait_done(app, request, timeout=90, workers=[worker])
@@ -196,6 +195,16 @@ def test_registry_outage_is_retried_until_the_registry_is_back(
     assert faults and max(int(n) for n in faults) >= 2, "expected repeated registry retries"
     assert progress.result is not None
     assert fetch_manifest(registry, spec["output"]["repository"], "v1")["manifests"]
+
+
+def _wait_for_retry(worker: WorkerProcess, tries: int, *, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        faults = re.findall(r"registry fault \(try (\d+)\)", worker.log)
+        if faults and max(int(n) for n in faults) >= tries:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"no registry fault try {tries} in {timeout} s:\n{worker.log[-2000:]}")
 
 
 def test_permanent_failures_fail_at_once_with_their_reason(

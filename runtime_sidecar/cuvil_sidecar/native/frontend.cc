@@ -8,7 +8,8 @@
 // streaming method (ModelStreamInfer) hands each message it reads to dispatch the same way, as
 // a call of its own; each answer is written to the stream in the order answers come, and the
 // stream ends once the client has stopped sending and every message is answered (or at once,
-// with the status, when Python answers a message with an error code). A large request of a
+// with the status, when Python answers a message with an error code). Python asks whether a
+// call, or a message's stream, was cancelled (cuvil_frontend_cancelled) before it runs it. A large request of a
 // method with a tensor field (ModelInfer's raw_input_contents) is split here first, off the
 // GIL: the tensors' bytes go straight from gRPC's slices into one buffer that Python takes
 // over, each at a 64-byte boundary, and Python parses only the rest (see wire.py). Health
@@ -25,6 +26,7 @@
 #include <grpcpp/security/tls_credentials_options.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
@@ -202,12 +204,19 @@ class Call {
   virtual ~Call() = default;
   // code 0 sends data as the response message; any other code fails the call with message.
   virtual void Finish(int code, const char* message, const char* data, size_t size) = 0;
+  // Whether the call (for a stream's message: its stream) was cancelled: by the client, by its
+  // hanging up, or by its deadline. Any thread may ask, until the call is finished.
+  virtual bool Cancelled() = 0;
 };
 
 class UnaryCall : public Call {
  public:
-  UnaryCall(grpc::ServerUnaryReactor* reactor, grpc::ByteBuffer* response)
-      : reactor_(reactor), response_(response) {}
+  UnaryCall(grpc::CallbackServerContext* context, grpc::ServerUnaryReactor* reactor,
+            grpc::ByteBuffer* response)
+      : context_(context), reactor_(reactor), response_(response) {}
+
+  // The callback API keeps the answer valid from any thread (ServerContextBase::IsCancelled).
+  bool Cancelled() override { return context_->IsCancelled(); }
 
   void Finish(int code, const char* message, const char* data, size_t size) override {
     if (code == 0) {
@@ -220,6 +229,7 @@ class UnaryCall : public Call {
   }
 
  private:
+  grpc::CallbackServerContext* context_;  // lives until the reactor is done, after Finish
   grpc::ServerUnaryReactor* reactor_;
   grpc::ByteBuffer* response_;
 };
@@ -291,6 +301,10 @@ class Stream : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer
     }
   }
 
+  // The client cancelled the stream (or hung up, or its deadline passed): the messages handed
+  // to Python and not yet run are dropped there (StreamMessage::Cancelled), unrun.
+  void OnCancel() override { cancelled_.store(true, std::memory_order_release); }
+
   void OnDone() override {
     std::unique_lock<std::recursive_mutex> guard(lock_);
     done_ = true;
@@ -306,6 +320,8 @@ class Stream : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer
     void Finish(int code, const char* message, const char* data, size_t size) override {
       stream_->Answer(code, message, data, size);
     }
+    // The stream lives while this message is unanswered (pending_ counts it).
+    bool Cancelled() override { return stream_->cancelled_.load(std::memory_order_acquire); }
 
    private:
     Stream* stream_;
@@ -329,6 +345,7 @@ class Stream : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer
   std::recursive_mutex lock_;
   std::deque<grpc::ByteBuffer> writes_;  // the front one is being written
   grpc::Status status_ = grpc::Status::OK;
+  std::atomic<bool> cancelled_{false};
   int pending_ = 0;  // messages handed to Python and not yet answered
   bool writing_ = false, reads_done_ = false, failed_ = false, finish_sent_ = false;
   bool done_ = false;
@@ -375,7 +392,7 @@ class RawService : public grpc::Service {
     Slices bytes(slices);
     std::string metadata = Metadata(context);
     int64_t deadline = DeadlineNs(context);
-    auto* call = new UnaryCall(reactor, response);
+    auto* call = new UnaryCall(context, reactor, response);
     Split split;
     if (split_fields_[index] != 0 && bytes.size() >= split_from_ &&
         SplitMessage(bytes, split_fields_[index], &split)) {
@@ -509,6 +526,10 @@ void cuvil_frontend_finish(void* handle, int code, const char* message, const ch
   call->Finish(code, message, data, size);
   delete call;
 }
+
+// 1 if the call (or the stream whose message it is) was cancelled, else 0; only for a call not
+// yet finished.
+int cuvil_frontend_cancelled(void* handle) { return static_cast<Call*>(handle)->Cancelled(); }
 
 // Stops taking calls and gives those in flight grace_ms to finish; then cancels the rest.
 void cuvil_frontend_stop(void* handle, int grace_ms) {

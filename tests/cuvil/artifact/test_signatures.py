@@ -13,6 +13,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 from cuvil_cli.main import main
 
 from cuvil.artifact import push_artifact
@@ -204,3 +205,42 @@ def test_signatures_by_several_keys_are_kept_and_a_resign_replaces_its_own(
     assert sorted(check.verified for check in checks) == [False, True]
     found = resolve(ref, trust=_require(keys), cache_dir=tmp_path / "c")
     assert found.path.is_dir()
+
+
+def test_cuvil_load_and_run_apply_the_trust_policy_from_the_environment(
+    registry: RunningRegistry,
+    tiny_contents: ArtifactContents,
+    keys,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import cuvil
+
+    _push(registry, tiny_contents, "sig/load")
+    ref = f"{registry.host}/sig/load:v1"
+    monkeypatch.setenv("CUVIL_TRUST_POLICY", "require")
+    monkeypatch.setenv("CUVIL_TRUSTED_KEYS", str(keys["trusted"][1]))
+    with pytest.raises(UntrustedArtifactError, match="has no signature"):
+        cuvil.load(ref)
+    assert main(["run", ref, "--runs", "1"]) == 2
+    assert "has no signature" in capsys.readouterr().err
+    saved = tmp_path / "local.cuvil"
+    cuvil.jit(torch.nn.Linear(4, 2), (torch.randn(2, 4),)).save(saved)
+    with pytest.raises(UntrustedArtifactError, match="local artifact"):
+        cuvil.load(saved)
+
+    sign_reference(ref, load_private_key(keys["trusted"][0]), "release-bot")
+    model = cuvil.load(ref)
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(model(x), tiny_contents_reference(tiny_contents, x))
+    assert main(["run", ref, "--runs", "1"]) == 0
+    monkeypatch.setenv("CUVIL_TRUST_POLICY", "off")
+    assert cuvil.load(saved).signature.inputs[0].name
+
+
+def tiny_contents_reference(contents: ArtifactContents, x: torch.Tensor) -> torch.Tensor:
+    """The artifact run straight from its contents, without the registry or a policy."""
+    from cuvil.runtime.model import CompiledModel
+
+    return CompiledModel(contents)(x)

@@ -28,4 +28,24 @@ listens, its certificate, and what every injected sidecar gets.
 - name: CUVIL_INJECT_REGISTRY_SECRET
   value: {{ . | quote }}
 {{- end }}
+{{- /* the sidecar's TLS and token Secrets, mounted from each injected pod's namespace */}}
+{{- $s := .Values.sidecar }}
+{{- if or $s.tls.existingSecret $s.auth.tokensSecret }}
+{{- if not $s.metricsPort }}
+{{- fail "sidecar.tls / sidecar.auth with injection need sidecar.metricsPort: the kubelet probes it (plaintext, no token)" }}
+{{- end }}
+{{- end }}
+{{- with $s.tls.existingSecret }}
+- name: CUVIL_INJECT_TLS_SECRET
+  value: {{ . | quote }}
+- name: CUVIL_INJECT_TLS_CLIENT_CA
+  value: {{ ternary "true" "false" $s.tls.clientCA | quote }}
+{{- end }}
+{{- with $s.auth.tokensSecret }}
+{{- if eq $s.auth.health "required" }}
+{{- fail "sidecar.auth.health=required fails the kubelet's probes of injected sidecars (they carry no token)" }}
+{{- end }}
+- name: CUVIL_INJECT_TOKENS_SECRET
+  value: {{ . | quote }}
+{{- end }}
 {{- end }}

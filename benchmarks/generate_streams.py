@@ -1,0 +1,264 @@
+"""Concurrent generation streams: aggregate tokens/s of 16 streams through the sidecar's
+continuous batching against the same requests through transformers' ``generate`` in static
+batches. Prints one JSON document.
+
+    .venv/bin/python benchmarks/generate_streams.py --model tiny --streams 16
+
+The model is a Llama from a config with random weights (``--model tiny``: hidden 256, 2
+layers, the catalog's tiny Llama; ``llama100m``: hidden 768, 12 layers, ~100M parameters),
+saved as a transformers checkpoint in a temporary folder and served by a sidecar subprocess
+(``CUVIL_MODEL`` = that folder: ``EagerDecoderEngine``, one slot per stream, unless the loader
+is given a compiled engine). Every request is greedy with ``ignore_eos`` (so each generates
+exactly its ``max_tokens``), prompts of ``--prompt-min``..``--prompt-max`` tokens and
+``--tokens-min``..``--tokens-max`` new tokens, spread evenly. ``sidecar``: all streams sent at
+once over REST ``generate_stream`` (server-sent events), from threads of this process;
+``tokens_per_s`` = tokens received / seconds from the first request to the last token;
+``time_to_first_token_ms`` and ``inter_token_ms`` percentiles are measured by the client.
+``transformers_static``: the same requests in static batches of ``--static-batch`` (left
+padded, in arrival order), each batch generating its longest request's token count;
+``tokens_per_s`` counts only the tokens requests asked for, over the total time.
+``matching_streams``: requests whose sidecar tokens equal the static batch's.
+The client shares the machine's cores with the sidecar; ``load_average`` is the host's before
+and after. Both sides run with the sidecar's OpenMP spin (``GOMP_SPINCOUNT``, 3000 unless set):
+with libgomp's default a busy 2-core host slows transformers' batched steps several fold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import itertools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("GOMP_SPINCOUNT", "3000")  # before torch loads libgomp: as the sidecar
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+MODELS: dict[str, dict[str, Any]] = {
+    "tiny": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=2,
+                 num_attention_heads=8, num_key_value_heads=2, vocab_size=2048),
+    "llama100m": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                      num_attention_heads=12, num_key_value_heads=4, vocab_size=32000),
+}  # fmt: skip
+
+
+def checkpoint(name: str, folder: Path) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**MODELS[name], max_position_embeddings=1024)
+    LlamaForCausalLM(config).eval().save_pretrained(folder / name)
+    return folder / name
+
+
+def requests_for(args: argparse.Namespace, vocab: int) -> list[dict[str, Any]]:
+    generator = torch.Generator().manual_seed(1)
+    requests = []
+    for i in range(args.streams):
+        fraction = i / max(1, args.streams - 1)
+        length = round(args.prompt_min + fraction * (args.prompt_max - args.prompt_min))
+        tokens = round(args.tokens_max - fraction * (args.tokens_max - args.tokens_min))
+        prompt = torch.randint(3, vocab, (length,), generator=generator).tolist()
+        parameters = {"max_tokens": tokens, "ignore_eos": True}
+        requests.append({"input_ids": prompt, "parameters": parameters})
+    return requests
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def start_sidecar(model: Path, streams: int, threads: int, log: Path) -> tuple[Any, int]:
+    port = free_port()
+    env = {key: value for key, value in os.environ.items() if not key.startswith("CUVIL_")}
+    env |= {
+        "CUVIL_MODEL": str(model),
+        "CUVIL_GRPC_HOST": "127.0.0.1",
+        "CUVIL_GRPC_PORT": str(free_port()),
+        "CUVIL_METRICS_PORT": "0",
+        "CUVIL_HTTP_PORT": str(port),
+        "CUVIL_GENERATION_SLOTS": str(streams),
+        "CUVIL_TORCH_THREADS": str(threads),
+        "OMP_NUM_THREADS": str(threads),
+        "PYTHONPATH": os.pathsep.join([str(REPO / "runtime_sidecar"), str(REPO)]),
+    }
+    process = subprocess.Popen(
+        [sys.executable, "-m", "cuvil_sidecar.main"],
+        env=env,
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+    )
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the sidecar exited:\n{log.read_text()[-3000:]}")
+        try:
+            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            connection.request("GET", "/v2/health/ready")
+            if connection.getresponse().status == 200:
+                return process, port
+        except OSError:
+            pass
+        time.sleep(0.2)
+    process.kill()
+    raise RuntimeError("the sidecar was not ready within 300 s")
+
+
+def stream(port: int, model: str, body: dict[str, Any]) -> tuple[list[int], list[float]]:
+    """One request's tokens and the perf_counter time each arrived."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    connection.request("POST", f"/v2/models/{model}/generate_stream", json.dumps(body))
+    response = connection.getresponse()
+    if response.status != 200:
+        raise RuntimeError(response.read().decode())
+    tokens, times = [], []
+    for line in response:
+        if line.startswith(b"data: "):
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(event["error"])
+            tokens += event["output_ids"]
+            times.append(time.perf_counter())
+    connection.close()
+    return tokens, times
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    ordered = torch.tensor(sorted(values), dtype=torch.float64)
+    if not len(ordered):
+        return {}
+    return {f"p{q}": round(float(torch.quantile(ordered, q / 100)) * 1e3, 3) for q in (50, 90, 99)}
+
+
+def through_sidecar(port: int, model: str, requests: list[dict[str, Any]]) -> dict[str, Any]:
+    stream(port, model, {"input_ids": [5, 6, 7], "parameters": {"max_tokens": 4}})  # warm up
+    results: list[Any] = [None] * len(requests)
+
+    def run(i: int) -> None:
+        results[i] = stream(port, model, requests[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(requests))]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    seconds = max(times[-1] for _, times in results) - started
+    first = [times[0] - started for _, times in results]
+    gaps = [b - a for _, times in results for a, b in itertools.pairwise(times)]
+    total = sum(len(tokens) for tokens, _ in results)
+    return {
+        "tokens": total,
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(total / seconds, 1),
+        "time_to_first_token_ms": percentiles(first),
+        "inter_token_ms": percentiles(gaps),
+        "outputs": [tokens for tokens, _ in results],
+    }
+
+
+def static_batches(model_path: Path, requests: list[dict[str, Any]], batch: int) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True).eval()
+    outputs: list[list[int]] = []
+    wanted = sum(r["parameters"]["max_tokens"] for r in requests)
+    started = time.perf_counter()
+    for at in range(0, len(requests), batch):
+        group = requests[at : at + batch]
+        longest = max(len(r["input_ids"]) for r in group)
+        ids = torch.zeros(len(group), longest, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, request in enumerate(group):  # left padding
+            prompt = torch.tensor(request["input_ids"])
+            ids[row, longest - len(prompt) :] = prompt
+            mask[row, longest - len(prompt) :] = 1
+        new = max(r["parameters"]["max_tokens"] for r in group)
+        with torch.inference_mode():
+            generated = model.generate(
+                ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                do_sample=False, pad_token_id=0,
+            )  # fmt: skip
+        for row, request in enumerate(group):
+            outputs.append(generated[row, longest:][: request["parameters"]["max_tokens"]].tolist())
+    seconds = time.perf_counter() - started
+    return {
+        "batch": batch,
+        "tokens": wanted,
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(wanted / seconds, 1),
+        "outputs": outputs,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="tiny")
+    parser.add_argument("--streams", type=int, default=16)
+    parser.add_argument("--prompt-min", type=int, default=16)
+    parser.add_argument("--prompt-max", type=int, default=128)
+    parser.add_argument("--tokens-min", type=int, default=32)
+    parser.add_argument("--tokens-max", type=int, default=64)
+    parser.add_argument("--static-batch", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="cuvil-generate-") as folder:
+        path = checkpoint(args.model, Path(folder))
+        requests = requests_for(args, int(MODELS[args.model]["vocab_size"]))
+        process, port = start_sidecar(path, args.streams, args.threads, Path(folder) / "log")
+        try:
+            sidecar = through_sidecar(port, path.name, requests)
+        finally:
+            process.terminate()
+            process.wait(30)
+        static = static_batches(path, requests, args.static_batch)
+    matching = sum(
+        a == b for a, b in zip(sidecar.pop("outputs"), static.pop("outputs"), strict=True)
+    )
+    result = {
+        "model": args.model,
+        "streams": args.streams,
+        "threads": args.threads,
+        "engine": "EagerDecoderEngine",
+        "gomp_spincount": os.environ["GOMP_SPINCOUNT"],
+        "cpu": _cpu(),
+        "load_average": {"before": load_before, "after": os.getloadavg()},
+        "sidecar": sidecar,
+        "transformers_static": static,
+        "sidecar_over_static": round(sidecar["tokens_per_s"] / static["tokens_per_s"], 3),
+        "matching_streams": matching,
+    }
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+
+
+def _cpu() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip() + f" x{os.cpu_count()}"
+    except OSError:
+        pass
+    return f"unknown x{os.cpu_count()}"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""Triton's generate extension over REST, for a generation model:
+
+    POST /v2/models/{m}[/versions/{v}]/generate          one JSON answer with every token
+    POST /v2/models/{m}[/versions/{v}]/generate_stream   server-sent events, one per token
+
+The body is a JSON object: ``text_input`` (a string; needs the model's tokenizer) or
+``input_ids`` (token ids), ``parameters`` (``requests.py``; Triton also takes them at the top
+level, and so does this), and an optional ``id``. ``generate`` answers ``model_name``,
+``model_version``, ``text_output`` (with a tokenizer), ``output_ids`` and ``finish_reason``
+(``stop``: an eos token or stop string; ``length``: max_tokens or the model's max_seq).
+``generate_stream`` sends the same fields per token, ``text_output`` holding the text that
+token completes and ``finish_reason`` null until the last event; an error after the stream
+began comes as an event ``{"error": ...}``. A refusal before any token is an ordinary error
+answer: 400 for a malformed request, 413 for one larger than the KV cache budget, 429 when
+the waiting queue is full (``errors.HTTP_STATUS``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from cuvil_sidecar.dataplane import DataPlane
+from cuvil_sidecar.errors import InvalidInput, ShuttingDown, SidecarError
+from cuvil_sidecar.generation.requests import GenerateRequest, read_parameters, read_prompt
+from cuvil_sidecar.generation.scheduler import FINISH_ERROR, FINISH_SHUTDOWN
+from cuvil_sidecar.generation.servable import (
+    INPUT_IDS,
+    TEXT_INPUT,
+    GenerationServable,
+    GenerationStream,
+)
+from cuvil_sidecar.http_server import HttpRequest, HttpResponse, json_response
+
+BODY_KEYS = frozenset({TEXT_INPUT, INPUT_IDS, "parameters", "id"})
+
+
+def reader(body: bytes) -> Callable[[GenerationServable], GenerateRequest]:
+    """The request body -> how to read it against the model (its tokenizer, its eos ids)."""
+    try:
+        value = json.loads(body)
+    except (UnicodeDecodeError, ValueError, RecursionError) as error:
+        raise InvalidInput(f"the request's JSON does not parse: {error}") from None
+    if not isinstance(value, dict):
+        raise InvalidInput("the generate request must be a JSON object")
+    nested = value.get("parameters", {})
+    if not isinstance(nested, dict):
+        raise InvalidInput("parameters must be a JSON object")
+    top = {key: item for key, item in value.items() if key not in BODY_KEYS}
+    both = sorted(set(top) & set(nested))
+    if both:
+        raise InvalidInput(f"{both} given both at the top level and in parameters")
+    parameters = top | nested
+    if (TEXT_INPUT in value) == (INPUT_IDS in value):
+        raise InvalidInput(f"give one of {TEXT_INPUT} (a string) or {INPUT_IDS} (token ids)")
+    text = value.get(TEXT_INPUT)
+    if TEXT_INPUT in value and not isinstance(text, str):
+        raise InvalidInput(f"{TEXT_INPUT} must be a string")
+    prompt = read_prompt(value[INPUT_IDS], INPUT_IDS) if INPUT_IDS in value else None
+    request_id = value.get("id", "")
+    if not isinstance(request_id, str):
+        raise InvalidInput("id must be a string")
+
+    def read(model: GenerationServable) -> GenerateRequest:
+        params, stop = read_parameters(parameters, model.model.eos_token_ids)
+        return GenerateRequest(prompt, text, params, stop, request_id)
+
+    return read
+
+
+async def generate(
+    dataplane: DataPlane, request: HttpRequest, model: str, version: str
+) -> HttpResponse:
+    stream = dataplane.open_generation(model, version, reader(request.body))
+    try:
+        async for token in stream:
+            if token.finish in (FINISH_ERROR, FINISH_SHUTDOWN):
+                raise _ended(token.finish, token.error)
+    finally:
+        stream.close()
+    answer = _header(stream) | {"output_ids": stream.tokens, "finish_reason": stream.finish}
+    if stream.with_text:
+        answer["text_output"] = stream.text
+    return json_response(200, answer)
+
+
+async def generate_stream(
+    dataplane: DataPlane, request: HttpRequest, model: str, version: str
+) -> HttpResponse:
+    stream = dataplane.open_generation(model, version, reader(request.body))
+    return HttpResponse(200, content_type="text/event-stream", stream=_events(stream))
+
+
+async def _events(stream: GenerationStream) -> AsyncIterator[bytes]:
+    header = _header(stream)
+    try:
+        async for token in stream:
+            if token.finish in (FINISH_ERROR, FINISH_SHUTDOWN):
+                yield _event({"error": str(_ended(token.finish, token.error))})
+                return
+            event = header | {
+                "output_ids": [] if token.token is None else [token.token],
+                "index": token.index,
+                "finish_reason": token.finish,
+            }
+            if stream.with_text:
+                event["text_output"] = token.text
+            yield _event(event)
+    finally:
+        stream.close()
+
+
+def _event(value: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(value, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _header(stream: GenerationStream) -> dict[str, Any]:
+    header: dict[str, Any] = {
+        "model_name": stream.model_name,
+        "model_version": stream.model_version,
+    }
+    if stream.request_id:
+        header["id"] = stream.request_id
+    return header
+
+
+def _ended(finish: str, error: str) -> SidecarError:
+    if finish == FINISH_SHUTDOWN:
+        return ShuttingDown("the sidecar is stopping; the generation ended early")
+    return SidecarError(error or "the generation failed")

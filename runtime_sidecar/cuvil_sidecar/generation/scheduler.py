@@ -1,0 +1,284 @@
+"""Continuous batching: the one thread that drives a ``DecoderEngine`` for every stream at once.
+
+Scheduling is per iteration, as in Orca and vLLM: a request that arrives joins the running
+batch at the next step, and a sequence that finishes leaves it at once, its slot free for the
+next one. Each iteration runs at most one chunk of one prompt (``prefill_chunk`` tokens) and
+then one decode step for every sequence past its prompt, so a long prompt is prefilled over
+several iterations while the running streams keep getting a token per iteration.
+
+Memory is admitted, never discovered: a sequence reserves its prompt plus the tokens it may
+generate (its ``max_new_tokens``, cut to what ``max_seq`` leaves) against a budget of cache
+positions (``kv_budget_bytes // engine.kv_bytes_per_token``, at most slots times ``max_seq``). A
+request that fits when others finish waits in a bounded queue, first come first served; one
+more than the queue holds is refused at once (``GenerationQueueFull``), and so is one that could
+never fit the budget (``KvBudgetExceeded``). Nothing past the budget is ever allocated.
+
+A sequence's tokens depend only on its own cache slot, its own sampling parameters and its own
+``torch.Generator``, so a stream gets the same tokens whoever else runs beside it. Events go to
+each sequence's ``sink`` from the engine thread; a cancelled sequence (its client went away) is
+dropped at the start of the next iteration and its slot and reservation freed.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from cuvil.generation.engine import DecoderEngine
+from cuvil.generation.sampling import SamplingParams, next_token
+from cuvil_sidecar.errors import GenerationQueueFull, InvalidInput, KvBudgetExceeded
+
+log = logging.getLogger("cuvil_sidecar.generation")
+
+# why a sequence ended: its eos token, its token limit (max_new_tokens or max_seq), its client
+# went away, the engine failed, or the sidecar stopped
+FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED, FINISH_ERROR = "stop", "length", "cancelled", "error"
+FINISH_SHUTDOWN = "shutdown"
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token (``token``; None on an end without one), and ``finish`` set on the
+    sequence's last event."""
+
+    token: int | None
+    index: int
+    finish: str | None = None
+    error: str = ""
+    at_ns: int = 0  # when the token was picked (time.perf_counter_ns)
+
+
+Sink = Callable[[TokenEvent], None]
+
+
+@dataclass(eq=False)
+class Sequence:
+    prompt: list[int]
+    params: SamplingParams
+    sink: Sink
+    max_new_tokens: int  # the request's, cut to what max_seq leaves
+    generator: torch.Generator | None
+    submitted_ns: int
+    slot: int = -1
+    prefilled: int = 0  # prompt positions in the cache
+    tokens: list[int] = field(default_factory=list)
+    cancelled: bool = False
+
+    @property
+    def reserved(self) -> int:
+        return len(self.prompt) + self.max_new_tokens
+
+
+@dataclass(frozen=True)
+class Usage:
+    running: int  # sequences holding a slot
+    waiting: int
+    reserved_positions: int
+    budget_positions: int
+
+    @property
+    def fraction(self) -> float:
+        return self.reserved_positions / self.budget_positions if self.budget_positions else 0.0
+
+
+class Scheduler:
+    def __init__(
+        self,
+        engine: DecoderEngine,
+        *,
+        kv_budget_bytes: int = 0,
+        max_waiting: int = 64,
+        prefill_chunk: int = 128,
+        name: str = "generation",
+    ) -> None:
+        """``kv_budget_bytes`` 0: every slot's whole cache."""
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be at least 1, not {prefill_chunk}")
+        self.engine = engine
+        whole = engine.max_batch * engine.max_seq
+        by_bytes = kv_budget_bytes // max(1, engine.kv_bytes_per_token)
+        self.budget_positions = min(whole, by_bytes) if kv_budget_bytes else whole
+        self.max_waiting = max_waiting
+        self.prefill_chunk = prefill_chunk
+        self._free_slots = list(range(engine.max_batch - 1, -1, -1))
+        self._waiting: collections.deque[Sequence] = collections.deque()
+        self._running: list[Sequence] = []
+        self._reserved = 0
+        self._closed = False
+        self._wake = threading.Condition()
+        self._thread = threading.Thread(target=self._loop, name=f"cuvil-{name}", daemon=True)
+        self._thread.start()
+
+    def submit(self, prompt: list[int], params: SamplingParams, sink: Sink) -> Sequence:
+        """Queue a sequence; its events go to ``sink`` on the engine thread. Raises at once
+        when it can never run, or when the waiting queue is full."""
+        max_seq = self.engine.max_seq
+        if not prompt:
+            raise InvalidInput("the prompt holds no tokens")
+        if len(prompt) >= max_seq:
+            raise InvalidInput(
+                f"the prompt holds {len(prompt)} tokens; this model takes at most {max_seq - 1} "
+                f"(max_seq {max_seq}, prompt and generated tokens together)"
+            )
+        vocab = self.engine.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise InvalidInput(f"token ids must lie in 0..{vocab - 1}")
+        sequence = Sequence(
+            prompt=list(prompt),
+            params=params,
+            sink=sink,
+            max_new_tokens=min(params.max_new_tokens, max_seq - len(prompt)),
+            generator=params.generator(),
+            submitted_ns=time.perf_counter_ns(),
+        )
+        if sequence.reserved > self.budget_positions:
+            raise KvBudgetExceeded(
+                f"the request needs {sequence.reserved} cache positions (prompt "
+                f"{len(prompt)} + {sequence.max_new_tokens} new tokens); the KV cache budget "
+                f"holds {self.budget_positions}: it can never run here"
+            )
+        with self._wake:
+            if self._closed:
+                raise GenerationQueueFull("the generation scheduler is stopping")
+            if len(self._waiting) >= self.max_waiting and not self._fits_now(sequence):
+                raise GenerationQueueFull(
+                    f"{len(self._waiting)} requests already wait for KV cache room "
+                    f"(the queue holds {self.max_waiting}); try again later"
+                )
+            self._waiting.append(sequence)
+            self._wake.notify()
+        return sequence
+
+    def cancel(self, sequence: Sequence) -> None:
+        """Drop the sequence at the next iteration (any thread); its slot is freed."""
+        with self._wake:
+            sequence.cancelled = True
+            self._wake.notify()
+
+    def usage(self) -> Usage:
+        with self._wake:
+            return Usage(
+                len(self._running), len(self._waiting), self._reserved, self.budget_positions
+            )
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the engine thread; sequences still there end with ``FINISH_SHUTDOWN``."""
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        self._thread.join(timeout_s)
+
+    def _fits_now(self, sequence: Sequence) -> bool:
+        return (
+            not self._waiting
+            and bool(self._free_slots)
+            and self._reserved + sequence.reserved <= self.budget_positions
+        )
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._closed and not (self._waiting or self._running):
+                    self._wake.wait()
+                if self._closed:
+                    ending = [*self._running, *self._waiting]
+                    self._running, self._waiting = [], collections.deque()
+                    break
+                dropped = self._drop_cancelled()
+                self._admit()
+                prefilling = next((s for s in self._running if s.prefilled < len(s.prompt)), None)
+                decoding = [s for s in self._running if s.prefilled == len(s.prompt)]
+            for sequence in dropped:
+                self._emit(sequence, None, FINISH_CANCELLED)
+            if prefilling is not None:
+                self._prefill_chunk(prefilling)
+            if decoding:
+                self._decode(decoding)
+        for sequence in ending:
+            self._emit(sequence, None, FINISH_SHUTDOWN)
+
+    def _drop_cancelled(self) -> list[Sequence]:
+        dropped = [s for s in self._waiting if s.cancelled]
+        if dropped:
+            self._waiting = collections.deque(s for s in self._waiting if not s.cancelled)
+        for sequence in [s for s in self._running if s.cancelled]:
+            self._leave(sequence)
+            dropped.append(sequence)
+        return dropped
+
+    def _admit(self) -> None:
+        while self._waiting and self._free_slots:
+            head = self._waiting[0]
+            if self._reserved + head.reserved > self.budget_positions:
+                return  # first come first served: later ones wait behind it
+            self._waiting.popleft()
+            head.slot = self._free_slots.pop()
+            self._reserved += head.reserved
+            self._running.append(head)
+
+    def _leave(self, sequence: Sequence) -> None:
+        """Under the lock: the sequence's slot and reservation go back."""
+        self._running.remove(sequence)
+        self.engine.release(sequence.slot)
+        self._free_slots.append(sequence.slot)
+        self._reserved -= sequence.reserved
+
+    def _prefill_chunk(self, sequence: Sequence) -> None:
+        start = sequence.prefilled
+        chunk = sequence.prompt[start : start + self.prefill_chunk]
+        try:
+            logits = self.engine.prefill(sequence.slot, torch.tensor(chunk), start)
+        except Exception as error:
+            self._fail([sequence], error)
+            return
+        sequence.prefilled += len(chunk)
+        if sequence.prefilled == len(sequence.prompt):
+            self._take(sequence, logits)
+
+    def _decode(self, sequences: list[Sequence]) -> None:
+        slots = [s.slot for s in sequences]
+        last = torch.tensor([s.tokens[-1] for s in sequences])
+        positions = torch.tensor([len(s.prompt) + len(s.tokens) - 1 for s in sequences])
+        try:
+            logits = self.engine.decode(slots, last, positions)
+        except Exception as error:
+            self._fail(sequences, error)
+            return
+        for row, sequence in enumerate(sequences):
+            self._take(sequence, logits[row])
+
+    def _take(self, sequence: Sequence, logits: torch.Tensor) -> None:
+        """Pick the sequence's next token from its logits, send it, end the sequence if done."""
+        token = next_token(logits, sequence.params, sequence.generator)
+        sequence.tokens.append(token)
+        finish = None
+        if token in sequence.params.eos_token_id:
+            finish = FINISH_STOP
+        elif len(sequence.tokens) >= sequence.max_new_tokens:
+            finish = FINISH_LENGTH
+        if finish is not None:
+            with self._wake:
+                self._leave(sequence)
+        self._emit(sequence, token, finish)
+
+    def _fail(self, sequences: list[Sequence], error: Exception) -> None:
+        log.error("the engine failed for %d sequence(s): %r", len(sequences), error)
+        with self._wake:
+            for sequence in sequences:
+                self._leave(sequence)
+        for sequence in sequences:
+            self._emit(sequence, None, FINISH_ERROR, f"the model failed: {error}")
+
+    @staticmethod
+    def _emit(sequence: Sequence, token: int | None, finish: str | None, error: str = "") -> None:
+        event = TokenEvent(token, len(sequence.tokens) - 1, finish, error, time.perf_counter_ns())
+        try:
+            sequence.sink(event)
+        except Exception:  # a sink's failure is its client's; the other streams go on
+            log.exception("a generation sink failed")

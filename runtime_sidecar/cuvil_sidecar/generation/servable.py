@@ -1,0 +1,266 @@
+"""A generation model as the data plane serves it: its scheduler, its tokenizer, and each
+request's stream of tokens on the event loop.
+
+``GenerationServable.open`` reads a request against the model (text through the tokenizer,
+parameters into ``SamplingParams``), submits it to the scheduler at once, so that a refusal
+(the KV budget, a full queue, a bad prompt) is raised before any answer starts, and returns a
+``GenerationStream``: the request's tokens as the engine thread picks them, with the text each
+completes. Closing a stream that has not finished cancels its sequence, which frees its cache
+slot at the scheduler's next step: every front end closes its stream when its client goes away.
+Each stream records the generation metrics and its ``cuvil.generate`` span (time to first token,
+tokens, why it ended).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from cuvil_sidecar import tracing
+from cuvil_sidecar.config import SidecarConfig
+from cuvil_sidecar.errors import InvalidInput
+from cuvil_sidecar.generation.loader import GenerationModel
+from cuvil_sidecar.generation.requests import GenerateRequest
+from cuvil_sidecar.generation.scheduler import (
+    FINISH_CANCELLED,
+    FINISH_STOP,
+    Scheduler,
+    Sequence,
+    TokenEvent,
+)
+from cuvil_sidecar.generation.text import Detokenizer
+from cuvil_sidecar.messages import ModelMetadata, TensorMetadata
+from cuvil_sidecar.metrics import Metrics
+
+log = logging.getLogger("cuvil_sidecar.generation")
+
+VERSION = "1"
+RETIRE_POLL_S = 0.005
+RETIRE_GRACE_S = 30.0  # how long a replaced or stopping model lets its streams run on
+TEXT_INPUT, INPUT_IDS = "text_input", "input_ids"
+TEXT_OUTPUT, OUTPUT_IDS = "text_output", "output_ids"
+
+
+@dataclass(frozen=True)
+class GeneratedToken:
+    token: int | None
+    index: int
+    text: str  # what this token completes of the text ("" without a tokenizer)
+    finish: str | None  # set on the last one: stop, length, cancelled, error, shutdown
+    error: str = ""
+
+
+class GenerationServable:
+    is_generation = True
+
+    def __init__(self, model: GenerationModel, config: SidecarConfig, metrics: Metrics) -> None:
+        self.model = model
+        self.name = config.model_name or model.name
+        self.version = VERSION
+        self.digest = model.digest
+        self.index_digest: str | None = None
+        self.source_digest = model.source_digest
+        self.versions: tuple[str, ...] = (self.version, self.digest)
+        self.links = tracing.compile_links(model.config)
+        self.text = model.text
+        self.scheduler = Scheduler(
+            model.engine,
+            kv_budget_bytes=config.kv_cache_bytes,
+            max_waiting=config.generation_max_waiting,
+            prefill_chunk=config.prefill_chunk,
+            name=self.name,
+        )
+        self.metrics = metrics
+        self.in_flight = 0
+        self._in_flight_lock = threading.Lock()
+
+    def register_gauges(self) -> None:
+        usage = self.scheduler.usage
+        for name, read in (
+            ("cuvil_kv_cache_usage", lambda: usage().fraction),
+            ("cuvil_generation_running", lambda: float(usage().running)),
+            ("cuvil_generation_waiting", lambda: float(usage().waiting)),
+        ):
+            self.metrics.gauge(name, self.name, self.version, read)
+
+    @property
+    def mode(self) -> str:
+        engine = self.model.engine
+        return (
+            f"continuous batching: {engine.max_batch} slots of {engine.max_seq} positions, "
+            f"KV budget {self.scheduler.budget_positions} positions"
+        )
+
+    def metadata(self) -> ModelMetadata:
+        inputs = [TensorMetadata(INPUT_IDS, "INT64", (-1,))]
+        outputs = [TensorMetadata(OUTPUT_IDS, "INT64", (-1,))]
+        if self.text is not None:
+            inputs.insert(0, TensorMetadata(TEXT_INPUT, "BYTES", (1,)))
+            outputs.insert(0, TensorMetadata(TEXT_OUTPUT, "BYTES", (-1,)))
+        return ModelMetadata(
+            name=self.name,
+            versions=self.versions,
+            platform=f"cuvil_{self.model.config.get('target', 'cpu')}",
+            inputs=tuple(inputs),
+            outputs=tuple(outputs),
+        )
+
+    def prompt_of(self, request: GenerateRequest) -> tuple[int, ...]:
+        if request.prompt is not None:
+            return request.prompt
+        if self.text is None:
+            raise InvalidInput(
+                f"model {self.name!r} has no tokenizer: send {INPUT_IDS} (token ids), "
+                f"not {TEXT_INPUT}"
+            )
+        return self.text.encode(request.text or "")
+
+    def open(self, request: GenerateRequest) -> GenerationStream:
+        """Submit the request (raising its refusal now) and return its stream."""
+        if request.stop and self.text is None:
+            raise InvalidInput(f"stop strings need a tokenizer; model {self.name!r} has none")
+        prompt = self.prompt_of(request)
+        return GenerationStream(self, request, prompt)
+
+    def acquire(self) -> GenerationServable:
+        with self._in_flight_lock:
+            self.in_flight += 1
+        return self
+
+    def release(self) -> None:
+        with self._in_flight_lock:
+            self.in_flight -= 1
+
+    async def retire(self) -> None:
+        """Let running streams finish for up to ``RETIRE_GRACE_S``, then stop the scheduler:
+        streams still running end with ``shutdown`` (their clients are told)."""
+        deadline = time.monotonic() + RETIRE_GRACE_S
+        while self.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(RETIRE_POLL_S)
+        await asyncio.get_running_loop().run_in_executor(None, self.scheduler.close)
+        log.info("retired %s %s", self.name, self.digest)
+
+
+class GenerationStream:
+    """One request's tokens, read with ``async for`` on the event loop; ``close`` it. It holds
+    the servable it was opened on (acquired by the caller) until it ends."""
+
+    def __init__(
+        self, servable: GenerationServable, request: GenerateRequest, prompt: tuple[int, ...]
+    ) -> None:
+        self._servable = servable
+        self._request = request
+        self.prompt = prompt
+        self.tokens: list[int] = []
+        self.text = ""
+        self.finish: str | None = None
+        self._loop = asyncio.get_running_loop()
+        self._events: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self._started_ns = time.perf_counter_ns()
+        self._last_ns = 0
+        self._detokenizer: Detokenizer | None = (
+            servable.text.detokenizer() if servable.text is not None else None
+        )
+        self._span = tracing.start_generate_span(servable.name, servable.digest, servable.links)
+        try:
+            self._sequence: Sequence = servable.scheduler.submit(
+                list(prompt), request.params, self._sink
+            )
+        except Exception as error:
+            tracing.end_generate_span(self._span, error=str(error))
+            raise
+
+    @property
+    def model_name(self) -> str:
+        return self._servable.name
+
+    @property
+    def model_version(self) -> str:
+        return self._servable.version
+
+    @property
+    def request_id(self) -> str:
+        return self._request.id
+
+    @property
+    def with_text(self) -> bool:
+        """Whether the model has a tokenizer (text out beside the token ids)."""
+        return self._detokenizer is not None
+
+    def _sink(self, event: TokenEvent) -> None:  # on the engine thread
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody reads this stream
+            self._loop.call_soon_threadsafe(self._events.put_nowait, event)
+
+    def __aiter__(self) -> GenerationStream:
+        return self
+
+    async def __anext__(self) -> GeneratedToken:
+        if self.finish is not None:
+            raise StopAsyncIteration
+        event = await self._events.get()
+        return self._received(event)
+
+    def _received(self, event: TokenEvent) -> GeneratedToken:
+        servable = self._servable
+        name, version = servable.name, servable.version
+        finish = event.finish
+        piece = ""
+        if event.token is not None:
+            self.tokens.append(event.token)
+            servable.metrics.add("cuvil_generation_tokens", name, version)
+            if self._last_ns:
+                gap = (event.at_ns - self._last_ns) / 1e9
+                servable.metrics.observe("cuvil_inter_token_latency_seconds", name, version, gap)
+            else:
+                first = (event.at_ns - self._started_ns) / 1e9
+                servable.metrics.observe("cuvil_time_to_first_token_seconds", name, version, first)
+                tracing.first_token(self._span, first)
+            self._last_ns = event.at_ns
+            if self._detokenizer is not None:
+                piece = self._detokenizer.add(event.token)
+                if finish is not None:
+                    piece += self._detokenizer.flush()
+                piece, stopped = self._cut_at_stop(piece)
+                if stopped and finish is None:
+                    finish = FINISH_STOP
+                    servable.scheduler.cancel(self._sequence)  # its cancel event is not read
+        if finish is not None:
+            self._finished(finish, event.error)
+        return GeneratedToken(event.token, event.index, piece, finish, event.error)
+
+    def _cut_at_stop(self, piece: str) -> tuple[str, bool]:
+        """The piece up to the first stop string the text now holds, and whether one did."""
+        before = len(self.text)
+        self.text += piece
+        cuts = [at for at in (self.text.find(s) for s in self._request.stop) if at >= 0]
+        if not cuts:
+            return piece, False
+        self.text = self.text[: min(cuts)]
+        return self.text[before:], True
+
+    def _finished(self, finish: str, error: str) -> None:
+        """Once per stream: it ends, and lets go of the model it held (``acquire``)."""
+        servable = self._servable
+        self.finish = finish
+        servable.release()
+        if finish in (FINISH_STOP, "length"):
+            servable.metrics.add("nv_inference_request_success", servable.name, servable.version)
+        else:
+            servable.metrics.add("nv_inference_request_failure", servable.name, servable.version)
+        tracing.end_generate_span(
+            self._span,
+            prompt_tokens=len(self.prompt),
+            tokens=len(self.tokens),
+            finish=finish,
+            error=error,
+        )
+
+    def close(self) -> None:
+        """The client is done with the stream: a sequence still running is cancelled."""
+        if self.finish is None:
+            self._servable.scheduler.cancel(self._sequence)
+            self._finished(FINISH_CANCELLED, "")

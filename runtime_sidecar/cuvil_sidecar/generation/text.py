@@ -1,0 +1,91 @@
+"""Text in and out of a generation model, through its ``tokenizer.json`` (Hugging Face's
+``tokenizers``: a Rust library reading the file as data, never code).
+
+Streams send text as it becomes whole: a token may end in the middle of a multi-byte character
+(byte-level BPE), so ``Detokenizer`` decodes the whole output so far and sends only what was
+not sent before, holding back while the end is an incomplete character.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from cuvil_sidecar.errors import InvalidInput
+
+TOKENIZER_FILE = "tokenizer.json"
+_INCOMPLETE = "\ufffd"  # what decoding makes of a character whose bytes have not all come
+
+
+class TextCodec:
+    def __init__(self, path: Path) -> None:
+        from tokenizers import Tokenizer
+
+        self._tokenizer = Tokenizer.from_file(str(path))
+        self.path = path
+
+    def encode(self, text: str) -> tuple[int, ...]:
+        if not isinstance(text, str):
+            raise InvalidInput("text_input must be a string")
+        return tuple(self._tokenizer.encode(text, add_special_tokens=True).ids)
+
+    def decode(self, ids: list[int]) -> str:
+        return str(self._tokenizer.decode(ids, skip_special_tokens=True))
+
+    def token_id(self, token: str) -> int | None:
+        found = self._tokenizer.token_to_id(token)
+        return None if found is None else int(found)
+
+    def detokenizer(self) -> Detokenizer:
+        return Detokenizer(self)
+
+
+class Detokenizer:
+    def __init__(self, codec: TextCodec) -> None:
+        self._codec = codec
+        self._ids: list[int] = []
+        self.text = ""  # what has been sent
+
+    def add(self, token: int) -> str:
+        """The new text ``token`` completes (may be empty)."""
+        self._ids.append(token)
+        text = self._codec.decode(self._ids)
+        if text.endswith(_INCOMPLETE) or not text.startswith(self.text):
+            return ""
+        piece, self.text = text[len(self.text) :], text
+        return piece
+
+    def flush(self) -> str:
+        """What is still held back, once no more tokens come (an incomplete last character
+        stays as decoding renders it)."""
+        text = self._codec.decode(self._ids)
+        if not text.startswith(self.text):
+            return ""
+        piece, self.text = text[len(self.text) :], text
+        return piece
+
+
+def eos_from_files(folder: Path, codec: TextCodec | None) -> tuple[int, ...]:
+    """The model's end-of-sequence ids: ``generation_config.json``'s, else ``config.json``'s,
+    else the token ``tokenizer_config.json`` names as ``eos_token``."""
+    for name in ("generation_config.json", "config.json"):
+        found = _json(folder / name).get("eos_token_id")
+        ids = found if isinstance(found, list) else [found]
+        if ids and all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            return tuple(ids)
+    token = _json(folder / "tokenizer_config.json").get("eos_token")
+    if isinstance(token, dict):
+        token = token.get("content")
+    if codec is not None and isinstance(token, str):
+        found_id = codec.token_id(token)
+        if found_id is not None:
+            return (found_id,)
+    return ()
+
+
+def _json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}

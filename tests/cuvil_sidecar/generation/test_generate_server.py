@@ -1,0 +1,371 @@
+"""Generation through real sidecar processes serving a tiny transformers checkpoint: the
+generate extension over REST (JSON and server-sent events) and decoupled ModelStreamInfer
+through NVIDIA's tritonclient.
+
+- 16 staggered streams (different prompt lengths and token limits, HTTP and gRPC, one seeded
+  sampling stream) through 4 cache slots get exactly the tokens each gets alone, and the
+  greedy ones what transformers' ``generate`` gives;
+- a client that disconnects mid-stream frees its KV slot (``cuvil_generation_running``);
+- a request larger than the KV budget is refused at once (413 / RESOURCE_EXHAUSTED), one that
+  finds the cache and the queue full is refused 429 / RESOURCE_EXHAUSTED;
+- malformed generate requests get clean 4xx answers; a request has a ``cuvil.generate`` span.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import queue
+import re
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import tritonclient.grpc as grpcclient
+
+from cuvil.otlp_receiver import OtlpReceiver
+from tests.cuvil_sidecar.conftest import Sidecar, ready_sidecar
+from tests.cuvil_sidecar.generation.checkpoints import VOCAB, tiny_llama_checkpoint
+
+WAIT_S = 120.0
+KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # layers, keys and values, kv heads, head dim, fp32
+LONG = 4000  # tokens a stream asks for when it must still run while the test looks
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_llama_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", tokenizer=True)
+
+
+@pytest.fixture(scope="module")
+def ids_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_llama_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-ids", tokenizer=False)
+
+
+@pytest.fixture(scope="module")
+def batching(
+    checkpoint: Path, tmp_path_factory: pytest.TempPathFactory, otlp_receiver: OtlpReceiver
+) -> Iterator[Sidecar]:
+    sidecar = Sidecar(
+        checkpoint,
+        tmp_path_factory.mktemp("gen") / "sidecar.log",
+        CUVIL_GRPC_FRONTEND="grpcio",
+        CUVIL_GENERATION_SLOTS="4",
+        CUVIL_PREFILL_CHUNK="8",
+        OTEL_EXPORTER_OTLP_ENDPOINT=otlp_receiver.endpoint,
+        OTEL_EXPORTER_OTLP_INSECURE="true",
+        OTEL_BSP_SCHEDULE_DELAY="100",
+    )
+    with ready_sidecar(sidecar):
+        yield sidecar
+
+
+@pytest.fixture(scope="module")
+def one_slot(ids_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sidecar]:
+    """One slot of 4096 positions, a budget of 4050, no waiting room; no tokenizer."""
+    sidecar = Sidecar(
+        ids_checkpoint,
+        tmp_path_factory.mktemp("gen-budget") / "sidecar.log",
+        CUVIL_GENERATION_SLOTS="1",
+        CUVIL_GENERATION_MAX_SEQ="4096",
+        CUVIL_KV_CACHE_BYTES=str(4050 * KV_BYTES_PER_TOKEN),
+        CUVIL_GENERATION_MAX_WAITING="0",
+        CUVIL_GRPC_FRONTEND="auto",  # a local generation model is then served on grpcio
+    )
+    with ready_sidecar(sidecar):
+        yield sidecar
+
+
+def post(sidecar: Sidecar, path: str, body: Any, headers: dict[str, str] | None = None) -> Any:
+    host, port = sidecar.http_url.split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=WAIT_S)
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    connection.request("POST", path, body=data, headers=headers or {})
+    response = connection.getresponse()
+    answer = json.loads(response.read() or b"null")
+    connection.close()
+    return response.status, answer
+
+
+class EventStream:
+    """POST .../generate_stream, read event by event."""
+
+    def __init__(self, sidecar: Sidecar, model: str, body: dict[str, Any]) -> None:
+        host, port = sidecar.http_url.split(":")
+        self.connection = http.client.HTTPConnection(host, int(port), timeout=WAIT_S)
+        self.connection.request("POST", f"/v2/models/{model}/generate_stream", json.dumps(body))
+        self.response = self.connection.getresponse()
+        assert self.response.status == 200, self.response.read()
+        assert self.response.headers["Content-Type"] == "text/event-stream"
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for line in self.response:
+            if line.startswith(b"data: "):
+                yield json.loads(line[len(b"data: ") :])
+
+    def close(self) -> None:
+        self.connection.close()
+
+
+def http_stream(
+    sidecar: Sidecar, body: dict[str, Any], first: Callable[[], None] = lambda: None
+) -> list[int]:
+    stream = EventStream(sidecar, "tiny", body)
+    tokens: list[int] = []
+    try:
+        for event in stream:
+            tokens += event["output_ids"]
+            first()
+            if event["finish_reason"] is not None:
+                return tokens
+    finally:
+        stream.close()
+    raise AssertionError("the stream ended without a finish_reason")
+
+
+def grpc_stream(
+    sidecar: Sidecar,
+    body: dict[str, Any],
+    first: Callable[[], None] = lambda: None,
+    model: str = "tiny",
+) -> list[int]:
+    client = grpcclient.InferenceServerClient(sidecar.url)
+    results: queue.Queue[Any] = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    try:
+        ids = np.asarray(body["input_ids"], dtype=np.int64)
+        item = grpcclient.InferInput("input_ids", list(ids.shape), "INT64")
+        item.set_data_from_numpy(ids)
+        client.async_stream_infer(model, [item], request_id="s", parameters=body["parameters"])
+        tokens: list[int] = []
+        while True:
+            result, error = results.get(timeout=WAIT_S)
+            if error is not None:
+                raise AssertionError(str(error))
+            tokens += result.as_numpy("output_ids").tolist()
+            first()
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                return tokens
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def metric(sidecar: Sidecar, name: str) -> float:
+    import urllib.request
+
+    text = urllib.request.urlopen(f"{sidecar.metrics_url}/metrics", timeout=WAIT_S).read()
+    found = re.search(rf"^{name}{{[^}}]*}} (\S+)$", text.decode(), re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
+def staggered_requests() -> list[dict[str, Any]]:
+    generator = torch.Generator().manual_seed(5)
+    requests = []
+    for i in range(16):
+        length = 2 + (i * 7) % 37  # 2 .. 38 tokens: several prompts take chunks of 8
+        prompt = torch.randint(3, VOCAB, (length,), generator=generator).tolist()
+        parameters: dict[str, Any] = {"max_tokens": 4 + (i * 5) % 21}
+        if i == 5:
+            parameters |= {"temperature": 0.8, "top_k": 20, "seed": 11}
+        requests.append({"input_ids": prompt, "parameters": parameters})
+    return requests
+
+
+def test_sixteen_staggered_streams_get_the_tokens_they_get_alone(
+    batching: Sidecar, checkpoint: Path
+) -> None:
+    requests = staggered_requests()
+    together: list[list[int] | None] = [None] * 16
+    started = [threading.Event() for _ in requests]
+    failures: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            if i:  # joins once the stream before it has its first token: mid-batch
+                assert started[i - 1].wait(WAIT_S)
+            transport = grpc_stream if i % 2 else http_stream
+            together[i] = transport(batching, requests[i], started[i].set)
+        except BaseException as failure:  # reported below, from the test's thread
+            started[i].set()
+            failures.append(failure)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(WAIT_S * 2)
+    assert not failures, failures
+    alone = []
+    for request in requests:
+        status, answer = post(batching, "/v2/models/tiny/generate", request)
+        assert status == 200, answer
+        alone.append(answer["output_ids"])
+    assert together == alone
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, local_files_only=True).eval()
+    for i, request in enumerate(requests):
+        if i == 5:
+            continue  # the sampled stream: compared with its lone run above
+        prompt = torch.tensor([request["input_ids"]])
+        reference = model.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=request["parameters"]["max_tokens"],
+            do_sample=False,
+            pad_token_id=0,
+        )[0, prompt.shape[1] :].tolist()
+        assert alone[i] == reference, i
+    assert metric(batching, "cuvil_generation_running") == 0
+
+
+def test_text_in_and_out_with_the_tokenizer(batching: Sidecar) -> None:
+    body = {"text_input": "the quick fox", "parameters": {"max_tokens": 6, "ignore_eos": True}}
+    status, answer = post(batching, "/v2/models/tiny/generate", body)
+    assert status == 200, answer
+    assert len(answer["output_ids"]) == 6 and answer["finish_reason"] == "length"
+    from tests.cuvil_sidecar.generation.checkpoints import train_tokenizer
+
+    tokenizer: Any = train_tokenizer()
+    assert answer["text_output"] == tokenizer.decode(answer["output_ids"])
+    events = list(EventStream(batching, "tiny", body))
+    assert [e["output_ids"][0] for e in events] == answer["output_ids"]
+    assert "".join(e["text_output"] for e in events) == answer["text_output"]
+    text = answer["text_output"]
+    stop = next(text[i : i + 2] for i in range(1, len(text) - 1) if text[i : i + 2].strip())
+    body["parameters"] |= {"stop": [stop]}
+    status, stopped = post(batching, "/v2/models/tiny/generate", body)
+    assert status == 200, stopped
+    assert stopped["text_output"] == text[: text.index(stop)]
+    assert stopped["finish_reason"] == "stop"
+    assert stopped["output_ids"] == answer["output_ids"][: len(stopped["output_ids"])]
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "says"),
+    [
+        (b"{not json", 400, "does not parse"),
+        ([1, 2], 400, "JSON object"),
+        ({"parameters": {}}, 400, "one of text_input"),
+        ({"text_input": "a", "input_ids": [1]}, 400, "one of text_input"),
+        ({"input_ids": ["a"]}, 400, "token ids"),
+        ({"input_ids": [1, VOCAB]}, 400, "0..319"),
+        ({"input_ids": []}, 400, "no tokens"),
+        ({"input_ids": [1], "parameters": {"max_token": 3}}, 400, "unknown generate param"),
+        ({"input_ids": [1], "parameters": {"max_tokens": "ten"}}, 400, "integer"),
+        ({"input_ids": [1], "parameters": {"max_tokens": 0}}, 400, "at least 1"),
+        ({"input_ids": [1], "parameters": {"temperature": -1}}, 400, "temperature"),
+        ({"input_ids": [1], "parameters": {"top_p": 2}}, 400, "top_p"),
+        ({"input_ids": [1], "max_tokens": 2, "parameters": {"max_tokens": 2}}, 400, "both"),
+        ({"input_ids": [1] * 300}, 400, "at most 255"),
+    ],
+)
+def test_malformed_generate_requests_get_clean_4xx(
+    batching: Sidecar, body: Any, status: int, says: str
+) -> None:
+    for route in ("generate", "generate_stream"):
+        raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+        got, answer = post(batching, f"/v2/models/tiny/{route}", raw)
+        assert (got, says in answer["error"]) == (status, True), answer
+    assert post(batching, "/v2/models/nope/generate", {"input_ids": [1]})[0] == 404
+
+
+def test_tensor_calls_on_a_generation_model_say_what_to_use(batching: Sidecar) -> None:
+    client = grpcclient.InferenceServerClient(batching.url)
+    item = grpcclient.InferInput("input_ids", [2], "INT64")
+    item.set_data_from_numpy(np.array([1, 2], dtype=np.int64))
+    with pytest.raises(Exception, match="ModelStreamInfer"):
+        client.infer("tiny", [item])
+    results: queue.Queue[Any] = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put(error))
+    unknown = grpcclient.InferInput("prompt", [1], "INT64")
+    unknown.set_data_from_numpy(np.array([1], dtype=np.int64))
+    client.async_stream_infer("tiny", [unknown])
+    error = results.get(timeout=WAIT_S)
+    client.stop_stream()
+    client.close()
+    assert "INVALID_ARGUMENT" in str(error) and "unknown input" in str(error)
+
+
+def test_a_generation_has_a_span_with_time_to_first_token(
+    batching: Sidecar, otlp_receiver: OtlpReceiver
+) -> None:
+    trace_id = secrets.token_hex(16)
+    headers = {"traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-01"}
+    body = {"input_ids": [4, 5, 6], "parameters": {"max_tokens": 3, "ignore_eos": True}}
+    assert post(batching, "/v2/models/tiny/generate", body, headers)[0] == 200
+    otlp_receiver.wait_for(
+        lambda spans: any(s.name == "cuvil.generate" and s.trace_id == trace_id for s in spans)
+    )
+    spans = {span.name: span for span in otlp_receiver.in_trace(trace_id)}
+    generate, server = spans["cuvil.generate"], spans["POST /v2/models/{model}/generate"]
+    assert generate.parent_span_id == server.span_id
+    assert generate.attributes["cuvil.generate.tokens"] == 3
+    assert generate.attributes["cuvil.generate.prompt_tokens"] == 3
+    assert generate.attributes["cuvil.generate.finish_reason"] == "length"
+    assert 0 < float(generate.attributes["cuvil.generate.time_to_first_token_ms"]) <= generate.ms  # type: ignore[arg-type]
+
+
+def test_over_budget_requests_are_refused_at_once(one_slot: Sidecar) -> None:
+    body = {"input_ids": list(range(3, 103)), "parameters": {"max_tokens": LONG}}
+    status, answer = post(one_slot, "/v2/models/tiny-ids/generate", body)
+    assert status == 413 and "can never run" in answer["error"], answer
+    with pytest.raises(Exception, match=r"RESOURCE_EXHAUSTED.*can never run"):
+        grpc_stream(one_slot, body, model="tiny-ids")
+    status, answer = post(one_slot, "/v2/models/tiny-ids/generate", {"text_input": "hi"})
+    assert status == 400 and "no tokenizer" in answer["error"]
+
+
+def test_a_disconnected_client_frees_its_slot_and_a_full_cache_refuses(
+    one_slot: Sidecar,
+) -> None:
+    before = metric(one_slot, "cuvil_generation_tokens")
+    long = {"input_ids": [7, 8, 9], "parameters": {"max_tokens": LONG, "ignore_eos": True}}
+    stream = EventStream(one_slot, "tiny-ids", long)
+    first = next(iter(stream))
+    assert "text_output" not in first and len(first["output_ids"]) == 1
+    assert metric(one_slot, "cuvil_generation_running") == 1
+    short = {"input_ids": [7, 8, 9], "parameters": {"max_tokens": 3}}
+    status, answer = post(one_slot, "/v2/models/tiny-ids/generate", short)
+    assert status == 429 and "try again later" in answer["error"], answer
+    with pytest.raises(Exception, match="RESOURCE_EXHAUSTED"):
+        grpc_stream(one_slot, short, model="tiny-ids")
+    stream.close()  # the client goes away mid-stream
+    deadline = time.monotonic() + WAIT_S
+    while metric(one_slot, "cuvil_generation_running") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric(one_slot, "cuvil_generation_running") == 0
+    assert metric(one_slot, "cuvil_kv_cache_usage") == 0
+    assert metric(one_slot, "cuvil_generation_tokens") - before < LONG
+    status, answer = post(one_slot, "/v2/models/tiny-ids/generate", short)
+    assert status == 200 and "text_output" not in answer and len(answer["output_ids"]) <= 3
+
+
+def test_a_cancelled_grpc_stream_frees_its_slot(one_slot: Sidecar) -> None:
+    client = grpcclient.InferenceServerClient(one_slot.url)
+    results: queue.Queue[Any] = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    item = grpcclient.InferInput("input_ids", [3], "INT64")
+    item.set_data_from_numpy(np.array([7, 8, 9], dtype=np.int64))
+    client.async_stream_infer(
+        "tiny-ids", [item], parameters={"max_tokens": LONG, "ignore_eos": True}
+    )
+    result, error = results.get(timeout=WAIT_S)
+    assert error is None and len(result.as_numpy("output_ids")) == 1
+    assert metric(one_slot, "cuvil_generation_running") == 1
+    client.stop_stream(cancel_requests=True)  # the client goes away mid-stream
+    client.close()
+    deadline = time.monotonic() + WAIT_S
+    while metric(one_slot, "cuvil_generation_running") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric(one_slot, "cuvil_generation_running") == 0
+    status, answer = post(one_slot, "/v2/models/tiny-ids/generate", {"input_ids": [1]})
+    assert status == 200, answer

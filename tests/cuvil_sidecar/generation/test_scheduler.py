@@ -1,0 +1,284 @@
+"""The continuous-batching scheduler on its own: streams that join and leave at any step get
+exactly the tokens they get alone, long prompts are prefilled in chunks between decode steps,
+KV memory is admitted against the budget (wait, or refuse at once), cancellation frees a slot.
+
+``HistoryEngine`` is a DecoderEngine whose next token is a function of everything written to
+the slot, so a scheduler that mixed up slots, positions or chunk order would change tokens. The
+last test runs the real ``EagerDecoderEngine`` on a tiny Llama.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence as Seq
+
+import pytest
+import torch
+from cuvil_sidecar.errors import GenerationQueueFull, InvalidInput, KvBudgetExceeded
+from cuvil_sidecar.generation.scheduler import (
+    FINISH_CANCELLED,
+    FINISH_ERROR,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    Scheduler,
+    TokenEvent,
+)
+
+from cuvil.generation.sampling import SamplingParams
+
+VOCAB = 97
+WAIT_S = 60.0
+
+
+class HistoryEngine:
+    """Logits one-hot at a hash of the slot's history; records every call."""
+
+    def __init__(self, max_batch: int, max_seq: int, gate: threading.Event | None = None) -> None:
+        self.max_batch, self.max_seq, self.vocab_size = max_batch, max_seq, VOCAB
+        self.kv_bytes_per_token = 100
+        self.history: list[list[int]] = [[] for _ in range(max_batch)]
+        self.calls: list[tuple[str, tuple[int, ...], int]] = []  # kind, slots, tokens
+        self.gate = gate or threading.Event()
+        if gate is None:
+            self.gate.set()
+        self.entered = threading.Event()
+        self.fail_on: int | None = None  # a token id whose decode raises
+
+    def _logits(self, slot: int) -> torch.Tensor:
+        history = self.history[slot]
+        logits = torch.zeros(VOCAB)
+        logits[(sum(t * (i + 3) for i, t in enumerate(history)) + 7) % VOCAB] = 1.0
+        return logits
+
+    def prefill(self, slot: int, token_ids: torch.Tensor, position: int) -> torch.Tensor:
+        self.entered.set()
+        self.gate.wait(WAIT_S)
+        assert position == len(self.history[slot]), "a chunk must start where the slot ends"
+        self.history[slot] += token_ids.tolist()
+        assert len(self.history[slot]) <= self.max_seq
+        self.calls.append(("prefill", (slot,), token_ids.numel()))
+        return self._logits(slot)
+
+    def decode(
+        self, slots: Seq[int], token_ids: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        self.gate.wait(WAIT_S)
+        if self.fail_on is not None and self.fail_on in token_ids.tolist():
+            raise RuntimeError("decode failed")
+        rows = []
+        for slot, token, position in zip(
+            slots, token_ids.tolist(), positions.tolist(), strict=True
+        ):
+            assert position == len(self.history[slot])
+            self.history[slot].append(token)
+            assert len(self.history[slot]) <= self.max_seq
+            rows.append(self._logits(slot))
+        self.calls.append(("decode", tuple(slots), len(slots)))
+        return torch.stack(rows)
+
+    def release(self, slot: int) -> None:
+        self.history[slot] = []
+
+
+class Collector:
+    def __init__(self) -> None:
+        self.events: list[TokenEvent] = []
+        self.done = threading.Event()
+
+    def __call__(self, event: TokenEvent) -> None:
+        self.events.append(event)
+        if event.finish is not None:
+            self.done.set()
+
+    def tokens(self) -> list[int]:
+        assert self.done.wait(WAIT_S), "the sequence never finished"
+        return [e.token for e in self.events if e.token is not None]
+
+    @property
+    def finish(self) -> str | None:
+        assert self.done.wait(WAIT_S)
+        return self.events[-1].finish
+
+
+def alone(prompt: list[int], params: SamplingParams, max_seq: int = 64) -> list[int]:
+    scheduler = Scheduler(HistoryEngine(1, max_seq))
+    try:
+        collector = Collector()
+        scheduler.submit(prompt, params, collector)
+        return collector.tokens()
+    finally:
+        scheduler.close()
+
+
+def prompt_of(i: int) -> list[int]:
+    return [(i * 13 + k) % VOCAB for k in range(3 + (i * 5) % 23)]
+
+
+def test_staggered_streams_get_the_tokens_they_get_alone() -> None:
+    engine = HistoryEngine(max_batch=4, max_seq=64)
+    scheduler = Scheduler(engine, prefill_chunk=8)
+    try:
+        collectors, requests = [], []
+        for i in range(16):
+            params = SamplingParams(max_new_tokens=4 + (i * 7) % 17)
+            collector = Collector()
+            scheduler.submit(prompt_of(i), params, collector)
+            collectors.append(collector)
+            requests.append((prompt_of(i), params))
+            if i % 3 == 0:  # some arrive while others run
+                collectors[max(0, i - 2)].done.wait(WAIT_S)
+        results = [c.tokens() for c in collectors]
+    finally:
+        scheduler.close()
+    assert results == [alone(prompt, params) for prompt, params in requests]
+    assert max(len(slots) for kind, slots, _ in engine.calls if kind == "decode") > 1
+    assert all(c.finish == FINISH_LENGTH for c in collectors)
+
+
+def test_long_prompt_is_prefilled_in_chunks_between_decode_steps() -> None:
+    engine = HistoryEngine(max_batch=2, max_seq=4096)
+    scheduler = Scheduler(engine, prefill_chunk=8)
+    try:
+        running = Collector()
+        endless = scheduler.submit([1, 2, 3], SamplingParams(max_new_tokens=4000), running)
+        while len(running.events) < 2:  # the first stream decodes
+            threading.Event().wait(0.001)
+        long = Collector()
+        scheduler.submit(list(range(60)), SamplingParams(max_new_tokens=2), long)
+        long.tokens()
+        scheduler.cancel(endless)
+        assert running.finish == FINISH_CANCELLED
+    finally:
+        scheduler.close()
+    chunks = [i for i, (kind, _, _) in enumerate(engine.calls) if kind == "prefill" and i > 0]
+    assert [engine.calls[i][2] for i in chunks] == [8] * 7 + [4]  # 60 tokens in chunks of 8
+    between = engine.calls[chunks[0] : chunks[-1]]
+    assert sum(kind == "decode" for kind, _, _ in between) >= len(chunks) - 1
+
+
+def test_eos_and_max_seq_end_a_sequence() -> None:
+    tokens = alone([5, 6], SamplingParams(max_new_tokens=30))
+    eos = tokens[3]
+    first_eos = tokens.index(eos)
+    stopped = Collector()
+    scheduler = Scheduler(HistoryEngine(1, 64))
+    try:
+        scheduler.submit([5, 6], SamplingParams(max_new_tokens=30, eos_token_id=(eos,)), stopped)
+        assert stopped.tokens() == tokens[: first_eos + 1]
+        assert stopped.finish == FINISH_STOP
+        capped = Collector()
+        scheduler.submit([5, 6], SamplingParams(max_new_tokens=500), capped)
+        assert capped.tokens() == alone([5, 6], SamplingParams(max_new_tokens=62))
+        assert capped.finish == FINISH_LENGTH
+    finally:
+        scheduler.close()
+
+
+def test_requests_that_can_never_run_are_refused_at_once() -> None:
+    engine = HistoryEngine(max_batch=2, max_seq=32)
+    scheduler = Scheduler(engine, kv_budget_bytes=20 * engine.kv_bytes_per_token + 99)
+    try:
+        assert scheduler.budget_positions == 20
+        with pytest.raises(InvalidInput, match="at most 31"):
+            scheduler.submit(list(range(32)), SamplingParams(), Collector())
+        with pytest.raises(InvalidInput, match=r"0\.\.96"):
+            scheduler.submit([VOCAB], SamplingParams(), Collector())
+        with pytest.raises(KvBudgetExceeded, match=r"needs 32 .*prompt 20 \+ 12 new"):
+            scheduler.submit([1] * 20, SamplingParams(max_new_tokens=21), Collector())
+        fits = Collector()
+        scheduler.submit([1] * 10, SamplingParams(max_new_tokens=10), fits)
+        assert len(fits.tokens()) == 10
+    finally:
+        scheduler.close()
+
+
+def test_a_full_cache_queues_then_refuses() -> None:
+    gate = threading.Event()
+    engine = HistoryEngine(max_batch=1, max_seq=32, gate=gate)
+    scheduler = Scheduler(engine, max_waiting=1)
+    try:
+        first, second = Collector(), Collector()
+        scheduler.submit([1, 2], SamplingParams(max_new_tokens=3), first)
+        assert engine.entered.wait(WAIT_S)  # it holds the only slot
+        scheduler.submit([3, 4], SamplingParams(max_new_tokens=3), second)  # waits
+        with pytest.raises(GenerationQueueFull, match="queue holds 1"):
+            scheduler.submit([5], SamplingParams(), Collector())
+        assert scheduler.usage().running == 1 and scheduler.usage().waiting == 1
+        gate.set()
+        assert first.tokens() and second.tokens() == alone([3, 4], SamplingParams(max_new_tokens=3))
+        usage = scheduler.usage()
+        assert (usage.running, usage.waiting, usage.reserved_positions) == (0, 0, 0)
+    finally:
+        gate.set()
+        scheduler.close()
+
+
+def test_cancelling_frees_the_slot_for_the_next_request() -> None:
+    gate = threading.Event()
+    engine = HistoryEngine(max_batch=1, max_seq=32, gate=gate)
+    scheduler = Scheduler(engine)
+    try:
+        endless, queued = Collector(), Collector()
+        sequence = scheduler.submit([1], SamplingParams(max_new_tokens=30), endless)
+        assert engine.entered.wait(WAIT_S)
+        scheduler.submit([2, 3], SamplingParams(max_new_tokens=2), queued)
+        scheduler.cancel(sequence)
+        gate.set()
+        assert endless.finish == FINISH_CANCELLED
+        assert len(endless.tokens()) < 30
+        assert queued.tokens() == alone([2, 3], SamplingParams(max_new_tokens=2))
+        assert scheduler.usage().reserved_positions == 0
+    finally:
+        gate.set()
+        scheduler.close()
+
+
+def test_an_engine_failure_ends_only_the_sequences_it_hit() -> None:
+    engine = HistoryEngine(max_batch=2, max_seq=64)
+    params = SamplingParams(max_new_tokens=5)
+    first_token = alone([9, 9, 9], params)[0]
+    engine.fail_on = first_token
+    scheduler = Scheduler(engine)
+    try:
+        failing = Collector()
+        scheduler.submit([9, 9, 9], params, failing)
+        assert failing.finish == FINISH_ERROR and "decode failed" in failing.events[-1].error
+        engine.fail_on = None
+        ok = Collector()
+        scheduler.submit([4, 4], params, ok)
+        assert ok.tokens() == alone([4, 4], params)
+    finally:
+        scheduler.close()
+
+
+def test_real_engine_streams_in_a_batch_match_each_alone() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from cuvil.generation.eager_engine import EagerDecoderEngine
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=128,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config).eval()
+    requests = [(prompt_of(i), SamplingParams(max_new_tokens=3 + i * 2)) for i in range(6)] + [
+        (prompt_of(7), SamplingParams(max_new_tokens=9, do_sample=True, top_k=10, seed=3))
+    ]
+
+    def run(max_batch: int, together: bool) -> list[list[int]]:
+        scheduler = Scheduler(EagerDecoderEngine(model, max_batch, 64), prefill_chunk=5)
+        try:
+            results = []
+            collectors = []
+            for prompt, params in requests:
+                collector = Collector()
+                scheduler.submit(prompt, params, collector)
+                if not together:
+                    results.append(collector.tokens())
+                collectors.append(collector)
+            return [c.tokens() for c in collectors]
+        finally:
+            scheduler.close()
+
+    assert run(4, together=True) == run(1, together=False)
