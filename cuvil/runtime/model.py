@@ -32,6 +32,8 @@ class CompiledModel:
         self.backend: Backend = backend_for(str(contents.config.get("target", "cpu")))
         self.device = self.backend.device
         self._binder = InputBinder(self.signature)
+        self._input_names = self.signature.input_names
+        self._output_names = self.signature.output_names
         factories = {
             **self.backend.kernels,
             **self.backend.load_kernels(unpack_kernels(contents.kernels)),
@@ -108,8 +110,11 @@ class CompiledModel:
         moved = caller is not None and caller != self.device
         if moved:
             inputs = {name: tensor.to(self.device) for name, tensor in inputs.items()}
-        with torch.inference_mode():
+        if torch.is_inference_mode_enabled():  # the caller's own block: no second one
             outputs = self.runner.run(inputs, symbols)
+        else:
+            with torch.inference_mode():
+                outputs = self.runner.run(inputs, symbols)
         if moved:
             outputs = {
                 name: value.to(caller) if isinstance(value, torch.Tensor) else value
@@ -118,7 +123,7 @@ class CompiledModel:
         return outputs
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        names = self.signature.input_names
+        names = self._input_names
         if len(args) > len(names):
             raise InputError(f"{len(args)} positional inputs given, the model takes {list(names)}")
         inputs = dict(zip(names, args, strict=False))
@@ -127,7 +132,7 @@ class CompiledModel:
                 raise InputError(f"input {key!r} given twice")
             inputs[key] = value
         outputs = self.run(inputs)
-        flat = [outputs[name] for name in self.signature.output_names]
+        flat = [outputs[name] for name in self._output_names]
         if self._output_spec is not None:
             return pytree.tree_unflatten(flat, self._output_spec)
         return flat[0] if len(flat) == 1 else tuple(flat)
