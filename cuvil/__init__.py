@@ -19,9 +19,10 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:
     from torch.export import Dim
 
+    from cuvil.analysis.memory import MemoryBudgetError, MemoryPolicy
     from cuvil.api import jit, load
 
-__all__ = ["Dim", "__version__", "jit", "load"]
+__all__ = ["Dim", "MemoryBudgetError", "MemoryPolicy", "__version__", "jit", "load"]
 
 
 def __getattr__(name: str) -> Any:
@@ -29,6 +30,10 @@ def __getattr__(name: str) -> Any:
         from torch.export import Dim
 
         return Dim
+    if name in ("MemoryPolicy", "MemoryBudgetError"):
+        from cuvil.analysis import memory
+
+        return getattr(memory, name)
     if name in ("jit", "load"):
         from cuvil import api
 

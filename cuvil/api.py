@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from cuvil.analysis.memory import MemoryPolicy
 from cuvil.runtime.model import CompiledModel
 from cuvil.runtime.model import load as load_artifact
 
@@ -32,6 +33,7 @@ def jit(
     max_batch: int = 8,
     max_seq: int = 512,
     tokenizer_dir: str | Path | None = None,
+    memory: MemoryPolicy | None = None,
 ) -> CompiledModel:
     """Compile ``model`` for ``target``; ``dynamic_shapes`` is what torch.export.export takes.
 
@@ -51,6 +53,9 @@ def jit(
     compile.py): a prefill and a decode graph over a KV cache of ``max_batch`` slots of
     ``max_seq`` positions, returned as a ``GenerationModel`` with ``generate``; the tokenizer
     files of ``tokenizer_dir`` (default: the directory the model was loaded from) go with it.
+    ``memory`` (``cuvil.MemoryPolicy``) chooses the memory planner, whether kernels may write
+    in place over dead inputs, and a budget the plan must fit at the largest admitted shapes
+    (``MemoryBudgetError`` at compile time, with the numbers, where it does not).
     """
     from cuvil.patterns import registered_patterns
     from cuvil.pipeline import CompileOptions, compile_model
@@ -73,6 +78,7 @@ def jit(
             if choose_kernels is None
             else choose_kernels
         ),
+        memory=memory or MemoryPolicy(),
     )
     if task == "text-generation":
         from cuvil.generation.compile import compile_generation

@@ -28,7 +28,7 @@ from torch.utils import _pytree as pytree
 
 import cuvil
 from cuvil.allowed_ops import check_allowed_ops
-from cuvil.analysis.memory import plan_memory
+from cuvil.analysis.memory import MemoryPolicy, check_budget, plan_memory
 from cuvil.artifact.files import ArtifactContents
 from cuvil.artifact.kernels_layer import pack_kernels
 from cuvil.backends import Backend, Lowering, backend_for
@@ -100,6 +100,7 @@ class CompileOptions:
     tolerance: float = 1e-4  # max error relative to the output scale, else bisect
     on_mismatch: str = "fallback"  # "fallback": compile without the culprit pass; "raise"
     choose_kernels: bool = True  # time kernel choices now and carry them (kernel_choices.py)
+    memory: MemoryPolicy = field(default_factory=MemoryPolicy)
 
 
 @dataclass
@@ -279,8 +280,12 @@ def compile_model(
             "precision": options.precision,
             "signature": signature.to_json(),
             "passes": [entry["name"] for entry in applied],
+            "memory_policy": options.memory.to_json(),
         }
         inputs = _named_inputs(signature, exported)
+        check_budget(
+            program.graph, signature.symbols, _symbol_values(signature, inputs), options.memory
+        )
         with run.stage("codegen"):
             kernels = pack_kernels(backend.codegen(program.graph, program.weights))
         with run.stage("plan"):
@@ -335,7 +340,9 @@ def compile_model(
             "method": backend.verified_by,
         },
         "bisection": bisection,
-        "memory_plan": plan_memory(program.graph, _symbol_values(signature, inputs)).summary(),
+        "memory_plan": plan_memory(
+            program.graph, _symbol_values(signature, inputs), planner=options.memory.planner
+        ).summary(),
         "fusions": dict(program.hits),
         "kernel_choice_seconds": tactics_seconds,
         "weights_bytes": sum(t.numel() * t.element_size() for t in program.weights.values()),

@@ -7,8 +7,10 @@ import argparse
 import json
 from pathlib import Path
 
+from cuvil.analysis.memory import plan_memory
+from cuvil.analysis.memory_report import lifetime_chart, memory_table
 from cuvil.artifact import describe_reference, resolve_model
-from cuvil.artifact.files import read_artifact
+from cuvil.artifact.files import ArtifactContents, read_artifact
 from cuvil.artifact.kernels_layer import unpack_kernels
 from cuvil.artifact.reference import is_artifact_path, is_oci_reference
 from cuvil.ir_dot import graph_to_dot, render_svg
@@ -25,6 +27,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--json", action="store_true", help="print config and histogram as JSON")
     parser.add_argument("--dot", type=Path, help="write a Graphviz picture of the graph (DOT)")
     parser.add_argument("--svg", type=Path, help="write the picture as SVG (needs Graphviz)")
+    parser.add_argument(
+        "--memory",
+        action="store_true",
+        help="run the artifact on its golden inputs: planned vs naive vs measured activation "
+        "memory, and a chart of the buffers' lifetimes",
+    )
     add_registry_arguments(parser)
     add_trust_arguments(parser, policy=False)
     parser.set_defaults(handler=run_inspect)
@@ -63,6 +71,8 @@ def run_inspect(args: argparse.Namespace) -> int:
     for name, entry in sorted(config.get("files", {}).items()):
         print(f"  {name}: {entry['size']} bytes {entry['digest']}")
     print_kernels(unpack_kernels(contents.kernels))
+    if args.memory:
+        print_memory(contents)
     if args.ir:
         print(print_graph(graph), end="")
     if args.dot or args.svg:
@@ -73,6 +83,32 @@ def run_inspect(args: argparse.Namespace) -> int:
             args.svg.write_bytes(render_svg(dot_text))
         print(f"picture: {args.dot or ''} {args.svg or ''}".strip())
     return 0
+
+
+def print_memory(contents: ArtifactContents) -> None:
+    """Load the model here, settle it on the golden inputs, measure one call's peak."""
+    from cuvil.runtime.model import CompiledModel
+
+    model = CompiledModel(contents)
+    inputs = {
+        name.removeprefix("input."): tensor
+        for name, tensor in contents.golden.items()
+        if name.startswith("input.")
+    }
+    if set(inputs) != set(model.signature.input_names):
+        print("memory: the artifact holds no golden inputs to run")
+        return
+    model.prepare(inputs)
+    symbols = model.bind(inputs)
+    plan = plan_memory(model.graph, symbols, planner=model.memory_policy.planner)
+    measured = model.measure_memory(inputs)["measured_bytes"]
+    where = ", ".join(f"{k}={v}" for k, v in symbols.items()) or "static shapes"
+    print(f"memory at {where} ({model.memory_policy.planner} planner, {len(plan.sizes)} buffers):")
+    for line in memory_table(plan, measured):
+        print(line)
+    print("lifetimes:")
+    for line in lifetime_chart(model.graph, plan):
+        print(line)
 
 
 def print_kernels(files: dict[str, bytes]) -> None:

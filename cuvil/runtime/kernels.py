@@ -17,6 +17,9 @@ from cuvil.dtypes import LAYOUTS, MEMORY_FORMATS, torch_dtype
 from cuvil.ir import Enum
 
 Kernel = Callable[..., Any]
+# A kernel's native form: given the run-time arguments of one call, the calls a native plan loop
+# makes instead (the backend's own call types), or None where this call has no native form.
+NativeForm = Callable[[tuple[Any, ...]], Sequence[Any] | None]
 
 
 class KernelChoices(Protocol):
@@ -39,10 +42,12 @@ class KernelChoices(Protocol):
 @dataclass(frozen=True)
 class PreparedKernel:
     """What a fused op's factory returns: the function the plan calls with the run-time
-    arguments, and the per-shape choice it still makes (None for a kernel with one path)."""
+    arguments, the per-shape choice it still makes (None for a kernel with one path), and its
+    native form, where the backend runs plans in native code."""
 
     run: Kernel
     choices: KernelChoices | None = None
+    native: NativeForm | None = None  # what a backend's native plan loop may call instead
 
 
 @dataclass(frozen=True)

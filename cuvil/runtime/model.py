@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from cuvil.analysis.memory import MemoryPolicy, plan_memory
 from cuvil.artifact.files import ArtifactContents, read_artifact, write_artifact
 from cuvil.artifact.kernels_layer import unpack_kernels
 from cuvil.backends import Backend, backend_for
@@ -31,11 +32,20 @@ class CompiledModel:
         self.backend: Backend = backend_for(str(contents.config.get("target", "cpu")))
         self.device = self.backend.device
         self._binder = InputBinder(self.signature)
+        self._input_names = self.signature.input_names
+        self._output_names = self.signature.output_names
         factories = {
             **self.backend.kernels,
             **self.backend.load_kernels(unpack_kernels(contents.kernels)),
         }
-        self.plan = ExecutionPlan(contents.graph, contents.weights, self.device, factories)
+        self.memory_policy = MemoryPolicy.from_json(contents.config.get("memory_policy"))
+        self.plan = ExecutionPlan(
+            contents.graph,
+            contents.weights,
+            self.device,
+            factories,
+            in_place=self.memory_policy.in_place,
+        )
         self._output_spec = output_spec  # the model's own output structure, when known
         self.runner = self.backend.runner(self)
 
@@ -64,9 +74,18 @@ class CompiledModel:
     def memory_plan(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         """The arena plan for the intermediates at these inputs' shapes (bytes, vs the naive
         sum of every intermediate); the executor frees each value after its last use."""
-        from cuvil.analysis.memory import plan_memory
+        return plan_memory(
+            self.graph, self._binder.bind(inputs), planner=self.memory_policy.planner
+        ).summary()
 
-        return plan_memory(self.graph, self._binder.bind(inputs)).summary()
+    def measure_memory(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        """``memory_plan(inputs)`` with the peak activation bytes one call at these inputs
+        allocates (allocator events, analysis/memory_report.py), after one unmeasured call."""
+        from cuvil.analysis.memory_report import measure_peak_bytes
+
+        self.run(inputs)
+        measured = measure_peak_bytes(lambda: self.run(inputs))
+        return {**self.memory_plan(inputs), "measured_bytes": measured}
 
     def prepare(self, inputs: Mapping[str, torch.Tensor]) -> int:
         """Make the model ready to serve inputs of this shape, the backend's way (the CPU runs
@@ -91,8 +110,11 @@ class CompiledModel:
         moved = caller is not None and caller != self.device
         if moved:
             inputs = {name: tensor.to(self.device) for name, tensor in inputs.items()}
-        with torch.inference_mode():
+        if torch.is_inference_mode_enabled():  # the caller's own block: no second one
             outputs = self.runner.run(inputs, symbols)
+        else:
+            with torch.inference_mode():
+                outputs = self.runner.run(inputs, symbols)
         if moved:
             outputs = {
                 name: value.to(caller) if isinstance(value, torch.Tensor) else value
@@ -101,7 +123,7 @@ class CompiledModel:
         return outputs
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        names = self.signature.input_names
+        names = self._input_names
         if len(args) > len(names):
             raise InputError(f"{len(args)} positional inputs given, the model takes {list(names)}")
         inputs = dict(zip(names, args, strict=False))
@@ -110,7 +132,7 @@ class CompiledModel:
                 raise InputError(f"input {key!r} given twice")
             inputs[key] = value
         outputs = self.run(inputs)
-        flat = [outputs[name] for name in self.signature.output_names]
+        flat = [outputs[name] for name in self._output_names]
         if self._output_spec is not None:
             return pytree.tree_unflatten(flat, self._output_spec)
         return flat[0] if len(flat) == 1 else tuple(flat)

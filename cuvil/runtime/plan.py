@@ -22,6 +22,7 @@ from cuvil.runtime.kernels import (
     Kernel,
     KernelChoices,
     KernelFactory,
+    NativeForm,
     call_layout,
     decode_enum,
     resolve_kernel,
@@ -55,6 +56,12 @@ class Step:
     release: tuple[int, ...]  # slots whose last use is this step
     name: str
     choices: KernelChoices | None = None  # what the kernel still decides per shape
+    native: NativeForm | None = None  # a fused kernel's native form (runtime/kernels.py)
+    reads: tuple[int, ...] = ()  # every slot the step reads, fills and lists included
+
+
+# Sees a step's filled arguments and the slots just before the step runs.
+StepObserver = Callable[["Step", tuple[Any, ...], Mapping[str, Any], list[Any]], None]
 
 
 class PlanError(ValueError):
@@ -77,8 +84,11 @@ class ExecutionPlan:
         weights: Mapping[str, torch.Tensor],
         device: torch.device | str,
         factories: Mapping[str, KernelFactory],
+        *,
+        in_place: bool = True,
     ) -> None:
-        """``factories``: the backend's kernel factory for each fused op it implements."""
+        """``factories``: the backend's kernel factory for each fused op it implements;
+        ``in_place``: kernels may write over inputs nothing reads later (runtime/donation.py)."""
         self.graph = graph
         self.device = torch.device(device)
         self._kernels = PLAN_KERNELS
@@ -93,7 +103,7 @@ class ExecutionPlan:
         self._const_slots: set[int] = set()
         self._read_slots: set[int] = {slot for _, slot in self.output_slots}
         last_use = self._last_uses()
-        self._donated = donated_residuals(graph)
+        self.donated = donated_residuals(graph) if in_place else frozenset()
         self.steps: tuple[Step, ...] = tuple(
             self._step(node, last_use) for node in graph.nodes if not self._place(node, weights)
         )
@@ -174,7 +184,7 @@ class ExecutionPlan:
             constants,
             tuple(key for key, _ in runtime),
             sizes,
-            residual_donated=node.name in self._donated,
+            residual_donated=node.name in self.donated,
         )
         try:
             prepared = self._factories[node.op](call)
@@ -192,6 +202,8 @@ class ExecutionPlan:
             self._release(node, last_use),
             node.name,
             prepared.choices,
+            prepared.native,
+            self._reads(node),
         )
 
     def _outputs(self, node: Node) -> tuple[int, ...]:
@@ -250,7 +262,16 @@ class ExecutionPlan:
             self._outputs(node),
             self._release(node, last_use),
             node.name,
+            reads=self._reads(node),
         )
+
+    def _reads(self, node: Node) -> tuple[int, ...]:
+        return tuple(sorted({self._slot[value] for value in node.inputs}))
+
+    def runtime_slots(self) -> frozenset[int]:
+        """Slots whose values change from call to call: the inputs and what data steps make."""
+        made = {slot for step in self.data_steps for slot in step.outputs}
+        return frozenset(made | {slot for _, slot in self.input_slots})
 
     def _compile_arg(self, arg: Arg) -> tuple[Any, Filler | None]:
         """A literal ready to pass, or a filler when the argument depends on the call."""
@@ -276,8 +297,22 @@ class ExecutionPlan:
 
     # -- running
 
-    def run(self, inputs: Mapping[str, torch.Tensor], symbols: Mapping[str, int]) -> dict[str, Any]:
-        """Execute with inputs already checked by the signature; returns outputs by name."""
+    def run(
+        self,
+        inputs: Mapping[str, torch.Tensor],
+        symbols: Mapping[str, int],
+        observe: StepObserver | None = None,
+    ) -> dict[str, Any]:
+        """Execute with inputs already checked by the signature; returns outputs by name.
+        ``observe`` sees each data step's filled arguments before it runs (a native plan loop
+        records a shape's calls that way)."""
+        slots = self.start(inputs, symbols)
+        self.execute(self.data_steps, slots, symbols, observe)
+        return {name: slots[slot] for name, slot in self.output_slots}
+
+    def start(self, inputs: Mapping[str, torch.Tensor], symbols: Mapping[str, int]) -> list[Any]:
+        """The slots at the start of a call: constants, inputs, and this shape's shape-only
+        values (computed once per shape)."""
         slots = list(self.initial)
         for name, slot in self.input_slots:
             slots[slot] = inputs[name]
@@ -285,16 +320,20 @@ class ExecutionPlan:
             key = self.shape_cache.key(symbols)
             cached = self.shape_cache.get(key)
             if cached is None:
-                self._execute(self.shape_steps, slots, symbols)
+                self.execute(self.shape_steps, slots, symbols)
                 self.shape_cache.put(key, slots)
             else:
                 for slot, value in zip(self.shape_cache.kept_slots, cached, strict=True):
                     slots[slot] = value
-        self._execute(self.data_steps, slots, symbols)
-        return {name: slots[slot] for name, slot in self.output_slots}
+        return slots
 
     @staticmethod
-    def _execute(steps: Sequence[Step], slots: list[Any], symbols: Mapping[str, int]) -> None:
+    def execute(
+        steps: Sequence[Step],
+        slots: list[Any],
+        symbols: Mapping[str, int],
+        observe: StepObserver | None = None,
+    ) -> None:
         for step in steps:
             if step.slot_fills or step.computed_fills:
                 args = list(step.args)
@@ -306,9 +345,11 @@ class ExecutionPlan:
                         args[where] = fill(slots, symbols)
                     else:
                         kwargs = {**kwargs, where: fill(slots, symbols)}
-                result = step.kernel(*args, **kwargs)
             else:
-                result = step.kernel(*step.args, **step.kwargs)
+                args, kwargs = list(step.args), step.kwargs
+            if observe is not None:
+                observe(step, tuple(args), kwargs, slots)
+            result = step.kernel(*args, **kwargs)
             if len(step.outputs) == 1:
                 slots[step.outputs[0]] = result
             else:

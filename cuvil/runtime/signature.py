@@ -21,6 +21,8 @@ from cuvil.dtypes import NAME_TO_TORCH, TORCH_TO_NAME
 from cuvil.ir import Graph, Symbol, make_symbol
 from cuvil.shape_expr import parse_shape_expr
 
+MAX_ACCEPTED = 64  # distinct input dtypes and shapes whose binding is remembered
+
 
 class InputError(ValueError):
     """A call's inputs do not fit the model's signature (maps to INVALID_ARGUMENT when served)."""
@@ -131,8 +133,35 @@ class InputBinder:
                 (i, d) for i, d in enumerate(spec.shape) if not d.is_Integer and not d.is_Symbol
             ]
         self.roots = _roots_to_solve(self.symbolic, self.derived)
+        self._accepted: dict[tuple[Any, ...], dict[str, int]] = {}
 
     def bind(self, inputs: Mapping[str, Any]) -> dict[str, int]:
+        """The symbol values of checked inputs. The outcome depends only on each input's type,
+        dtype and shape, so inputs whose dtypes and shapes were accepted before are answered
+        from a small cache of those (the check of a tiny model's call costs more than its
+        arithmetic)."""
+        key = self._key(inputs)
+        if key is not None:
+            cached = self._accepted.get(key)
+            if cached is not None:
+                return dict(cached)
+        values = self._bind(inputs)
+        if key is not None and len(self._accepted) < MAX_ACCEPTED:
+            self._accepted[key] = dict(values)
+        return values
+
+    def _key(self, inputs: Mapping[str, Any]) -> tuple[Any, ...] | None:
+        if len(inputs) != len(self.names):
+            return None
+        try:
+            tensors = [inputs[name] for name in self.names]
+        except KeyError:
+            return None
+        if not all(type(t) is torch.Tensor for t in tensors):
+            return None
+        return tuple((t.dtype, t.shape) for t in tensors)
+
+    def _bind(self, inputs: Mapping[str, Any]) -> dict[str, int]:
         missing = [name for name in self.names if name not in inputs]
         unknown = [name for name in inputs if name not in self.dtypes]
         if missing or unknown:

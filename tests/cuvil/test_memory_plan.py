@@ -5,10 +5,21 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import cuvil
-from cuvil.analysis.memory import lifetimes, plan_memory
+from cuvil.analysis.memory import (
+    PLANNERS,
+    MemoryBudgetError,
+    MemoryPlan,
+    lifetimes,
+    place,
+    plan_memory,
+)
+from cuvil.ir import Value
 from cuvil.models import resnet18
 
 
@@ -60,3 +71,81 @@ def test_compiled_model_plans_memory_at_the_call_shape() -> None:
     assert list(small["at"].values()) == [1]
     assert 0 < small["arena_bytes"] <= small["naive_bytes"]
     assert large["arena_bytes"] > 32 * small["arena_bytes"] // 2
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 40), st.integers(0, 12), st.integers(1, 64).map(lambda n: n * 64)),
+        min_size=1,
+        max_size=40,
+    ),
+    st.sampled_from(PLANNERS),
+)
+def test_no_two_live_buffers_overlap_in_any_plan(
+    buffers: list[tuple[int, int, int]], planner: str
+) -> None:
+    spans = {
+        Value(f"v{i}"): (first, first + length) for i, (first, length, _) in enumerate(buffers)
+    }
+    sizes = {Value(f"v{i}"): size for i, (_, _, size) in enumerate(buffers)}
+    offsets = place(spans, sizes, planner)
+    plan = MemoryPlan({}, offsets, sizes, max(offsets[v] + sizes[v] for v in offsets), 0)
+    _check_no_overlap(plan, spans)
+    live_peak = max(
+        sum(sizes[v] for v, (first, last) in spans.items() if first <= step <= last)
+        for step in range(0, 53)
+    )
+    assert live_peak <= plan.arena_bytes <= sum(sizes.values())
+
+
+def test_a_plan_over_budget_fails_at_compile_time_with_the_numbers() -> None:
+    from cuvil.models import mlp
+
+    spec = mlp()
+    # batch up to 64: 64 x (512 + 256 + 10) floats, about 200 KB of activations
+    with pytest.raises(MemoryBudgetError, match=r"needs \d+ bytes .* at batch=64 .* of 100000"):
+        cuvil.jit(
+            spec.model,
+            spec.example_inputs,
+            dynamic_shapes=spec.dynamic_shapes,
+            memory=cuvil.MemoryPolicy(budget_bytes=100_000),
+        )
+    fits = cuvil.jit(
+        spec.model,
+        spec.example_inputs,
+        dynamic_shapes=spec.dynamic_shapes,
+        memory=cuvil.MemoryPolicy(planner="naive", budget_bytes=10_000_000),
+    )
+    summary = fits.report["memory_plan"]
+    assert summary["arena_bytes"] == summary["naive_bytes"]
+    assert fits.config["memory_policy"]["planner"] == "naive"
+
+
+def test_without_in_place_no_convolution_writes_over_its_residual() -> None:
+    spec = resnet18()
+    x = torch.randn(1, 3, 224, 224)
+    kept = cuvil.jit(
+        spec.model,
+        spec.example_inputs,
+        dynamic_shapes=spec.dynamic_shapes,
+        memory=cuvil.MemoryPolicy(in_place=False),
+    )
+    assert kept.memory_policy.in_place is False
+    assert kept.plan.donated == frozenset()
+    donating = cuvil.jit(spec.model, spec.example_inputs, dynamic_shapes=spec.dynamic_shapes)
+    assert donating.plan.donated  # the same model donates its residuals by default
+    with torch.inference_mode():
+        expected = spec.model(pixel_values=x).logits
+    torch.testing.assert_close(
+        kept.run({"pixel_values": x})["logits"], expected, atol=1e-3, rtol=1e-3
+    )
+
+
+def test_measured_peak_activation_memory_stays_within_the_plan() -> None:
+    spec = resnet18()
+    compiled = cuvil.jit(spec.model, spec.example_inputs, dynamic_shapes=spec.dynamic_shapes)
+    inputs = {"pixel_values": torch.randn(1, 3, 224, 224)}
+    compiled.prepare(inputs)
+    report = compiled.measure_memory(inputs)
+    assert 0 < report["measured_bytes"] <= 1.1 * report["arena_bytes"], report

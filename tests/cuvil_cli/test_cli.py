@@ -40,6 +40,20 @@ def test_inspect_shows_signature_histogram_and_ir(artifact: Path) -> None:
     assert "graph @small {" in result.stdout
 
 
+def test_inspect_memory_shows_planned_naive_measured_and_lifetimes(artifact: Path) -> None:
+    result = cuvil("inspect", str(artifact), "--memory")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    numbers = {}
+    for label in ("planned peak", "naive", "measured peak"):
+        line = next(x for x in lines if x.strip().startswith(label))
+        numbers[label] = int(line.split()[-2].replace(",", ""))
+    assert 0 < numbers["planned peak"] <= numbers["naive"]
+    assert 0 < numbers["measured peak"] <= 1.1 * numbers["planned peak"]
+    chart = lines[lines.index("lifetimes:") + 2 :]
+    assert chart and all(re.search(r"\|\s*#+\s*\|$", row) for row in chart if "%" in row)
+
+
 def test_inspect_draws_the_fused_graph(artifact: Path, tmp_path: Path) -> None:
     dot, svg = tmp_path / "g.dot", tmp_path / "g.svg"
     result = cuvil("inspect", str(artifact), "--dot", str(dot), "--svg", str(svg))

@@ -21,14 +21,15 @@ from cuvil.backends.cpu.dnnl import describe as describe_dnnl
 from cuvil.backends.cpu.kernels import CPU_KERNELS
 from cuvil.backends.cpu.linear_kernels import compute_precision
 from cuvil.backends.cpu.native import describe as describe_native
+from cuvil.backends.cpu.native_plan import NativePlanRunner
 from cuvil.backends.cpu.tactics import trial_length
 from cuvil.runtime.kernels import KernelFactory
+from cuvil.runtime.plan import PlanRunner
 from cuvil.targets import Target
 
 if TYPE_CHECKING:
     from cuvil.ir import Graph
     from cuvil.runtime.model import CompiledModel
-    from cuvil.runtime.plan import PlanRunner
 
 SETTLE_RUNS = trial_length(3) + 1  # up to three candidates
 
@@ -63,21 +64,26 @@ class CpuBackend:
         return {}
 
     def runner(self, model: CompiledModel) -> PlanRunner:
-        """The plan, running the kernel choices the artifact carries for this CPU family."""
+        """The plan run as native schedules once a shape is settled (native_plan.py),
+        running the kernel choices the artifact carries for this CPU family."""
         kernel_choices.take_carried(model)
-        return model.plan
+        return NativePlanRunner(model.plan)
 
     def prepare(self, model: CompiledModel, inputs: Mapping[str, torch.Tensor]) -> int:
         """Run these inputs until every kernel choice they meet is made: from then on, calls at
-        this shape give bit-identical results. Returns the runs made."""
-        before = model.plan.kernel_trials()
-        for runs in range(1, SETTLE_RUNS + 1):
-            model.run(inputs)
-            after = model.plan.kernel_trials()
-            if not any(before.get(key) != calls for key, calls in after.items()):
-                return runs  # no choice this shape meets is still open
-            before = after
-        return SETTLE_RUNS
+        this shape give bit-identical results, and run as native schedules where the plan loop
+        is built (one more run records them if the last choice was made on the last run).
+        Returns the runs made."""
+        runs = _settle(model, inputs)
+        runner = model.runner
+        if isinstance(runner, NativePlanRunner):
+            symbols = model.bind(inputs)
+            for _ in range(SETTLE_RUNS):  # a choice made on the last run: record a later one
+                if runner.has_shape(symbols):
+                    break
+                model.run(inputs)
+                runs += 1
+        return runs
 
     def choose_kernels(
         self, model: CompiledModel, inputs: Mapping[str, torch.Tensor]
@@ -102,4 +108,22 @@ class CpuBackend:
             "onednn": describe_dnnl(),
             "winograd": describe_native("winograd"),
             "rowwise": describe_native("rowwise"),
+            "plan_loop": _describe_runner(model.runner),
         }
+
+
+def _settle(model: CompiledModel, inputs: Mapping[str, torch.Tensor]) -> int:
+    before = model.plan.kernel_trials()
+    for runs in range(1, SETTLE_RUNS + 1):
+        model.run(inputs)
+        after = model.plan.kernel_trials()
+        if not any(before.get(key) != calls for key, calls in after.items()):
+            return runs  # no choice this shape meets is still open
+        before = after
+    return SETTLE_RUNS
+
+
+def _describe_runner(runner: PlanRunner) -> dict[str, Any]:
+    if isinstance(runner, NativePlanRunner):
+        return runner.describe()
+    return {"status": "Python plan"}

@@ -11,7 +11,9 @@ SwiGLU live in linear_kernels.py (two GEMM paths, chosen per shape).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +31,9 @@ from cuvil.backends.cpu.linear_kernels import (
     linear_kernel,
     swiglu_kernel,
 )
+from cuvil.backends.cpu.native_calls import chosen_path, kept_conv_call, kept_of, op
 from cuvil.backends.cpu.pointwise_conv import is_pointwise, with_gemm_tactic
+from cuvil.backends.cpu.tactics import Tactics, bucket
 from cuvil.backends.cpu.winograd import has_enough_tiles, is_winograd_shape, with_winograd_tactic
 from cuvil.runtime.kernels import FusedCall, KernelFactory, PreparedKernel
 
@@ -77,12 +81,32 @@ def _fp32_conv2d(
     else:
         onednn = _onednn_conv(call, weight, bias)
     if is_pointwise(weight, *geometry):
-        return with_gemm_tactic(onednn, weight, bias, activation, residual, donated)
-    stride, padding, dilation, groups = geometry
-    sizes = call.sizes.get("input") or ()
-    if is_winograd_shape(weight, stride, dilation, groups) and has_enough_tiles(sizes, padding):
-        return with_winograd_tactic(onednn, weight, bias, padding, activation, donated)
-    return PreparedKernel(onednn)
+        prepared = with_gemm_tactic(onednn, weight, bias, activation, residual, donated)
+    else:
+        stride, padding, dilation, groups = geometry
+        sizes = call.sizes.get("input") or ()
+        if is_winograd_shape(weight, stride, dilation, groups) and has_enough_tiles(sizes, padding):
+            prepared = with_winograd_tactic(onednn, weight, bias, padding, activation, donated)
+        else:
+            prepared = PreparedKernel(onednn)
+    return replace(prepared, native=_conv_form(prepared, onednn))
+
+
+def _conv_form(
+    prepared: PreparedKernel, onednn: Callable[..., torch.Tensor]
+) -> Callable[[tuple[Any, ...]], Sequence[Any] | None]:
+    """The native form: the kept convolution, where it is the path this batch bucket runs."""
+
+    def native(args: tuple[Any, ...]) -> Sequence[Any] | None:
+        x, residual = args[0], (args[1] if len(args) > 1 else None)
+        path: Callable[..., Any] | None = onednn
+        if isinstance(prepared.choices, Tactics):
+            chosen = chosen_path(prepared.choices, bucket(int(x.shape[0])))
+            path = chosen[1] if chosen is not None and chosen[0] == "onednn" else None
+        kept = kept_of(path) if path is not None else None
+        return kept_conv_call(kept, x, residual) if kept is not None else None
+
+    return native
 
 
 def _geometry(call: FusedCall) -> tuple[list[int], list[int], list[int], int]:
@@ -152,6 +176,7 @@ def attention_kernel(call: FusedCall) -> PreparedKernel:
     causal = bool(call.arg("causal", False))
     gqa = bool(call.arg("gqa", False))
     sdpa = F.scaled_dot_product_attention
+    sdpa_op = torch.ops.aten.scaled_dot_product_attention.default
     if call.is_runtime("mask"):
 
         def masked(
@@ -159,14 +184,22 @@ def attention_kernel(call: FusedCall) -> PreparedKernel:
         ) -> torch.Tensor:
             return sdpa(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
 
-        return PreparedKernel(masked)
+        return PreparedKernel(
+            masked,
+            native=lambda args: [op(sdpa_op, *args[:4], 0.0, causal, scale=scale, enable_gqa=gqa)],
+        )
 
     constant_mask = call.arg("mask")  # a mask baked into the model, or None
 
     def unmasked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return sdpa(q, k, v, attn_mask=constant_mask, is_causal=causal, scale=scale, enable_gqa=gqa)
 
-    return PreparedKernel(unmasked)
+    return PreparedKernel(
+        unmasked,
+        native=lambda args: [
+            op(sdpa_op, *args[:3], constant_mask, 0.0, causal, scale=scale, enable_gqa=gqa)
+        ],
+    )
 
 
 def layer_norm_kernel(call: FusedCall) -> PreparedKernel:
@@ -178,7 +211,11 @@ def layer_norm_kernel(call: FusedCall) -> PreparedKernel:
     def layer_norm(x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, shape or [x.shape[-1]], weight, bias, eps)
 
-    return PreparedKernel(layer_norm)
+    def native(args: tuple[Any, ...]) -> list[Any]:
+        x = args[0]
+        return [op(torch.ops.aten.layer_norm.default, x, shape or [x.shape[-1]], weight, bias, eps)]
+
+    return PreparedKernel(layer_norm, native=native)
 
 
 CPU_KERNELS: dict[str, KernelFactory] = {

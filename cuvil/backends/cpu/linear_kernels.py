@@ -30,6 +30,7 @@ from cuvil.backends.cpu.activations import INPLACE_ACTIVATIONS, ONEDNN_ACTIVATIO
 from cuvil.backends.cpu.direct_linear import DirectLinear
 from cuvil.backends.cpu.dnnl import load as load_dnnl
 from cuvil.backends.cpu.kept_primitives import KeptWithFallback
+from cuvil.backends.cpu.native_calls import linear_form, mkl_linear_form
 from cuvil.backends.cpu.split_gemm import SPLIT_MAX_ROWS, split_linear, split_parts
 from cuvil.backends.cpu.tactics import Tactics, bucket
 from cuvil.runtime.kernels import FusedCall, PreparedKernel
@@ -65,12 +66,16 @@ def linear_kernel(call: FusedCall) -> PreparedKernel:
     if compute_precision(weight.dtype) == "bf16":
         return PreparedKernel(_bf16_linear(weight, call.arg("bias"), activation, residual))
     weight, bias = weight.float(), _as_fp32(call.arg("bias"))
+    transposed = weight.t().contiguous()
     if residual:
-        candidates = _residual_candidates(weight, bias)
+        candidates = _residual_candidates(weight, transposed, bias)
     else:
-        candidates = _activation_candidates(weight, bias, activation)
+        candidates = _activation_candidates(weight, transposed, bias, activation)
     return _tactic_linear(
-        candidates, weight.shape[-1], _split_candidates(weight, bias, activation, residual)
+        candidates,
+        weight.shape[-1],
+        _split_candidates(weight, bias, activation, residual),
+        mkl_linear_form(transposed, bias, activation),
     )
 
 
@@ -88,9 +93,11 @@ def _tactic_linear(
     candidates: list[tuple[str, Callable[..., torch.Tensor]]],
     in_features: int,
     few_rows: list[tuple[str, Callable[..., torch.Tensor]]] | None = None,
+    mkl_form: Callable[[Any, Any], list[Any]] | None = None,
 ) -> PreparedKernel:
     """Flatten leading dims to rows, let the tactics pick the GEMM path per row bucket
-    (``few_rows`` candidates join in for buckets up to SPLIT_MAX_ROWS rows)."""
+    (``few_rows`` candidates join in for buckets up to SPLIT_MAX_ROWS rows). ``mkl_form``: the
+    MKL path as native calls (native_calls.py), for the native plan loop."""
     tactics = Tactics(candidates, few_rows or (), SPLIT_MAX_ROWS)
     decided: dict[int, Callable[..., torch.Tensor]] = {}  # 2-D calls: rows -> chosen path
 
@@ -108,13 +115,13 @@ def _tactic_linear(
             decided[x.shape[0]] = tactics.chosen[key][1]
         return y.view(*lead, y.shape[-1])
 
-    return PreparedKernel(linear, tactics)
+    native = linear_form(tactics, in_features, mkl_form) if mkl_form is not None else None
+    return PreparedKernel(linear, tactics, native)
 
 
 def _activation_candidates(
-    weight: torch.Tensor, bias: torch.Tensor | None, activation: str
+    weight: torch.Tensor, transposed: torch.Tensor, bias: torch.Tensor | None, activation: str
 ) -> list[tuple[str, Callable[..., torch.Tensor]]]:
-    transposed = weight.t().contiguous()
     activate = INPLACE_ACTIVATIONS[activation]
 
     def mkl(x: torch.Tensor) -> torch.Tensor:
@@ -149,9 +156,8 @@ def _onednn_path(
 
 
 def _residual_candidates(
-    weight: torch.Tensor, bias: torch.Tensor | None
+    weight: torch.Tensor, transposed: torch.Tensor, bias: torch.Tensor | None
 ) -> list[tuple[str, Callable[..., torch.Tensor]]]:
-    transposed = weight.t().contiguous()
 
     def mkl(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         # residual + bias into a fresh buffer, then the GEMM accumulates into it (beta = 1)
@@ -204,7 +210,8 @@ def swiglu_kernel(call: FusedCall) -> PreparedKernel:
     if compute_precision(weight.dtype) == "bf16":
         gemm = PreparedKernel(_bf16_linear(weight, None, "none", residual=False))
     else:
-        candidates = _activation_candidates(weight.float(), None, "none")
+        weight = weight.float()
+        candidates = _activation_candidates(weight, weight.t().contiguous(), None, "none")
         gemm = _tactic_linear(candidates, weight.shape[-1])
     project = gemm.run
 

@@ -1,0 +1,159 @@
+"""What the CPU's native plan loop calls in place of a fused kernel: the kernels' native forms.
+
+A native form (``PreparedKernel.native``) is asked, with one recorded call's run-time
+arguments, what the native loop should do instead of calling the Python kernel at that shape.
+It answers with a few calls, or None where its path has no native form (a tactic still timing
+its candidates, a path that lives in Python such as the split GEMM or Winograd):
+
+    OpCall    a dispatcher operator (ATen's, oneDNN's ``mkldnn`` ops) on the call's arguments,
+              constants (weights) and ``Result(i)``, the value call ``i`` of the same form made
+    KeptCall  one of the oneDNN primitives kept by kept_primitives.py, executed on its handles
+
+The last call's value is the kernel's result. Only tensors the call received, ``Result``s and
+constants the kernel holds may appear: native_plan.py binds the first to slots by identity and
+refuses any other tensor rather than bake a run-time value in as a constant.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from cuvil.backends.cpu.kept_primitives import KeptPrimitives, KeptWithFallback
+from cuvil.backends.cpu.tactics import Tactics, bucket
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class Result:
+    """The value an earlier call of the same native form made."""
+
+    index: int
+
+
+@dataclass(frozen=True)
+class OpCall:
+    op: torch._ops.OpOverload
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class KeptCall:
+    """A kept primitive on ``source`` (viewed as ``rows`` for a linear) and an optional residual;
+    the result is viewed as ``result_shape`` (empty: as the primitive writes it)."""
+
+    kept: KeptPrimitives
+    source: Any
+    residual: Any
+    source_shape: tuple[int, ...]
+    result_shape: tuple[int, ...]
+    channels_last: bool
+
+
+def op(overload: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> OpCall:
+    return OpCall(overload, args, kwargs)
+
+
+# activation name -> the in-place op applied to a fresh GEMM result (activations.py's table)
+INPLACE_OPS: dict[str, Callable[[Any], OpCall]] = {
+    "relu": lambda y: op(aten.relu_.default, y),
+    "gelu": lambda y: op(aten.gelu_.default, y),
+    "gelu_tanh": lambda y: op(aten.gelu_.default, y, approximate="tanh"),
+    "silu": lambda y: op(aten.silu_.default, y),
+    "hardswish": lambda y: op(aten.hardswish_.default, y),
+    "relu6": lambda y: op(aten.hardtanh_.default, y, 0.0, 6.0),
+    "tanh": lambda y: op(aten.tanh_.default, y),
+    "sigmoid": lambda y: op(aten.sigmoid_.default, y),
+}
+
+
+def chosen_path(tactics: Tactics, key: int) -> tuple[str, Callable[..., Any]] | None:
+    """The candidate a decided bucket runs, or None while it still times them."""
+    return tactics.chosen.get(key)
+
+
+def kept_of(path: Callable[..., Any]) -> KeptPrimitives | None:
+    """The kept primitives behind a ``KeptWithFallback.run`` path, if that is what it is."""
+    owner = getattr(path, "__self__", None)
+    return owner.kept if isinstance(owner, KeptWithFallback) else None
+
+
+def kept_conv_call(
+    kept: KeptPrimitives, x: torch.Tensor, residual: torch.Tensor | None
+) -> list[Any] | None:
+    """A kept convolution on ``x`` (and a residual of the output's shape), channels-last."""
+    shape = tuple(int(size) for size in x.shape)
+    if not kept.can_run(shape):
+        return None
+    primitive = kept.prepare(shape)
+    if residual is not None and tuple(residual.shape) != primitive.output_shape:
+        return None  # a broadcast residual: the Python kernel's ATen fallback
+    return [KeptCall(kept, x, residual, shape, (), channels_last=True)]
+
+
+def linear_form(
+    tactics: Tactics,
+    in_features: int,
+    mkl_form: Callable[[Any, Any], list[Any]],
+) -> Callable[[tuple[Any, ...]], Sequence[Any] | None]:
+    """``cuvil.linear``'s native form: the decided path of its row bucket, oneDNN's kept inner
+    product or MKL's ``addmm`` (``mkl_form(rows, residual_rows)``); None for the others."""
+
+    def native(args: tuple[Any, ...]) -> Sequence[Any] | None:
+        x, residual = args[0], (args[1] if len(args) > 1 else None)
+        lead = tuple(int(size) for size in x.shape[:-1])
+        rows = 1
+        for size in lead:
+            rows *= size
+        chosen = chosen_path(tactics, bucket(rows))
+        if chosen is None:
+            return None
+        name, path = chosen
+        kept = kept_of(path)
+        if name == "onednn" and kept is not None and kept.can_run((rows, in_features)):
+            out_features = kept.prepare((rows, in_features)).output_shape[-1]
+            return [KeptCall(kept, x, residual, (rows, in_features), (*lead, out_features), False)]
+        if name != "mkl":
+            return None
+        calls: list[Any] = [op(aten.reshape.default, x, [rows, in_features])]
+        if residual is not None:
+            calls.append(op(aten.reshape.default, residual, [rows, -1]))
+        calls += mkl_form(Result(0), Result(1) if residual is not None else None)
+        calls.append(op(aten.reshape.default, Result(len(calls) - 1), [*lead, -1]))
+        return calls
+
+    return native
+
+
+def mkl_linear_form(
+    transposed: torch.Tensor, bias: torch.Tensor | None, activation: str
+) -> Callable[[Any, Any], list[Any]]:
+    """MKL's path as calls on ``rows`` (``Result`` 0) and residual rows (``Result`` 1): the
+    GEMM with the bias, then the activation in place; or residual + bias accumulated into."""
+
+    def form(rows: Any, residual: Any) -> list[Any]:
+        if residual is not None:
+            start = op(aten.add.Tensor, residual, bias) if bias is not None else None
+            start = start or op(aten.clone.default, residual)
+            return [start, op(aten.addmm_.default, Result(2), rows, transposed)]
+        if bias is not None:
+            gemm = op(aten.addmm.default, bias, rows, transposed)
+        else:
+            gemm = op(aten.mm.default, rows, transposed)
+        if activation == "none":
+            return [gemm]
+        return [gemm, INPLACE_OPS[activation](Result(1))]
+
+    return form
+
+
+def single_op_form(
+    build: Callable[[tuple[Any, ...]], OpCall],
+) -> Callable[[tuple[Any, ...]], Sequence[Any] | None]:
+    """A kernel that is one dispatcher call (layer norm, attention)."""
+    return lambda args: [build(args)]

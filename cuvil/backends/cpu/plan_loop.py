@@ -1,0 +1,112 @@
+"""The native plan loop's library (native/plan_loop.cc): built on first use, loaded into torch.
+
+It is C++ against torch's own headers and libraries (a TorchScript custom class and op, no
+Python binding code, so it builds in seconds of compiler time), compiled once per torch version
+and source into the native cache (runtime/native_build.py) and loaded with
+``torch.ops.load_library``. It holds no vector code, so one build serves every x86 CPU: no
+``-march``. Where no C++ compiler exists, the build fails, or ``CUVIL_NATIVE_PLAN=off``,
+``load()`` returns None and ``reason()`` says why; models then run the Python plan.
+
+The kept oneDNN primitives are executed through libdnnl's C functions, whose addresses are
+handed to the library once (libdnnl is loaded by ctypes, local to it); each primitive step
+carries its own engine.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from cuvil.backends.cpu.dnnl import load as load_dnnl
+from cuvil.runtime.native_build import NativeError, cache_dir, compile_into
+
+SOURCE = Path(__file__).parent / "native" / "plan_loop.cc"
+FLAGS = ("-O2", "-std=c++17", "-fPIC", "-shared", "-w")
+_failure: list[str] = []
+_loaded: list[Path] = []  # a process registers the library's ops once: a second one would abort
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "c++", "g++"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _torch_flags() -> list[str]:
+    root = Path(torch.__file__).parent
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    return [
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        f"-I{root / 'include'}",
+        f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
+    ]
+
+
+def _link_flags() -> list[str]:
+    lib = Path(torch.__file__).parent / "lib"
+    return [f"-L{lib}", "-lc10", "-ltorch_cpu", "-ltorch", f"-Wl,-rpath,{lib}"]
+
+
+def build() -> Path:
+    """The library in the native cache, compiled there unless already present."""
+    flags = (*FLAGS, *_torch_flags())
+    digest = hashlib.sha256(
+        b"\0".join([SOURCE.read_bytes(), " ".join(flags).encode(), torch.__version__.encode()])
+    ).hexdigest()[:16]
+    target = cache_dir() / f"plan_loop-{digest}.so"
+    if target.exists():
+        return target
+    compiler = _compiler()
+    if compiler is None:
+        raise NativeError("no C++ compiler (c++ or g++) on PATH")
+    compile_into(
+        target, lambda built: [compiler, *flags, str(SOURCE), "-o", str(built), *_link_flags()]
+    )
+    return target
+
+
+@functools.cache
+def load() -> bool:
+    """Whether ``torch.ops.cuvil_native`` is there (built and loaded now if need be)."""
+    if os.environ.get("CUVIL_NATIVE_PLAN", "on") == "off":
+        _failure.append("switched off (CUVIL_NATIVE_PLAN=off)")
+        return False
+    try:
+        path = build()
+        if not _loaded:
+            torch.ops.load_library(str(path))
+            _loaded.append(path)
+    except (NativeError, OSError, RuntimeError) as error:
+        _failure.append(str(error))
+        return False
+    _give_dnnl()
+    return True
+
+
+def _give_dnnl() -> None:
+    dnnl = load_dnnl()
+    if dnnl is None:
+        return
+    names = (
+        "dnnl_memory_create",
+        "dnnl_memory_set_data_handle",
+        "dnnl_primitive_execute",
+        "dnnl_stream_create",
+        "dnnl_memory_destroy",
+    )
+    addresses = [
+        int(ctypes.cast(getattr(dnnl.lib, name), ctypes.c_void_p).value or 0) for name in names
+    ]
+    torch.ops.cuvil_native.set_dnnl(addresses)
+
+
+def reason() -> str | None:
+    """Why ``load()`` returned False, if it did."""
+    return _failure[-1] if _failure else None

@@ -1,0 +1,127 @@
+"""The native plan loop: settled shapes run as C++ schedules and still match eager PyTorch and
+the Python plan; steps without a native form stay Python calls between schedules; without the
+library the Python plan runs and says why."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import cuvil
+from cuvil.backends.cpu import plan_loop
+from cuvil.models import mlp, tiny_llama
+from cuvil.runtime.model import CompiledModel
+
+
+@pytest.fixture(scope="module")
+def compiled_mlp() -> CompiledModel:
+    spec = mlp()
+    return cuvil.jit(spec.model, spec.example_inputs, dynamic_shapes=spec.dynamic_shapes)
+
+
+def _shapes(model: CompiledModel) -> dict[str, dict]:
+    described = model.execution()["plan_loop"]
+    assert described["status"] == "native schedules per settled shape", described
+    return described["shapes"]
+
+
+@pytest.mark.parametrize("batch", [1, 5])
+def test_a_settled_mlp_runs_as_one_schedule_and_matches_eager(
+    compiled_mlp: CompiledModel, batch: int
+) -> None:
+    model = mlp().model
+    x = torch.randn(batch, 784)
+    compiled_mlp.prepare({"x": x})
+    shapes = _shapes(compiled_mlp)
+    entry = next(summary for key, summary in shapes.items() if key.startswith(f"batch={batch} "))
+    assert entry["whole_plan_native"] and entry["python_steps"] == []
+    with torch.inference_mode():
+        expected = model(x)
+        reference = compiled_mlp.plan.run({"x": x}, {"batch": batch})["output"]
+    for _ in range(2):
+        y = torch.randn(batch, 784)  # new data at the settled shape: not what was recorded
+        with torch.inference_mode():
+            torch.testing.assert_close(compiled_mlp(y), model(y), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(compiled_mlp(x), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(compiled_mlp(x), reference, atol=1e-6, rtol=1e-6)
+
+
+def test_steps_without_a_native_form_run_between_schedules() -> None:
+    spec = tiny_llama()
+    compiled = cuvil.jit(spec.model, spec.example_inputs, dynamic_shapes=spec.dynamic_shapes)
+    ids = torch.randint(0, 2048, (1, 24), generator=torch.Generator().manual_seed(1))
+    compiled.prepare({"input_ids": ids})
+    (entry,) = _shapes(compiled).values()
+    python = entry["python_steps"]
+    assert python and entry["native_steps"] > len(python) and entry["schedules"] >= 2
+    assert not entry["whole_plan_native"]
+    ops = {node.name: node.op for node in compiled.graph.nodes}
+    assert {ops[name] for name in python} <= {"cuvil.rms_norm", "cuvil.rope", "cuvil.swiglu"}
+    with torch.inference_mode():
+        expected = spec.model(ids).logits
+    for _ in range(2):
+        torch.testing.assert_close(
+            compiled.run({"input_ids": ids})["logits"], expected, atol=2e-4, rtol=2e-4
+        )
+
+
+@pytest.fixture
+def slow_switches() -> Iterator[None]:
+    """A thread holding the GIL keeps it: another runs only where the GIL is released."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(100.0)
+    yield
+    sys.setswitchinterval(interval)
+
+
+def test_a_native_call_lets_other_python_threads_run(
+    compiled_mlp: CompiledModel, slow_switches: None
+) -> None:
+    x = torch.randn(64, 784)
+    compiled_mlp.prepare({"x": x})
+    assert _shapes(compiled_mlp)  # settled, so the calls below are native
+    ticks = [0]
+    stop = threading.Event()
+
+    def tick() -> None:
+        while not stop.is_set():
+            ticks[0] += 1
+            stop.wait(0.0005)  # waits without the GIL, then needs it back to count
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    try:
+        before = ticks[0]
+        for _ in range(30):
+            compiled_mlp(x)
+        during = ticks[0] - before
+    finally:
+        stop.set()
+        ticker.join()
+    assert during > 0
+
+
+def test_without_the_library_the_python_plan_runs_and_says_why(
+    compiled_mlp: CompiledModel, monkeypatch: pytest.MonkeyPatch, tmp_path: object
+) -> None:
+    spec = mlp()
+    monkeypatch.setenv("CUVIL_NATIVE_CACHE", str(tmp_path))  # nothing built there
+    monkeypatch.setenv("PATH", str(tmp_path))  # and no compiler to build it
+    monkeypatch.delenv("CXX", raising=False)
+    plan_loop.load.cache_clear()
+    try:
+        fresh = cuvil.load(compiled_mlp.save(f"{tmp_path}/mlp.cuvil"))
+        x = torch.randn(3, 784)
+        fresh.prepare({"x": x})
+        status = fresh.execution()["plan_loop"]["status"]
+        assert status == "Python plan: no C++ compiler (c++ or g++) on PATH"
+        with torch.inference_mode():
+            torch.testing.assert_close(fresh(x), spec.model(x), atol=1e-5, rtol=1e-5)
+    finally:
+        monkeypatch.undo()
+        plan_loop.load.cache_clear()
+    assert plan_loop.load()
