@@ -37,15 +37,16 @@ import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # the config imports this module before torch may load (main.set_omp_spin)
+    import torch
 
 log = logging.getLogger("cuvil_sidecar.measurement")
 
 MEASUREMENT_ANNOTATION = "cuvil.dev/measurement"
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
-Run = Callable[[Mapping[str, torch.Tensor]], Mapping[str, torch.Tensor]]
+Run = Callable[[Mapping[str, "torch.Tensor"]], Mapping[str, "torch.Tensor"]]
 
 
 @dataclass(frozen=True)

@@ -196,7 +196,7 @@ def test_prepare_makes_the_choices_a_shape_meets_then_results_are_bit_stable() -
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
     rows = cuvil.Dim("rows", min=1, max=64)
     example = torch.randn(4, 32)
-    compiled = cuvil.jit(model.eval(), (example,), dynamic_shapes=({0: rows},))
+    compiled = cuvil.jit(model.eval(), (example,), dynamic_shapes=({0: rows},), choose_kernels=True)
     assert compiled.prepare({"input": example}) == 1  # the compiler made the example's choices
     x = torch.randn(16, 32)  # a bucket the example did not reach
     runs = compiled.prepare({"input": x})
