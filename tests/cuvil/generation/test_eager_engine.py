@@ -5,30 +5,21 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedModel
+from transformers import GPT2LMHeadModel, LlamaForCausalLM, PreTrainedModel
 
 from cuvil.generation.eager_engine import EagerDecoderEngine
 from cuvil.generation.sampling import SamplingParams, next_token
+from tests.cuvil.generation import families
 
 
 def tiny_llama() -> LlamaForCausalLM:
     torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=172,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-        max_position_embeddings=128,
-    )
-    return LlamaForCausalLM(config).eval()
+    return families.llama().eval()
 
 
 def tiny_gpt2() -> GPT2LMHeadModel:
     torch.manual_seed(0)
-    config = GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=128)
-    return GPT2LMHeadModel(config).eval()
+    return families.gpt2().eval()
 
 
 def run_alone(
