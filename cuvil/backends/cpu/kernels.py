@@ -161,12 +161,29 @@ def _onednn_conv(
 def rms_norm_kernel(call: FusedCall) -> PreparedKernel:
     """``cuvil.rms_norm(input, weight, eps)``: one native pass (rowwise.py)."""
     call.check_runtime(("input",))
-    return PreparedKernel(rowwise.rms_norm(call.arg("weight"), float(call.arg("eps"))))
+    weight, eps = call.arg("weight"), float(call.arg("eps"))
+    run = rowwise.rms_norm(weight, eps)
+    kernel = rowwise.address("cuvil_rms_norm")
+    if kernel is None or weight.dtype != torch.float32:
+        return PreparedKernel(run)
+    weight = weight.contiguous()
+
+    def native(args: tuple[Any, ...]) -> list[Any]:
+        return [op(torch.ops.cuvil_native.rms_norm.default, kernel, args[0], weight, eps)]
+
+    return PreparedKernel(run, native=native)
 
 
 def rope_kernel(call: FusedCall) -> PreparedKernel:
     """``cuvil.rope(input, cos, sin)``: x * cos + rotate_half(x) * sin, one native pass."""
-    return PreparedKernel(rowwise.rope())
+    kernel = rowwise.address("cuvil_rope")
+    if kernel is None:
+        return PreparedKernel(rowwise.rope())
+
+    def native(args: tuple[Any, ...]) -> list[Any]:
+        return [op(torch.ops.cuvil_native.rope.default, kernel, *args[:3])]
+
+    return PreparedKernel(rowwise.rope(), native=native)
 
 
 def attention_kernel(call: FusedCall) -> PreparedKernel:

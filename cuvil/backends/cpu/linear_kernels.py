@@ -30,7 +30,12 @@ from cuvil.backends.cpu.activations import INPLACE_ACTIVATIONS, ONEDNN_ACTIVATIO
 from cuvil.backends.cpu.direct_linear import DirectLinear
 from cuvil.backends.cpu.dnnl import load as load_dnnl
 from cuvil.backends.cpu.kept_primitives import KeptWithFallback
-from cuvil.backends.cpu.native_calls import linear_form, mkl_linear_form
+from cuvil.backends.cpu.native_calls import (
+    bf16_linear_form,
+    gated_form,
+    linear_form,
+    mkl_linear_form,
+)
 from cuvil.backends.cpu.split_gemm import SPLIT_MAX_ROWS, split_linear, split_parts
 from cuvil.backends.cpu.tactics import Tactics, bucket
 from cuvil.runtime.kernels import FusedCall, PreparedKernel
@@ -64,7 +69,7 @@ def linear_kernel(call: FusedCall) -> PreparedKernel:
         raise ValueError("cuvil.linear fuses an activation or a residual add, not both")
     weight: torch.Tensor = call.arg("weight")
     if compute_precision(weight.dtype) == "bf16":
-        return PreparedKernel(_bf16_linear(weight, call.arg("bias"), activation, residual))
+        return _bf16_linear(weight, call.arg("bias"), activation, residual)
     weight, bias = weight.float(), _as_fp32(call.arg("bias"))
     transposed = weight.t().contiguous()
     if residual:
@@ -179,18 +184,19 @@ def _residual_candidates(
 
 def _bf16_linear(
     weight: torch.Tensor, bias: torch.Tensor | None, activation: str, residual: bool
-) -> Callable[..., Any]:
+) -> PreparedKernel:
     """oneDNN bf16 with fp32 at the op's borders (inputs cast in, result cast out)."""
     attr, scalars, algorithm = ONEDNN_ACTIVATIONS[activation]
     packed = mkldnn._reorder_linear_weight(weight, None)
     low_bias = bias.to(torch.bfloat16) if bias is not None else None
+    native = bf16_linear_form(packed, low_bias, (attr, scalars, algorithm), residual)
     if residual:
 
         def linear_add(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
             y = mkldnn._linear_pointwise(x.to(torch.bfloat16), packed, low_bias, "none", [], "")
             return y.float() + residual
 
-        return linear_add
+        return PreparedKernel(linear_add, native=native)
 
     def linear(x: torch.Tensor) -> torch.Tensor:
         y = mkldnn._linear_pointwise(
@@ -198,7 +204,7 @@ def _bf16_linear(
         )
         return y.float()
 
-    return linear
+    return PreparedKernel(linear, native=native)
 
 
 def swiglu_kernel(call: FusedCall) -> PreparedKernel:
@@ -208,15 +214,18 @@ def swiglu_kernel(call: FusedCall) -> PreparedKernel:
     hidden = int(call.arg("hidden"))
     weight: torch.Tensor = call.arg("gate_up_weight")
     if compute_precision(weight.dtype) == "bf16":
-        gemm = PreparedKernel(_bf16_linear(weight, None, "none", residual=False))
+        gemm = _bf16_linear(weight, None, "none", residual=False)
     else:
         weight = weight.float()
-        candidates = _activation_candidates(weight, weight.t().contiguous(), None, "none")
-        gemm = _tactic_linear(candidates, weight.shape[-1])
+        transposed = weight.t().contiguous()
+        candidates = _activation_candidates(weight, transposed, None, "none")
+        gemm = _tactic_linear(
+            candidates, weight.shape[-1], mkl_form=mkl_linear_form(transposed, None, "none")
+        )
     project = gemm.run
 
     def swiglu(x: torch.Tensor) -> torch.Tensor:
         gate, up = project(x).split(hidden, dim=-1)
         return F.silu(gate).mul_(up)
 
-    return PreparedKernel(swiglu, gemm.choices)
+    return PreparedKernel(swiglu, gemm.choices, gated_form(gemm.native, hidden))

@@ -26,6 +26,7 @@ from cuvil.backends.cpu.kept_primitives import KeptPrimitives, KeptWithFallback
 from cuvil.backends.cpu.tactics import Tactics, bucket
 
 aten = torch.ops.aten
+mkldnn = torch.ops.mkldnn
 
 
 @dataclass(frozen=True)
@@ -157,3 +158,44 @@ def single_op_form(
 ) -> Callable[[tuple[Any, ...]], Sequence[Any] | None]:
     """A kernel that is one dispatcher call (layer norm, attention)."""
     return lambda args: [build(args)]
+
+
+def bf16_linear_form(
+    packed: torch.Tensor,
+    low_bias: torch.Tensor | None,
+    post_op: tuple[str, list[Any], str],
+    residual: bool,
+) -> Callable[[tuple[Any, ...]], Sequence[Any] | None]:
+    """A bf16 linear's native form: the input cast to bf16, oneDNN's inner product with the
+    activation as its post-op, the result cast back (and the residual added in fp32)."""
+    attr, scalars, algorithm = ("none", [], "") if residual else post_op
+
+    def native(args: tuple[Any, ...]) -> Sequence[Any] | None:
+        calls = [
+            op(aten.to.dtype, args[0], torch.bfloat16),
+            op(mkldnn._linear_pointwise.default, Result(0), packed, low_bias, attr, scalars,
+               algorithm),  # fmt: skip
+            op(aten.to.dtype, Result(1), torch.float32),
+        ]
+        if residual:
+            calls.append(op(aten.add.Tensor, Result(2), args[1]))
+        return calls
+
+    return native
+
+
+def gated_form(
+    gemm: Callable[[tuple[Any, ...]], Sequence[Any] | None] | None, hidden: int
+) -> Callable[[tuple[Any, ...]], Sequence[Any] | None] | None:
+    """``cuvil.swiglu``'s native form: its packed GEMM's form, then silu(gate) * up."""
+    if gemm is None:
+        return None
+
+    def native(args: tuple[Any, ...]) -> Sequence[Any] | None:
+        calls = gemm(args)
+        if calls is None:
+            return None
+        gate = torch.ops.cuvil_native.silu_mul.default
+        return [*calls, op(gate, Result(len(calls) - 1), hidden)]
+
+    return native

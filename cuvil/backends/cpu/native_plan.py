@@ -475,6 +475,8 @@ def _add_argument(schedule: Any, kind: str, value: Any) -> None:
             schedule.arg_ints([int(item) for item in value])
         elif kind == "List[float]":
             schedule.arg_floats([float(item) for item in value])
+        elif kind == "List[Optional[number]]" and all(item is not None for item in value):
+            schedule.arg_scalars([float(item) for item in value])
         else:
             raise NotNative
     elif kind == "Tensor" and isinstance(value, (bool, int, float)):

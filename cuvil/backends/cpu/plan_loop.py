@@ -1,4 +1,5 @@
-"""The native plan loop's library (native/plan_loop.cc): built on first use, loaded into torch.
+"""The native plan loop's library (native/plan_loop.cc, with Cuvil's kernels as dispatcher ops
+from native/kernel_ops.cc): built on first use, loaded into torch.
 
 It is C++ against torch's own headers and libraries (a TorchScript custom class and op, no
 Python binding code, so it builds in seconds of compiler time), compiled once per torch version
@@ -26,7 +27,7 @@ import torch
 from cuvil.backends.cpu.dnnl import load as load_dnnl
 from cuvil.runtime.native_build import NativeError, cache_dir, compile_into
 
-SOURCE = Path(__file__).parent / "native" / "plan_loop.cc"
+SOURCES = tuple(Path(__file__).parent / "native" / name for name in ("plan_loop.cc", "kernel_ops.cc"))
 FLAGS = ("-O2", "-std=c++17", "-fPIC", "-shared", "-w")
 _failure: list[str] = []
 _loaded: list[Path] = []  # a process registers the library's ops once: a second one would abort
@@ -58,7 +59,10 @@ def build() -> Path:
     """The library in the native cache, compiled there unless already present."""
     flags = (*FLAGS, *_torch_flags())
     digest = hashlib.sha256(
-        b"\0".join([SOURCE.read_bytes(), " ".join(flags).encode(), torch.__version__.encode()])
+        b"\0".join(
+            [*(source.read_bytes() for source in SOURCES), " ".join(flags).encode()]
+            + [torch.__version__.encode()]
+        )
     ).hexdigest()[:16]
     target = cache_dir() / f"plan_loop-{digest}.so"
     if target.exists():
@@ -67,7 +71,7 @@ def build() -> Path:
     if compiler is None:
         raise NativeError("no C++ compiler (c++ or g++) on PATH")
     compile_into(
-        target, lambda built: [compiler, *flags, str(SOURCE), "-o", str(built), *_link_flags()]
+        target, lambda built: [compiler, *flags, *map(str, SOURCES), "-o", str(built), *_link_flags()]
     )
     return target
 

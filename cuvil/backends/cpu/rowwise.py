@@ -45,6 +45,15 @@ def is_native_available() -> bool:
     return _library() is not None
 
 
+def address(name: str) -> int | None:
+    """The address of the library's function ``name``, for the native plan loop's ops
+    (native/kernel_ops.cc), or None where the library is not offered."""
+    library = _library()
+    if library is None:
+        return None
+    return int(ctypes.cast(getattr(library, name), ctypes.c_void_p).value or 0)
+
+
 def _fits(*tensors: torch.Tensor) -> bool:
     return all(t.dtype is torch.float32 and t.is_cpu and t.stride(-1) == 1 for t in tensors)
 

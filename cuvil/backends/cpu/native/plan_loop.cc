@@ -145,6 +145,12 @@ struct Schedule : torch::CustomClassHolder {
   void arg(IValue value) { last().args.push_back(std::move(value)); }
   void arg_ints(std::vector<int64_t> values) { arg(values); }
   void arg_floats(std::vector<double> values) { arg(values); }
+  // a Scalar?[] argument (oneDNN's post-op scalars)
+  void arg_scalars(std::vector<double> values) {
+    c10::List<std::optional<c10::Scalar>> items;
+    for (double value : values) items.push_back(c10::Scalar(value));
+    arg(items);
+  }
   void arg_dtype(c10::ScalarType value) { arg(value); }
   void arg_memory_format(c10::MemoryFormat value) { arg(value); }
   void arg_layout(c10::Layout value) { arg(value); }
@@ -292,6 +298,7 @@ TORCH_LIBRARY(cuvil_native, m) {
       .def("arg", &Schedule::arg)
       .def("arg_ints", &Schedule::arg_ints)
       .def("arg_floats", &Schedule::arg_floats)
+      .def("arg_scalars", &Schedule::arg_scalars)
       .def("arg_dtype", &Schedule::arg_dtype)
       .def("arg_memory_format", &Schedule::arg_memory_format)
       .def("arg_layout", &Schedule::arg_layout)

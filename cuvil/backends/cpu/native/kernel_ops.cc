@@ -1,0 +1,226 @@
+// Cuvil's own kernels as dispatcher ops, so the native plan loop (plan_loop.cc) calls them like
+// any ATen op: the C kernels of rowwise.c and winograd.c (each built for this CPU and loaded by
+// ctypes; the op is handed the function's address), SwiGLU's gating, and the KV-cache ops of
+// decoder generation (cuvil/backends/kv_cache.py's ATen calls, here without Python between).
+//
+// Each op takes what its Python kernel takes and answers as it does, falling back to the same
+// ATen computation for inputs its C kernel does not take (not fp32, last dim not contiguous).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/core/InferenceMode.h>
+#include <torch/library.h>
+
+#include <algorithm>
+
+namespace {
+
+using RmsNorm = void (*)(const float *, int64_t, int64_t, int64_t, const float *, float, float *,
+                         int);
+using Rope = void (*)(const float *, int64_t, int64_t, int64_t, const float *, int64_t, int64_t,
+                      int64_t, const float *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                      int64_t, float *, int);
+using WinogradInput = void (*)(const float *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                               int64_t, int64_t, int64_t, float *, int);
+using WinogradOutput = void (*)(const float *, const float *, const float *, float *, int64_t,
+                                int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int);
+
+bool fits(const at::Tensor &t) {
+  return t.scalar_type() == at::kFloat && t.device().is_cpu() && t.dim() > 0 && t.stride(-1) == 1;
+}
+
+at::Tensor rms_norm(int64_t kernel, const at::Tensor &x, const at::Tensor &weight, double eps) {
+  const int64_t width = weight.size(-1);
+  if (!fits(x) || x.size(-1) != width) return at::rms_norm(x, {width}, weight, eps);
+  at::Tensor rows = x.is_contiguous() ? x : x.reshape({-1, width});
+  const int64_t stride = x.is_contiguous() ? width : rows.stride(0);
+  at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  const int64_t count = x.numel() / std::max<int64_t>(width, 1);
+  if (count)
+    reinterpret_cast<RmsNorm>(kernel)(rows.data_ptr<float>(), count, width, stride,
+                                      weight.data_ptr<float>(), static_cast<float>(eps),
+                                      out.data_ptr<float>(), at::get_num_threads());
+  return out;
+}
+
+at::Tensor rope_with_aten(const at::Tensor &x, const at::Tensor &cos, const at::Tensor &sin) {
+  const int64_t half = x.size(-1) / 2;
+  at::Tensor rotated = at::cat({-x.narrow(-1, half, x.size(-1) - half), x.narrow(-1, 0, half)}, -1);
+  return at::addcmul(x * cos, rotated, sin);
+}
+
+// strides of t broadcast to x's 4-D shape, first three dims; false if it does not broadcast
+bool leading_strides(const at::Tensor &t, at::IntArrayRef shape, int64_t out[3]) {
+  if (t.dim() > 4 || t.size(-1) != shape[3]) return false;
+  const int64_t pad = 4 - t.dim();
+  for (int64_t d = 0; d < 3; d++) {
+    if (d < pad) {
+      out[d] = 0;
+      continue;
+    }
+    const int64_t size = t.size(d - pad), wanted = shape[d];
+    if (size == wanted && wanted != 1)
+      out[d] = t.stride(d - pad);
+    else if (size == 1)
+      out[d] = 0;
+    else
+      return false;
+  }
+  return true;
+}
+
+at::Tensor rope(int64_t kernel, const at::Tensor &x, const at::Tensor &cos, const at::Tensor &sin) {
+  if (x.dim() != 4 || x.size(-1) % 2 || !fits(x) || !fits(cos) || !fits(sin))
+    return rope_with_aten(x, cos, sin);
+  int64_t cs[3], ss[3];
+  if (!leading_strides(cos, x.sizes(), cs) || !leading_strides(sin, x.sizes(), ss))
+    return rope_with_aten(x, cos, sin);
+  at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  if (out.numel())
+    reinterpret_cast<Rope>(kernel)(x.data_ptr<float>(), x.stride(0), x.stride(1), x.stride(2),
+                                   cos.data_ptr<float>(), cs[0], cs[1], cs[2],
+                                   sin.data_ptr<float>(), ss[0], ss[1], ss[2], x.size(0),
+                                   x.size(1), x.size(2), x.size(3), out.data_ptr<float>(),
+                                   at::get_num_threads());
+  return out;
+}
+
+// SwiGLU's gating on the packed GEMM result [..., 2 * hidden]: silu(gate) * up
+at::Tensor silu_mul(const at::Tensor &projected, int64_t hidden) {
+  return at::silu(projected.narrow(-1, 0, hidden)).mul_(projected.narrow(-1, hidden, hidden));
+}
+
+// this thread's buffer `which`, grown as needed (winograd.py's workspace())
+at::Tensor workspace(int which, int64_t floats) {
+  thread_local at::Tensor buffers[2];
+  at::Tensor &buffer = buffers[which];
+  if (!buffer.defined() || buffer.numel() < floats) {
+    c10::InferenceMode normal(false);  // bmm writes into it in place, in or out of that mode
+    buffer = at::empty({floats}, at::kFloat);
+  }
+  return buffer;
+}
+
+// winograd.py's WinogradConv.__call__: geometry = pad_top, pad_left, fused activation,
+// tiles per chunk, chunk floats; the activation the output transform does not fuse follows
+at::Tensor winograd(int64_t input_kernel, int64_t output_kernel, const at::Tensor &input,
+                    const at::Tensor &transformed, const std::optional<at::Tensor> &bias,
+                    const std::optional<at::Tensor> &residual_in, std::vector<int64_t> geometry,
+                    bool donated) {
+  const int64_t pad_h = geometry.at(0), pad_w = geometry.at(1);
+  int fused = static_cast<int>(geometry.at(2));
+  const int64_t per_chunk = geometry.at(3), chunk_floats = geometry.at(4);
+  at::Tensor x = input.contiguous(at::MemoryFormat::ChannelsLast);
+  const int64_t batch = x.size(0), channels = x.size(1), height = x.size(2), width = x.size(3);
+  const int64_t out_channels = transformed.size(2);
+  const int64_t out_h = height + 2 * pad_h - 2, out_w = width + 2 * pad_w - 2;
+  const int64_t tiles_h = (out_h + 3) / 4, tiles_w = (out_w + 3) / 4;
+  const int64_t tiles = batch * tiles_h * tiles_w;
+  std::vector<int64_t> shape = {batch, out_channels, out_h, out_w};
+  at::Tensor residual;
+  bool broadcast = false;
+  if (residual_in.has_value() && residual_in->defined()) {
+    residual = *residual_in;
+    broadcast = residual.sizes() != at::IntArrayRef(shape);
+    if (broadcast) fused = 0;
+    if (!broadcast) residual = residual.contiguous(at::MemoryFormat::ChannelsLast);
+  }
+  at::Tensor out = donated && residual.defined() && !broadcast
+                       ? residual
+                       : at::empty(shape, x.options().memory_format(at::MemoryFormat::ChannelsLast));
+  const float *added = residual.defined() && !broadcast ? residual.data_ptr<float>() : nullptr;
+  const float *bias_data = bias.has_value() && bias->defined() ? bias->data_ptr<float>() : nullptr;
+  const int threads = at::get_num_threads();
+  const int64_t chunk = std::max<int64_t>(
+      1, std::min(per_chunk, chunk_floats / (36 * std::max(channels, out_channels))));
+  for (int64_t first = 0; first < tiles; first += chunk) {
+    const int64_t count = std::min(chunk, tiles - first);
+    at::Tensor tiled = workspace(0, 36 * count * channels).narrow(0, 0, 36 * count * channels)
+                           .view({36, count, channels});
+    reinterpret_cast<WinogradInput>(input_kernel)(x.data_ptr<float>(), height, width, channels,
+                                                  pad_h, pad_w, tiles_h, tiles_w, first, count,
+                                                  tiled.data_ptr<float>(), threads);
+    at::Tensor products = workspace(1, 36 * count * out_channels)
+                              .narrow(0, 0, 36 * count * out_channels)
+                              .view({36, count, out_channels});
+    at::bmm_out(products, tiled, transformed);
+    reinterpret_cast<WinogradOutput>(output_kernel)(products.data_ptr<float>(), bias_data, added,
+                                                    out.data_ptr<float>(), out_h, out_w,
+                                                    out_channels, tiles_h, tiles_w, first, count,
+                                                    fused, threads);
+  }
+  if (broadcast) out.add_(residual);
+  return out;
+}
+
+// kv_cache.py's write(): new [batch, kv_heads, tokens, head_dim] into cache at each row's slot
+at::Tensor &kv_cache_write(at::Tensor &cache, const at::Tensor &fresh, const at::Tensor &slots,
+                           const at::Tensor &positions) {
+  at::Tensor by_position = cache.transpose(1, 2);
+  const int64_t tokens = fresh.size(2);
+  if (tokens == 1) {
+    by_position.index_put_(c10::List<std::optional<at::Tensor>>({slots, positions}),
+                           fresh.select(2, 0));
+    return cache;
+  }
+  at::Tensor where = positions.unsqueeze(1) + at::arange(tokens, positions.options());
+  by_position.index_put_(c10::List<std::optional<at::Tensor>>({slots.unsqueeze(1), where}),
+                         fresh.transpose(1, 2));
+  return cache;
+}
+
+// kv_cache.py's attend(): causal attention of each row's queries over its slot's cache prefix
+at::Tensor cached_attention(const at::Tensor &query, const at::Tensor &key_cache,
+                            const at::Tensor &value_cache, const at::Tensor &slots,
+                            const at::Tensor &positions, std::optional<double> scale) {
+  const int64_t tokens = query.size(2);
+  const bool gqa = query.size(1) != key_cache.size(1);
+  at::Tensor rows_t = slots.to(at::kLong).contiguous(), starts_t = positions.to(at::kLong).contiguous();
+  const int64_t *rows = rows_t.data_ptr<int64_t>(), *starts = starts_t.data_ptr<int64_t>();
+  const int64_t count = rows_t.numel();
+  TORCH_CHECK(count > 0, "cached attention over no rows");
+  const int64_t longest = *std::max_element(starts, starts + count) + tokens;
+  TORCH_CHECK_INDEX(longest <= key_cache.size(2), "a row reaches position ", longest,
+                    " of a cache of ", key_cache.size(2));
+  bool consecutive = count > 1;
+  for (int64_t r = 1; r < count && consecutive; r++) consecutive = rows[r] == rows[0] + r;
+  if (tokens == 1 && consecutive) {
+    at::Tensor keys = key_cache.slice(0, rows[0], rows[0] + count).slice(2, 0, longest);
+    at::Tensor values = value_cache.slice(0, rows[0], rows[0] + count).slice(2, 0, longest);
+    at::Tensor seen = at::arange(longest, positions.options()).unsqueeze(0) <= positions.unsqueeze(1);
+    return at::scaled_dot_product_attention(query, keys, values, seen.view({count, 1, 1, longest}),
+                                            0.0, false, scale, gqa);
+  }
+  std::vector<at::Tensor> out;
+  for (int64_t r = 0; r < count; r++) {
+    const int64_t start = starts[r], length = start + tokens;
+    at::Tensor keys = key_cache.slice(0, rows[r], rows[r] + 1).slice(2, 0, length);
+    at::Tensor values = value_cache.slice(0, rows[r], rows[r] + 1).slice(2, 0, length);
+    std::optional<at::Tensor> mask;
+    if (tokens > 1 && start > 0) {
+      at::Tensor seen = at::arange(length, positions.options());
+      mask = seen.unsqueeze(0) <= (start + at::arange(tokens, positions.options())).unsqueeze(1);
+    }
+    out.push_back(at::scaled_dot_product_attention(query.slice(0, r, r + 1), keys, values, mask,
+                                                   0.0, tokens > 1 && start == 0, scale, gqa));
+  }
+  return out.size() == 1 ? out[0] : at::cat(out);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(cuvil_native, m) {
+  m.def("rms_norm(int kernel, Tensor x, Tensor weight, float eps) -> Tensor", rms_norm);
+  m.def("rope(int kernel, Tensor x, Tensor cos, Tensor sin) -> Tensor", rope);
+  m.def("silu_mul(Tensor projected, int hidden) -> Tensor", silu_mul);
+  m.def(
+      "winograd(int input_kernel, int output_kernel, Tensor x, Tensor transformed, Tensor? bias, "
+      "Tensor? residual, int[] geometry, bool donated) -> Tensor",
+      winograd);
+  m.def(
+      "kv_cache_write(Tensor(a!) cache, Tensor new, Tensor slots, Tensor positions) -> Tensor(a!)",
+      kv_cache_write);
+  m.def(
+      "cached_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor slots, "
+      "Tensor positions, float? scale) -> Tensor",
+      cached_attention);
+}
