@@ -95,15 +95,21 @@ def _fp32_conv2d(
 def _conv_form(
     prepared: PreparedKernel, onednn: Callable[..., torch.Tensor]
 ) -> Callable[[tuple[Any, ...]], Sequence[Any] | None]:
-    """The native form: the kept convolution, where it is the path this batch bucket runs."""
+    """The native form: the path this batch bucket runs, the kept convolution or one with its
+    own native calls (the GEMM and Winograd paths)."""
 
     def native(args: tuple[Any, ...]) -> Sequence[Any] | None:
         x, residual = args[0], (args[1] if len(args) > 1 else None)
         path: Callable[..., Any] | None = onednn
         if isinstance(prepared.choices, Tactics):
             chosen = chosen_path(prepared.choices, bucket(int(x.shape[0])))
-            path = chosen[1] if chosen is not None and chosen[0] == "onednn" else None
-        kept = kept_of(path) if path is not None else None
+            path = chosen[1] if chosen is not None else None
+        if path is None:
+            return None
+        own = getattr(path, "native_calls", None)
+        if own is not None:
+            return own(args)  # type: ignore[no-any-return]
+        kept = kept_of(path)
         return kept_conv_call(kept, x, residual) if kept is not None else None
 
     return native

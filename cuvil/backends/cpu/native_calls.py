@@ -3,7 +3,9 @@
 A native form (``PreparedKernel.native``) is asked, with one recorded call's run-time
 arguments, what the native loop should do instead of calling the Python kernel at that shape.
 It answers with a few calls, or None where its path has no native form (a tactic still timing
-its candidates, a path that lives in Python such as the split GEMM or Winograd):
+its candidates, a kernel whose library is not offered). A path object may carry its own
+``native_calls`` (the Winograd, 1x1-GEMM and split-GEMM paths); Cuvil's C kernels are reached
+through the dispatcher ops of native/kernel_ops.cc (``torch.ops.cuvil_native``):
 
     OpCall    a dispatcher operator (ATen's, oneDNN's ``mkldnn`` ops) on the call's arguments,
               constants (weights) and ``Result(i)``, the value call ``i`` of the same form made
@@ -103,7 +105,7 @@ def linear_form(
     mkl_form: Callable[[Any, Any], list[Any]],
 ) -> Callable[[tuple[Any, ...]], Sequence[Any] | None]:
     """``cuvil.linear``'s native form: the decided path of its row bucket, oneDNN's kept inner
-    product or MKL's ``addmm`` (``mkl_form(rows, residual_rows)``); None for the others."""
+    product, MKL's ``addmm`` (``mkl_form(rows, residual_rows)``) or the split GEMM's calls."""
 
     def native(args: tuple[Any, ...]) -> Sequence[Any] | None:
         x, residual = args[0], (args[1] if len(args) > 1 else None)
@@ -119,12 +121,17 @@ def linear_form(
         if name == "onednn" and kept is not None and kept.can_run((rows, in_features)):
             out_features = kept.prepare((rows, in_features)).output_shape[-1]
             return [KeptCall(kept, x, residual, (rows, in_features), (*lead, out_features), False)]
-        if name != "mkl":
+        split = getattr(path, "native_calls", None) if name == "split" else None
+        if name != "mkl" and split is None:
             return None
         calls: list[Any] = [op(aten.reshape.default, x, [rows, in_features])]
         if residual is not None:
             calls.append(op(aten.reshape.default, residual, [rows, -1]))
-        calls += mkl_form(Result(0), Result(1) if residual is not None else None)
+        flat = Result(1) if residual is not None else None
+        if split is not None:
+            calls += split(Result(0), flat, rows, len(calls))
+        else:
+            calls += mkl_form(Result(0), flat)
         calls.append(op(aten.reshape.default, Result(len(calls) - 1), [*lead, -1]))
         return calls
 

@@ -18,12 +18,17 @@ operand as a flag, not a copy), so it holds no second copy of the weight.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from cuvil.backends.cpu.activations import INPLACE_ACTIVATIONS
+from cuvil.backends.cpu.native_calls import INPLACE_OPS, Result, op
 from cuvil.backends.cpu.tactics import batch_tactics
 from cuvil.runtime.kernels import PreparedKernel
+
+aten = torch.ops.aten
+CHANNELS_LAST = torch.channels_last
 
 
 def is_pointwise(
@@ -44,46 +49,92 @@ def is_pointwise(
     )
 
 
+class GemmConv:
+    """The GEMM path: ``(x)`` or ``(x, residual)`` -> activation(conv(x) [+ residual]),
+    channels-last in and out; a ``donated`` residual (runtime/donation.py) is accumulated into
+    in place rather than copied first."""
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, activation: str, donated: bool
+    ) -> None:
+        self.out_channels, self.in_channels = int(weight.shape[0]), int(weight.shape[1])
+        self.transposed = weight.reshape(self.out_channels, self.in_channels).t()  # a view
+        self.bias = bias
+        self.activation = activation
+        self.activate = INPLACE_ACTIVATIONS[activation]
+        self.donated = donated
+
+    def _rows(self, x: torch.Tensor, channels: int) -> torch.Tensor:
+        return x.contiguous(memory_format=CHANNELS_LAST).permute(0, 2, 3, 1).reshape(-1, channels)
+
+    def _back(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        batch, _, height, width = x.shape
+        return y.view(batch, height, width, self.out_channels).permute(0, 3, 1, 2)
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        bias = self.bias
+        if residual is not None:
+            start = self._rows(residual, self.out_channels)
+            if self.donated:
+                y = start.add_(bias) if bias is not None else start
+            else:
+                y = torch.add(start, bias) if bias is not None else start.clone()
+            y = y.addmm_(self._rows(x, self.in_channels), self.transposed)
+        else:
+            rows = self._rows(x, self.in_channels)
+            y = torch.addmm(bias, rows, self.transposed) if bias is not None else rows.mm(
+                self.transposed
+            )
+        return self._back(self.activate(y), x)
+
+    def native_calls(self, args: tuple[Any, ...]) -> list[Any]:
+        """The same ATen calls, for the native plan loop (native_calls.py)."""
+        x, residual = args[0], (args[1] if len(args) > 1 else None)
+        calls: list[Any] = []
+
+        def rows(value: Any, channels: int) -> Result:
+            calls.append(op(aten.contiguous.default, value, memory_format=CHANNELS_LAST))
+            calls.append(op(aten.permute.default, Result(len(calls) - 1), [0, 2, 3, 1]))
+            calls.append(op(aten.reshape.default, Result(len(calls) - 1), [-1, channels]))
+            return Result(len(calls) - 1)
+
+        bias = self.bias
+        if residual is not None:
+            start = rows(residual, self.out_channels)
+            if self.donated:
+                if bias is not None:
+                    calls.append(op(aten.add_.Tensor, start, bias))
+            elif bias is not None:
+                calls.append(op(aten.add.Tensor, start, bias))
+            else:
+                calls.append(op(aten.clone.default, start))
+            y = Result(len(calls) - 1)
+            source = rows(x, self.in_channels)
+            calls.append(op(aten.addmm_.default, y, source, self.transposed))
+        else:
+            source = rows(x, self.in_channels)
+            if bias is not None:
+                calls.append(op(aten.addmm.default, bias, source, self.transposed))
+            else:
+                calls.append(op(aten.mm.default, source, self.transposed))
+        if self.activation != "none":
+            calls.append(INPLACE_OPS[self.activation](Result(len(calls) - 1)))
+        batch, _, height, width = (int(size) for size in x.shape)
+        shape = [batch, height, width, self.out_channels]
+        calls.append(op(aten.view.default, Result(len(calls) - 1), shape))
+        calls.append(op(aten.permute.default, Result(len(calls) - 1), [0, 3, 1, 2]))
+        return calls
+
+
 def gemm_conv(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     activation: str,
     residual: bool,
     donated: bool = False,
-) -> Callable[..., torch.Tensor]:
-    """The GEMM path: ``(x)`` or ``(x, residual)`` -> activation(conv(x) [+ residual]),
-    channels-last in and out; a ``donated`` residual (runtime/donation.py) is accumulated into
-    in place rather than copied first."""
-    out_channels, in_channels = int(weight.shape[0]), int(weight.shape[1])
-    transposed = weight.reshape(out_channels, in_channels).t()  # a view: no copy
-    activate = INPLACE_ACTIVATIONS[activation]
-    channels_last = torch.channels_last
-
-    def rows_of(x: torch.Tensor, channels: int) -> torch.Tensor:
-        return x.contiguous(memory_format=channels_last).permute(0, 2, 3, 1).reshape(-1, channels)
-
-    def back(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        batch, _, height, width = x.shape
-        return y.view(batch, height, width, out_channels).permute(0, 3, 1, 2)
-
-    if residual:
-
-        def gemm_add(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-            start = rows_of(residual, out_channels)
-            if donated:
-                y = start.add_(bias) if bias is not None else start
-            else:
-                y = torch.add(start, bias) if bias is not None else start.clone()
-            return back(activate(y.addmm_(rows_of(x, in_channels), transposed)), x)
-
-        return gemm_add
-
-    def gemm(x: torch.Tensor) -> torch.Tensor:
-        rows = rows_of(x, in_channels)
-        y = torch.addmm(bias, rows, transposed) if bias is not None else rows.mm(transposed)
-        return back(activate(y), x)
-
-    return gemm
+) -> GemmConv:
+    """The GEMM path (``GemmConv``); ``residual``: whether calls pass one."""
+    return GemmConv(weight, bias, activation, donated)
 
 
 def with_gemm_tactic(

@@ -19,11 +19,13 @@ from __future__ import annotations
 import ctypes
 import threading
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from cuvil.backends.cpu.activations import INPLACE_ACTIVATIONS
 from cuvil.backends.cpu.native import load as load_native
+from cuvil.backends.cpu.native_calls import INPLACE_OPS, Result, op
 from cuvil.backends.cpu.tactics import batch_tactics
 from cuvil.runtime.kernels import PreparedKernel
 
@@ -152,6 +154,27 @@ class WinogradConv:
         """Drops the transformed weight (rebuilt on a later call)."""
         self._transformed = None
 
+    def native_calls(self, args: tuple[Any, ...]) -> list[Any] | None:
+        """The native plan loop's calls for one call's ``(x[, residual])``: the same chunks in
+        native/kernel_ops.cc, the activation the output transform does not fuse after."""
+        if self._transformed is None:
+            return None
+        x, residual = args[0], (args[1] if len(args) > 1 else None)
+        _, _, height, width = x.shape
+        shape = (x.shape[0], self.weight.shape[0], height + 2 * self.padding[0] - 2,
+                 width + 2 * self.padding[1] - 2)  # fmt: skip
+        broadcast = residual is not None and tuple(residual.shape) != shape
+        fused = self.fused if self.fused is not None and not broadcast else 0
+        geometry = [*self.padding, fused, TILES_PER_CHUNK, CHUNK_FLOATS]
+        kernels = [_address(self.library, name) for name in ("input", "output")]
+        calls: list[Any] = [
+            op(torch.ops.cuvil_native.winograd.default, *kernels, x, self._transformed,
+               self.bias, residual, geometry, self.donated),  # fmt: skip
+        ]
+        if fused == 0 and self.activation != "none":
+            calls.append(INPLACE_OPS[self.activation](Result(0)))
+        return calls
+
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         if self._transformed is None:
             self._transformed = transformed_weight(self.weight)
@@ -193,6 +216,10 @@ class WinogradConv:
         if fused == 0 and self.activation != "none":
             INPLACE_ACTIVATIONS[self.activation](out)
         return out
+
+
+def _address(library: ctypes.CDLL, stage: str) -> int:
+    return int(ctypes.cast(getattr(library, f"cuvil_winograd_{stage}"), ctypes.c_void_p).value or 0)
 
 
 def winograd_conv(
