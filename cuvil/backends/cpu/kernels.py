@@ -241,6 +241,29 @@ def layer_norm_kernel(call: FusedCall) -> PreparedKernel:
     return PreparedKernel(layer_norm, native=native)
 
 
+def kv_cache_write_kernel(call: FusedCall) -> PreparedKernel:
+    """``cuvil.kv_cache_write`` (backends/kv_cache.py), natively the same write in C++."""
+    prepared = kv_cache.kv_cache_write_kernel(call)
+
+    def native(args: tuple[Any, ...]) -> list[Any]:
+        return [op(torch.ops.cuvil_native.kv_cache_write.default, *args[:4])]
+
+    return replace(prepared, native=native)
+
+
+def cached_attention_kernel(call: FusedCall) -> PreparedKernel:
+    """``cuvil.cached_attention`` (backends/kv_cache.py), natively the same attention in C++
+    (each row's slot and length read there, not in Python)."""
+    prepared = kv_cache.cached_attention_kernel(call)
+    scale = call.arg("scale")
+    scale = float(scale) if scale is not None else None
+
+    def native(args: tuple[Any, ...]) -> list[Any]:
+        return [op(torch.ops.cuvil_native.cached_attention.default, *args[:5], scale)]
+
+    return replace(prepared, native=native)
+
+
 CPU_KERNELS: dict[str, KernelFactory] = {
     fused.CONV2D: conv2d_kernel,
     fused.LINEAR: linear_kernel,
@@ -249,5 +272,6 @@ CPU_KERNELS: dict[str, KernelFactory] = {
     fused.ROPE: rope_kernel,
     fused.ATTENTION: attention_kernel,
     fused.LAYER_NORM: layer_norm_kernel,
-    **kv_cache.KV_CACHE_KERNELS,
+    fused.KV_CACHE_WRITE: kv_cache_write_kernel,
+    fused.CACHED_ATTENTION: cached_attention_kernel,
 }

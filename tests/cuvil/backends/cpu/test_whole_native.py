@@ -1,5 +1,5 @@
 """Models that must run as one native schedule at a settled shape (``describe()``: whole plan
-native, no Python step), built from configs, with every path a kernel may choose forced in turn
+native, no Python step), built from configs — and a generation model's decode step — with every path a kernel may choose forced in turn
 (the Winograd and 1x1-GEMM convolutions, the split GEMM, MKL and oneDNN linears), and still
 answering as eager PyTorch does on inputs other than the recorded ones."""
 
@@ -13,6 +13,7 @@ import transformers as tf
 from torch.export import Dim
 
 import cuvil
+from cuvil.backends.cpu.backend import SETTLE_RUNS
 from cuvil.backends.cpu.tactics import Tactics, bucket
 from cuvil.runtime.model import CompiledModel
 
@@ -156,3 +157,38 @@ def test_a_one_row_linear_on_the_split_gemm_is_one_foreign_call() -> None:
                 torch.testing.assert_close(compiled(x), model(x), atol=1e-5, rtol=1e-5)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_decode_step_is_one_foreign_call_and_matches_eager() -> None:
+    from tests.cuvil.generation.families import VOCAB, build
+
+    model = build("llama").eval()
+    example = {"input_ids": torch.randint(0, VOCAB, (1, 6))}
+    generation = cuvil.jit(model, example, task="text-generation", max_batch=4, max_seq=48)
+    generator = torch.Generator().manual_seed(4)
+    prompts = {3: torch.randint(0, VOCAB, (5,), generator=generator),
+               1: torch.randint(0, VOCAB, (9,), generator=generator)}  # fmt: skip
+    positions = torch.tensor([5, 9])
+    for _ in range(2 * SETTLE_RUNS):  # the step's GEMM choices made, then one recorded
+        for slot, prompt in prompts.items():
+            generation.prefill(slot, prompt, 0)
+        generation.decode([3, 1], torch.tensor([1, 2]), positions)
+        if generation.runner.describe()["shapes"]:
+            break
+    (entry,) = generation.runner.describe()["shapes"].values()
+    assert entry["whole_plan_native"] and entry["python_steps"] == [], entry
+    tokens = torch.tensor([7, 11])
+    for slot, prompt in prompts.items():
+        generation.prefill(slot, prompt, 0)
+    logits = generation.decode([3, 1], tokens, positions)
+    follow = generation.decode([3, 1], torch.tensor([2, 3]), positions + 1)  # the cache written
+    with torch.no_grad():
+        for row, prompt in enumerate(prompts.values()):
+            sequence = torch.cat([prompt, tokens[row : row + 1]])[None]
+            torch.testing.assert_close(
+                logits[row], model(input_ids=sequence).logits[0, -1], rtol=1e-4, atol=1e-4
+            )
+            longer = torch.cat([sequence[0], torch.tensor([2 + row])])[None]
+            torch.testing.assert_close(
+                follow[row], model(input_ids=longer).logits[0, -1], rtol=1e-4, atol=1e-4
+            )
