@@ -1,7 +1,7 @@
 """Two Python threads calling one compiled model at once, against one thread: does a call hold
 the GIL? Each thread runs with ``torch.set_num_threads(1)``, so two threads can use two cores
 only if neither holds the GIL while the model computes. Also the fixed cost of one call of a
-tiny graph: the MLP at batch 1, Cuvil against eager (``call_overhead``).
+tiny graph: the MLP and a one-linear model at batch 1, Cuvil against eager (``call_overhead``).
 
     .venv/bin/python -m benchmarks.threads --models mlp resnet18 minilm --calls 40
 
@@ -16,6 +16,7 @@ meaningful ratio: the host's load average is recorded with the figures.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -95,16 +96,25 @@ def run_model(name: str, calls: int, rounds: int) -> dict[str, Any]:
 
 
 def call_overhead(calls: int, rounds: int) -> dict[str, Any]:
-    """Median microseconds per call of the MLP at batch 1, one thread, interleaved rounds."""
+    """Median microseconds per call at batch 1, one thread, interleaved rounds: the MLP and a
+    one-linear model (784 -> 10), Cuvil's ``compiled(x)`` against eager."""
+    torch.manual_seed(0)
     spec = catalog.mlp()
+    linear = torch.nn.Linear(784, 10).eval()
+    batch = torch.export.Dim("batch", min=1, max=64)
+    compiled_mlp = cuvil.jit(spec.model, spec.example_inputs, dynamic_shapes=spec.dynamic_shapes)
+    compiled_linear = cuvil.jit(
+        linear, (torch.randn(2, 784),), dynamic_shapes={"input": {0: batch}}
+    )
+    models = {"mlp": (spec.model, compiled_mlp), "linear": (linear, compiled_linear)}
     x = torch.randn(1, 784)
-    compiled = cuvil.jit(spec.model, spec.example_inputs, dynamic_shapes=spec.dynamic_shapes)
     torch.set_num_threads(1)
-    compiled.prepare({"x": x})
-    candidates: dict[str, Callable[[], Any]] = {
-        "eager": lambda: spec.model(x),
-        "cuvil": lambda: compiled(x),
-    }
+    candidates: dict[str, Callable[[], Any]] = {}
+    for name, (eager, compiled) in models.items():
+        compiled.prepare({compiled.signature.input_names[0]: x})
+        compiled(x)  # a checked call: later ones take the direct path
+        candidates[f"{name}_eager"] = functools.partial(eager, x)
+        candidates[f"{name}_cuvil"] = functools.partial(compiled, x)
     times: dict[str, list[float]] = {name: [] for name in candidates}
     with torch.inference_mode():
         for _ in range(rounds):
@@ -116,7 +126,9 @@ def call_overhead(calls: int, rounds: int) -> dict[str, Any]:
     row: dict[str, Any] = {
         f"{name}_us": round(statistics.median(t), 1) for name, t in times.items()
     }
-    row["plan_loop"] = compiled.execution()["plan_loop"]
+    row["plan_loop"] = {
+        name: compiled.execution()["plan_loop"] for name, (_, compiled) in models.items()
+    }
     return row
 
 

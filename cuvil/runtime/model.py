@@ -3,11 +3,16 @@
 Holds the planned graph, its weights and signature, and the execution plan built from them.
 Every call checks its inputs against the signature first: a dim outside its declared range or a
 wrong dtype is refused with an InputError, never answered.
+
+A tiny model's call costs more in this bookkeeping than in its arithmetic, so once inputs of one
+dtype, shape and device have been checked and the runner offers a direct call for their shape
+(``runner.direct``: the CPU's whole-plan native schedule), later calls with inputs of that
+dtype, shape, device and thread count go straight to it (``_DIRECT`` keys per model).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +26,9 @@ from cuvil.backends import Backend, backend_for
 from cuvil.ir import Graph
 from cuvil.runtime.plan import ExecutionPlan
 from cuvil.runtime.signature import InputBinder, InputError, Signature
+
+MAX_DIRECT = 32  # input dtype/shape/device/thread-count keys with a direct call kept per model
+Direct = Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]
 
 
 class CompiledModel:
@@ -48,6 +56,10 @@ class CompiledModel:
         )
         self._output_spec = output_spec  # the model's own output structure, when known
         self.runner = self.backend.runner(self)
+        spec = output_spec
+        self._single_output = len(self._output_names) == 1 and (spec is None or spec.is_leaf())
+        self._direct: dict[tuple[Any, ...], Direct] = {}  # by positional inputs' key
+        self._direct_named: dict[tuple[Any, ...], Direct] = {}  # by named inputs' key
 
     @property
     def graph(self) -> Graph:
@@ -105,6 +117,17 @@ class CompiledModel:
     def run(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Run on named inputs; returns outputs by name, on the inputs' device. Tensors on the
         model's device are used in place; others are copied to it, and the outputs back."""
+        key = _named_key(inputs)
+        direct = self._direct_named.get(key) if key is not None else None
+        if direct is not None:
+            values = _call_direct(direct, list(inputs.values()))
+            return dict(zip(self._output_names, values, strict=True))
+        outputs = self._run_checked(inputs)
+        if key is not None:
+            self._remember(self._direct_named, key, tuple(inputs), inputs)
+        return outputs
+
+    def _run_checked(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         symbols = self._binder.bind(inputs)
         caller = next((t.device for t in inputs.values() if isinstance(t, torch.Tensor)), None)
         moved = caller is not None and caller != self.device
@@ -122,17 +145,47 @@ class CompiledModel:
             }
         return outputs
 
+    def _remember(
+        self,
+        table: dict[tuple[Any, ...], Direct],
+        key: tuple[Any, ...],
+        order: Sequence[str],
+        inputs: Mapping[str, torch.Tensor],
+    ) -> None:
+        """After a checked call: keep the runner's direct call for this key, if it has one."""
+        offer = getattr(self.runner, "direct", None)
+        if offer is None or len(table) >= MAX_DIRECT or key in table:
+            return
+        if any(t.device != self.device for t in inputs.values()):
+            return
+        direct = offer(self._binder.bind(inputs), tuple(order), self._output_names)
+        if direct is not None:
+            table[key] = direct
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         names = self._input_names
+        key = _positional_key(args) if not kwargs and len(args) == len(names) else None
+        direct = self._direct.get(key) if key is not None else None
+        if direct is not None:
+            if torch.is_inference_mode_enabled():
+                values = direct(args)
+            else:
+                with torch.inference_mode():
+                    values = direct(args)
+            return values[0] if self._single_output else self._shaped(values)
         if len(args) > len(names):
             raise InputError(f"{len(args)} positional inputs given, the model takes {list(names)}")
         inputs = dict(zip(names, args, strict=False))
-        for key, value in kwargs.items():
-            if key in inputs:
-                raise InputError(f"input {key!r} given twice")
-            inputs[key] = value
-        outputs = self.run(inputs)
-        flat = [outputs[name] for name in self._output_names]
+        for name, value in kwargs.items():
+            if name in inputs:
+                raise InputError(f"input {name!r} given twice")
+            inputs[name] = value
+        outputs = self._run_checked(inputs)
+        if key is not None:
+            self._remember(self._direct, key, names, inputs)
+        return self._shaped([outputs[name] for name in self._output_names])
+
+    def _shaped(self, flat: list[Any]) -> Any:
         if self._output_spec is not None:
             return pytree.tree_unflatten(flat, self._output_spec)
         return flat[0] if len(flat) == 1 else tuple(flat)
@@ -160,3 +213,31 @@ def from_contents(contents: ArtifactContents) -> CompiledModel:
 
         return GenerationModel(contents)
     return CompiledModel(contents)
+
+
+def _positional_key(args: Sequence[Any]) -> tuple[Any, ...] | None:
+    """What a direct call depends on: each input's dtype, shape and device, the thread count."""
+    try:
+        if len(args) == 1:
+            (only,) = args
+            return (only.dtype, only.shape, only.device, torch.get_num_threads())
+        return (*((t.dtype, t.shape, t.device) for t in args), torch.get_num_threads())
+    except AttributeError:
+        return None  # not tensors: the checked path says what is wrong
+
+
+def _named_key(inputs: Mapping[str, Any]) -> tuple[Any, ...] | None:
+    try:
+        return (
+            *((name, t.dtype, t.shape, t.device) for name, t in inputs.items()),
+            torch.get_num_threads(),
+        )
+    except AttributeError:
+        return None
+
+
+def _call_direct(direct: Direct, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    if torch.is_inference_mode_enabled():
+        return direct(tensors)
+    with torch.inference_mode():
+        return direct(tensors)

@@ -108,7 +108,7 @@ def _conv_form(
             return None
         own = getattr(path, "native_calls", None)
         if own is not None:
-            return own(args)  # type: ignore[no-any-return]
+            return own(args)
         kept = kept_of(path)
         return kept_conv_call(kept, x, residual) if kept is not None else None
 

@@ -98,7 +98,7 @@ def _tactic_linear(
     candidates: list[tuple[str, Callable[..., torch.Tensor]]],
     in_features: int,
     few_rows: list[tuple[str, Callable[..., torch.Tensor]]] | None = None,
-    mkl_form: Callable[[Any, Any], list[Any]] | None = None,
+    mkl_form: Callable[[Any, Any, int], list[Any]] | None = None,
 ) -> PreparedKernel:
     """Flatten leading dims to rows, let the tactics pick the GEMM path per row bucket
     (``few_rows`` candidates join in for buckets up to SPLIT_MAX_ROWS rows). ``mkl_form``: the

@@ -102,10 +102,11 @@ def kept_conv_call(
 def linear_form(
     tactics: Tactics,
     in_features: int,
-    mkl_form: Callable[[Any, Any], list[Any]],
+    mkl_form: Callable[[Any, Any, int], list[Any]],
 ) -> Callable[[tuple[Any, ...]], Sequence[Any] | None]:
     """``cuvil.linear``'s native form: the decided path of its row bucket, oneDNN's kept inner
-    product, MKL's ``addmm`` (``mkl_form(rows, residual_rows)``) or the split GEMM's calls."""
+    product, MKL's ``addmm`` (``mkl_form(rows, residual_rows, first)``) or the split GEMM's
+    calls; inputs that are already rows are passed as they are, without reshapes."""
 
     def native(args: tuple[Any, ...]) -> Sequence[Any] | None:
         x, residual = args[0], (args[1] if len(args) > 1 else None)
@@ -124,15 +125,20 @@ def linear_form(
         split = getattr(path, "native_calls", None) if name == "split" else None
         if name != "mkl" and split is None:
             return None
-        calls: list[Any] = [op(aten.reshape.default, x, [rows, in_features])]
-        if residual is not None:
-            calls.append(op(aten.reshape.default, residual, [rows, -1]))
-        flat = Result(1) if residual is not None else None
+        calls: list[Any] = []
+        flat_x, flat_residual = x, residual  # already rows: no reshapes either way
+        if len(lead) != 1:
+            calls.append(op(aten.reshape.default, x, [rows, in_features]))
+            flat_x = Result(0)
+            if residual is not None:
+                calls.append(op(aten.reshape.default, residual, [rows, -1]))
+                flat_residual = Result(1)
         if split is not None:
-            calls += split(Result(0), flat, rows, len(calls))
+            calls += split(flat_x, flat_residual, rows, len(calls))
         else:
-            calls += mkl_form(Result(0), flat)
-        calls.append(op(aten.reshape.default, Result(len(calls) - 1), [*lead, -1]))
+            calls += mkl_form(flat_x, flat_residual, len(calls))
+        if len(lead) != 1:
+            calls.append(op(aten.reshape.default, Result(len(calls) - 1), [*lead, -1]))
         return calls
 
     return native
@@ -140,22 +146,23 @@ def linear_form(
 
 def mkl_linear_form(
     transposed: torch.Tensor, bias: torch.Tensor | None, activation: str
-) -> Callable[[Any, Any], list[Any]]:
-    """MKL's path as calls on ``rows`` (``Result`` 0) and residual rows (``Result`` 1): the
-    GEMM with the bias, then the activation in place; or residual + bias accumulated into."""
+) -> Callable[[Any, Any, int], list[Any]]:
+    """MKL's path as calls on ``rows`` and residual rows, numbered from ``first`` in the form
+    they join: the GEMM with the bias, then the activation in place; or residual + bias
+    accumulated into."""
 
-    def form(rows: Any, residual: Any) -> list[Any]:
+    def form(rows: Any, residual: Any, first: int) -> list[Any]:
         if residual is not None:
             start = op(aten.add.Tensor, residual, bias) if bias is not None else None
             start = start or op(aten.clone.default, residual)
-            return [start, op(aten.addmm_.default, Result(2), rows, transposed)]
+            return [start, op(aten.addmm_.default, Result(first), rows, transposed)]
         if bias is not None:
             gemm = op(aten.addmm.default, bias, rows, transposed)
         else:
             gemm = op(aten.mm.default, rows, transposed)
         if activation == "none":
             return [gemm]
-        return [gemm, INPLACE_OPS[activation](Result(1))]
+        return [gemm, INPLACE_OPS[activation](Result(first))]
 
     return form
 
@@ -177,13 +184,12 @@ def bf16_linear_form(
     activation as its post-op, the result cast back (and the residual added in fp32)."""
     attr, scalars, algorithm = ("none", [], "") if residual else post_op
 
+    linear_op = mkldnn._linear_pointwise.default
+
     def native(args: tuple[Any, ...]) -> Sequence[Any] | None:
-        calls = [
-            op(aten.to.dtype, args[0], torch.bfloat16),
-            op(mkldnn._linear_pointwise.default, Result(0), packed, low_bias, attr, scalars,
-               algorithm),  # fmt: skip
-            op(aten.to.dtype, Result(1), torch.float32),
-        ]
+        cast = op(aten.to.dtype, args[0], torch.bfloat16)
+        gemm = op(linear_op, Result(0), packed, low_bias, attr, scalars, algorithm)
+        calls = [cast, gemm, op(aten.to.dtype, Result(1), torch.float32)]
         if residual:
             calls.append(op(aten.add.Tensor, Result(2), args[1]))
         return calls

@@ -23,7 +23,7 @@ per shape). Schedules free each value after its last reader, as the Python plan 
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -184,6 +184,28 @@ class NativePlanRunner:
             return self.plan.run(inputs, symbols)
         return self._run_recorded(key, inputs, symbols)
 
+    def direct(
+        self,
+        symbols: Mapping[str, int],
+        input_names: Sequence[str],
+        output_names: Sequence[str],
+    ) -> Callable[[Sequence[torch.Tensor]], list[torch.Tensor]] | None:
+        """For a shape whose whole plan is one schedule: a call from the inputs in
+        ``input_names`` order to the outputs in ``output_names`` order, with nothing between it
+        and the foreign call (runtime/model.py keeps it per input key); else None."""
+        shape = self._shapes.get((ShapeCache.key(symbols), torch.get_num_threads()))
+        if shape is None or shape.whole is None:
+            return None
+        outputs = dict(shape.whole_outputs)
+        if set(output_names) != set(outputs) or not set(shape.whole_inputs) <= set(input_names):
+            return None
+        run = shape.whole.schedule.run  # the bound method, looked up once
+        take = [input_names.index(name) for name in shape.whole_inputs]
+        give = [outputs[name] for name in output_names]
+        if take == list(range(len(input_names))) and give == list(range(len(give))):
+            return lambda tensors: run(list(tensors))
+        return lambda tensors: _reordered(run([tensors[i] for i in take]), give)
+
     def has_shape(self, symbols: Mapping[str, int]) -> bool:
         """Whether calls at these symbol values (and this thread count) run as schedules, or
         the library is not there to build them."""
@@ -318,6 +340,10 @@ class NativePlanRunner:
         return {"status": "native schedules per settled shape", "shapes": shapes}
 
 
+def _reordered(values: list[torch.Tensor], order: list[int]) -> list[torch.Tensor]:
+    return [values[index] for index in order]
+
+
 def _same(expected: torch.Tensor, got: Any) -> bool:
     if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
         return False
@@ -327,9 +353,10 @@ def _same(expected: torch.Tensor, got: Any) -> bool:
 
 
 def _run_schedule(schedule: Any, values: list[Any]) -> list[torch.Tensor]:
-    """One foreign call, made with the GIL released (the op's C++ function, without the
-    Python-side argument checks of ``OpOverload.__call__``)."""
-    return torch.ops.cuvil_native.run.default._op(schedule, values)
+    """One foreign call, made with the GIL released: the schedule's own ``run`` method (a
+    TorchScript method call; a few microseconds less than the ``cuvil_native::run`` op's
+    argument parsing, which a tiny model's call notices)."""
+    return schedule.run(values)
 
 
 def _step_of(entry: NativeStep | Step) -> Step:

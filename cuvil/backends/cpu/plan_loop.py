@@ -27,7 +27,9 @@ import torch
 from cuvil.backends.cpu.dnnl import load as load_dnnl
 from cuvil.runtime.native_build import NativeError, cache_dir, compile_into
 
-SOURCES = tuple(Path(__file__).parent / "native" / name for name in ("plan_loop.cc", "kernel_ops.cc"))
+SOURCES = tuple(
+    Path(__file__).parent / "native" / name for name in ("plan_loop.cc", "kernel_ops.cc")
+)
 FLAGS = ("-O2", "-std=c++17", "-fPIC", "-shared", "-w")
 _failure: list[str] = []
 _loaded: list[Path] = []  # a process registers the library's ops once: a second one would abort
@@ -58,12 +60,9 @@ def _link_flags() -> list[str]:
 def build() -> Path:
     """The library in the native cache, compiled there unless already present."""
     flags = (*FLAGS, *_torch_flags())
-    digest = hashlib.sha256(
-        b"\0".join(
-            [*(source.read_bytes() for source in SOURCES), " ".join(flags).encode()]
-            + [torch.__version__.encode()]
-        )
-    ).hexdigest()[:16]
+    parts = [*(source.read_bytes() for source in SOURCES), " ".join(flags).encode()]
+    parts.append(torch.__version__.encode())
+    digest = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     target = cache_dir() / f"plan_loop-{digest}.so"
     if target.exists():
         return target
@@ -71,7 +70,8 @@ def build() -> Path:
     if compiler is None:
         raise NativeError("no C++ compiler (c++ or g++) on PATH")
     compile_into(
-        target, lambda built: [compiler, *flags, *map(str, SOURCES), "-o", str(built), *_link_flags()]
+        target,
+        lambda built: [compiler, *flags, *map(str, SOURCES), "-o", str(built), *_link_flags()],
     )
     return target
 

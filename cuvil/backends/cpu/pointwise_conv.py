@@ -82,8 +82,10 @@ class GemmConv:
             y = y.addmm_(self._rows(x, self.in_channels), self.transposed)
         else:
             rows = self._rows(x, self.in_channels)
-            y = torch.addmm(bias, rows, self.transposed) if bias is not None else rows.mm(
-                self.transposed
+            y = (
+                torch.addmm(bias, rows, self.transposed)
+                if bias is not None
+                else rows.mm(self.transposed)
             )
         return self._back(self.activate(y), x)
 

@@ -167,10 +167,9 @@ class WinogradConv:
         fused = self.fused if self.fused is not None and not broadcast else 0
         geometry = [*self.padding, fused, TILES_PER_CHUNK, CHUNK_FLOATS]
         kernels = [_address(self.library, name) for name in ("input", "output")]
-        calls: list[Any] = [
-            op(torch.ops.cuvil_native.winograd.default, *kernels, x, self._transformed,
-               self.bias, residual, geometry, self.donated),  # fmt: skip
-        ]
+        winograd = torch.ops.cuvil_native.winograd.default
+        inputs = (x, self._transformed, self.bias, residual)
+        calls: list[Any] = [op(winograd, *kernels, *inputs, geometry, self.donated)]
         if fused == 0 and self.activation != "none":
             calls.append(INPLACE_OPS[self.activation](Result(0)))
         return calls

@@ -6,8 +6,9 @@
 // Python side (kept_primitives.py), whose handles it is given. Values live in slots; a slot is
 // cleared after its last reader, so tensors are freed when the Python plan would free them.
 //
-// Built as a TorchScript custom class and op: torch.ops calls release the GIL while the op
-// runs, so a whole call runs with the GIL released and two Python threads run two calls at once.
+// Built as a TorchScript custom class and op: calls of its ``run`` method (and of the op) from
+// Python release the GIL while they run, so a whole call runs with the GIL released and two
+// Python threads run two calls at once.
 #include <ATen/ATen.h>
 #include <ATen/ScalarOps.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -312,7 +313,8 @@ TORCH_LIBRARY(cuvil_native, m) {
       .def("outputs", &Schedule::outputs)
       .def("release", &Schedule::release)
       .def("primitive", &Schedule::primitive)
-      .def("size", &Schedule::size);
+      .def("size", &Schedule::size)
+      .def("run", &Schedule::run);
   m.def("run(__torch__.torch.classes.cuvil_native.Schedule schedule, Tensor[] inputs) -> Tensor[]",
         run_schedule);
   m.def("set_dnnl(int[] addresses) -> ()", set_dnnl);

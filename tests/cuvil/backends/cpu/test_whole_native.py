@@ -1,7 +1,8 @@
 """Models that must run as one native schedule at a settled shape (``describe()``: whole plan
-native, no Python step), built from configs — and a generation model's decode step — with every path a kernel may choose forced in turn
-(the Winograd and 1x1-GEMM convolutions, the split GEMM, MKL and oneDNN linears), and still
-answering as eager PyTorch does on inputs other than the recorded ones."""
+native, no Python step), built from configs, and a generation model's decode step; with every
+path a kernel may choose forced in turn (the Winograd and 1x1-GEMM convolutions, the split GEMM,
+MKL and oneDNN linears), still answering as eager PyTorch does on inputs other than the
+recorded ones."""
 
 from __future__ import annotations
 
@@ -75,7 +76,10 @@ TEXT_PATHS = ("timed", "onednn", "mkl")
 MODELS: dict[str, tuple[Any, Any, dict[str, Any], tuple[str, ...]]] = {
     "resnet18_shaped": (lambda: _resnet("basic"), _images, {"pixel_values": {0: BATCH}}, CNN_PATHS),
     "resnet50_shaped": (
-        lambda: _resnet("bottleneck"), _images, {"pixel_values": {0: BATCH}}, CNN_PATHS
+        lambda: _resnet("bottleneck"),
+        _images,
+        {"pixel_values": {0: BATCH}},
+        CNN_PATHS,
     ),
     "minilm_shaped": (_bert, _text, {"input_ids": TEXT, "attention_mask": TEXT}, TEXT_PATHS),
     "tiny_llama_shaped": (_llama, _tokens, {"input_ids": TEXT}, TEXT_PATHS),
