@@ -31,13 +31,14 @@ from cuvil.backends.cpu.linear_kernels import (
     linear_kernel,
     swiglu_kernel,
 )
-from cuvil.backends.cpu.native_calls import chosen_path, kept_conv_call, kept_of, op
+from cuvil.backends.cpu.native_calls import Result, chosen_path, kept_conv_call, kept_of, op
 from cuvil.backends.cpu.pointwise_conv import is_pointwise, with_gemm_tactic
 from cuvil.backends.cpu.tactics import Tactics, bucket
 from cuvil.backends.cpu.winograd import has_enough_tiles, is_winograd_shape, with_winograd_tactic
 from cuvil.runtime.kernels import FusedCall, KernelFactory, PreparedKernel
 
 mkldnn = torch.ops.mkldnn
+CHANNELS_LAST = torch.channels_last
 
 
 def conv2d_kernel(call: FusedCall) -> PreparedKernel:
@@ -49,7 +50,10 @@ def conv2d_kernel(call: FusedCall) -> PreparedKernel:
     if weight.dtype == torch.bfloat16:
         if compute_precision(weight.dtype) == "bf16":
             low_bias = bias.to(torch.bfloat16) if bias is not None else None
-            return PreparedKernel(_bf16_borders(_onednn_conv(call, weight, low_bias)))
+            weights = _conv_weight(call, weight)
+            inner = _onednn_conv(call, weight, low_bias, weights)
+            native = _bf16_conv_form(call, weights, low_bias)
+            return PreparedKernel(_bf16_borders(inner), native=native)
         weight, bias = weight.float(), bias.float() if bias is not None else None  # widened
     return _fp32_conv2d(call, weight, bias)
 
@@ -121,13 +125,75 @@ def _geometry(call: FusedCall) -> tuple[list[int], list[int], list[int], int]:
     return stride, padding, dilation, int(call.arg("groups"))
 
 
+def _conv_weight(call: FusedCall, weight: torch.Tensor) -> ConvWeight:
+    stride, padding, dilation, groups = _geometry(call)
+    return ConvWeight(weight, padding, stride, dilation, groups, call.sizes.get("input"))
+
+
+def _bf16_conv_form(
+    call: FusedCall, weights: ConvWeight, low_bias: torch.Tensor | None
+) -> Callable[[tuple[Any, ...]], Sequence[Any] | None]:
+    """The bf16 convolution's native form: inputs cast to bf16 (channels-last), oneDNN's
+    convolution with its post-ops as ATen calls it, the result cast back to fp32."""
+    stride, padding, dilation, groups = _geometry(call)
+    attr, scalars, algorithm = ONEDNN_ACTIVATIONS[str(call.arg("activation"))]
+    aten = torch.ops.aten
+    geometry = (padding, stride, dilation, groups)
+
+    def native(args: tuple[Any, ...]) -> Sequence[Any] | None:
+        packed = weights.for_batch(int(args[0].shape[0]))
+        calls: list[Any] = []
+        for value in args[:2]:
+            calls.append(op(aten.to.dtype, value, torch.bfloat16))
+            calls.append(
+                op(aten.contiguous.default, Result(len(calls) - 1), memory_format=CHANNELS_LAST)
+            )
+        if len(args) > 1:
+            unary = None if attr == "none" else attr
+            calls.append(
+                op(
+                    mkldnn._convolution_pointwise.binary,
+                    Result(1),
+                    Result(3),
+                    packed,
+                    low_bias,
+                    *geometry,
+                    "add",
+                    None,
+                    unary,
+                    scalars,
+                    algorithm or None,
+                )
+            )
+        else:
+            calls.append(
+                op(
+                    mkldnn._convolution_pointwise.default,
+                    Result(1),
+                    packed,
+                    low_bias,
+                    *geometry,
+                    attr,
+                    scalars,
+                    algorithm,
+                )
+            )
+        calls.append(op(aten.to.dtype, Result(len(calls) - 1), torch.float32))
+        return calls
+
+    return native
+
+
 def _onednn_conv(
-    call: FusedCall, weight: torch.Tensor, bias: torch.Tensor | None
+    call: FusedCall,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    weights: ConvWeight | None = None,
 ) -> Callable[..., torch.Tensor]:
     """oneDNN's convolution through ATen, the activation and any residual add as post-ops."""
     stride, padding, dilation, groups = _geometry(call)
     attr, scalars, algorithm = ONEDNN_ACTIVATIONS[str(call.arg("activation"))]
-    weights = ConvWeight(weight, padding, stride, dilation, groups, call.sizes.get("input"))
+    weights = weights or _conv_weight(call, weight)
     channels_last = torch.channels_last
     if not call.is_runtime("residual"):
 

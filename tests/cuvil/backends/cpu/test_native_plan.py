@@ -19,6 +19,7 @@ from cuvil.backends.cpu import plan_loop
 from cuvil.backends.cpu.kernels import CPU_KERNELS
 from cuvil.models import mlp, tiny_llama
 from cuvil.runtime.model import CompiledModel
+from cuvil.runtime.signature import InputError
 
 
 @pytest.fixture(scope="module")
@@ -136,3 +137,27 @@ def test_without_the_library_the_python_plan_runs_and_says_why(
         monkeypatch.undo()
         plan_loop.load.cache_clear()
     assert plan_loop.load()
+
+
+def test_direct_calls_at_a_settled_shape_still_refuse_other_inputs(
+    compiled_mlp: CompiledModel,
+) -> None:
+    model = mlp().model
+    x = torch.randn(2, 784)
+    compiled_mlp.prepare({"x": x})
+    for _ in range(3):  # the first call is checked, later ones go straight to the schedule
+        y = torch.randn(2, 784)
+        with torch.inference_mode():
+            torch.testing.assert_close(compiled_mlp(y), model(y), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            compiled_mlp.run({"x": y})["output"], compiled_mlp(y), atol=0, rtol=0
+        )
+    with pytest.raises(InputError):
+        compiled_mlp(torch.randn(2, 784, dtype=torch.float64))
+    with pytest.raises(InputError):
+        compiled_mlp(torch.randn(2, 783))
+    with pytest.raises(InputError):
+        compiled_mlp.run({"x": torch.randn(65, 784)})
+    y = torch.randn(2, 784)
+    with torch.no_grad():  # outside inference mode: the direct call enters it, as run() does
+        torch.testing.assert_close(compiled_mlp(y), model(y), atol=1e-5, rtol=1e-5)

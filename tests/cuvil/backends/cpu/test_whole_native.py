@@ -196,3 +196,19 @@ def test_a_decode_step_is_one_foreign_call_and_matches_eager() -> None:
             torch.testing.assert_close(
                 follow[row], model(input_ids=longer).logits[0, -1], rtol=1e-4, atol=1e-4
             )
+
+
+@pytest.mark.parametrize("name", ["resnet18_shaped", "minilm_shaped", "tiny_llama_shaped"])
+def test_a_bf16_model_is_one_foreign_call_within_its_error_budget(name: str) -> None:
+    build, inputs_of, dynamic, _ = MODELS[name]
+    eager = build()
+    compiled = cuvil.jit(eager, inputs_of(2, 0), dynamic_shapes=dynamic, precision="bf16")
+    _settled_native(compiled, inputs_of(1, 1))
+    fresh = inputs_of(1, 2)
+    with torch.inference_mode():
+        expected = _outputs(eager(**fresh))
+        got = _outputs(compiled(**fresh))
+    assert got
+    for want, have in zip(expected, got, strict=False):
+        scale = float(want.abs().max())
+        assert float((have - want).abs().max()) <= 0.05 * scale + 1e-3  # bf16 weights' rounding
