@@ -14,8 +14,9 @@ length, not ``max_seq``, and nothing is gathered; a decode step over consecutive
 call over a view of those slots up to the longest row, each row masked to its own length.
 Grouped-query attention (fewer KV heads than query heads) is ATen's ``enable_gqa``.
 
-The CPU and CUDA backends both take these factories (``KV_CACHE_KERNELS``); the frontend's
-tracing ops (cuvil/frontend/kv_cache_ops.py) call the same functions for eager runs. The
+The CPU and CUDA backends both take these factories (``KV_CACHE_KERNELS``; the CPU adds native
+forms, the same computation in C++ for its native plan loop: cpu/native/kernel_ops.cc); the
+frontend's tracing ops (cuvil/frontend/kv_cache_ops.py) call the same functions for eager runs. The
 attention reads each row's slot and length on the host (``tolist``), so on a GPU a step with
 these ops synchronises once per layer and is not captured in a CUDA graph.
 """
