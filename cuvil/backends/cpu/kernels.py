@@ -222,12 +222,12 @@ def layer_norm_kernel(call: FusedCall) -> PreparedKernel:
 
 CPU_KERNELS: dict[str, KernelFactory] = {
     fused.CONV2D: conv2d_kernel,
+    "aten.max_pool2d.default": max_pool2d_kernel,
     fused.LINEAR: linear_kernel,
     fused.SWIGLU: swiglu_kernel,
     fused.RMS_NORM: rms_norm_kernel,
     fused.ROPE: rope_kernel,
     fused.ATTENTION: attention_kernel,
     fused.LAYER_NORM: layer_norm_kernel,
-    "aten.max_pool2d.default": max_pool2d_kernel,
     **kv_cache.KV_CACHE_KERNELS,
 }
