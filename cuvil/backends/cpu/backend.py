@@ -108,6 +108,7 @@ class CpuBackend:
             "onednn": describe_dnnl(),
             "winograd": describe_native("winograd"),
             "rowwise": describe_native("rowwise"),
+            "pooling": describe_native("pooling"),
             "plan_loop": _describe_runner(model.runner),
         }
 

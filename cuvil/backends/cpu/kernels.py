@@ -6,7 +6,8 @@ and the names and static sizes of the arguments that arrive at run time); it ret
 function the plan calls with those run-time values, and the per-shape choice it still makes.
 Prepacking (``mkldnn._reorder_*_weight``) therefore happens once per load, never per call.
 Activations map onto oneDNN post-ops; a residual add becomes a binary post-op. Linear and
-SwiGLU live in linear_kernels.py (two GEMM paths, chosen per shape).
+SwiGLU live in linear_kernels.py (two GEMM paths, chosen per shape); max pooling, an ATen op
+the backend runs with its own C kernel, in pooling.py.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from cuvil.backends.cpu.linear_kernels import (
 )
 from cuvil.backends.cpu.native_calls import Result, chosen_path, kept_conv_call, kept_of, op
 from cuvil.backends.cpu.pointwise_conv import is_pointwise, with_gemm_tactic
+from cuvil.backends.cpu.pooling import max_pool2d_kernel
 from cuvil.backends.cpu.tactics import Tactics, bucket
 from cuvil.backends.cpu.winograd import has_enough_tiles, is_winograd_shape, with_winograd_tactic
 from cuvil.runtime.kernels import FusedCall, KernelFactory, PreparedKernel
@@ -332,6 +334,7 @@ def cached_attention_kernel(call: FusedCall) -> PreparedKernel:
 
 CPU_KERNELS: dict[str, KernelFactory] = {
     fused.CONV2D: conv2d_kernel,
+    "aten.max_pool2d.default": max_pool2d_kernel,
     fused.LINEAR: linear_kernel,
     fused.SWIGLU: swiglu_kernel,
     fused.RMS_NORM: rms_norm_kernel,
