@@ -138,17 +138,25 @@ def export_onnx(case: Case) -> tuple[Path, str]:
     raise RuntimeError("ONNX export failed; " + " | ".join(errors))
 
 
-def prepare_onnxruntime(case: Case) -> Prepared:
+def ort_session_options(case: Case) -> Any:
+    """ONNX Runtime's options for a case: its threads, all graph optimisations, no spinning."""
     import onnxruntime as ort
 
-    start = time.perf_counter()
-    path, exporter = export_onnx(case)
     options = ort.SessionOptions()
     options.intra_op_num_threads = case.threads
     options.inter_op_num_threads = 1
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     # spinning intra-op threads would slow down whatever runs next in this process
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return options
+
+
+def prepare_onnxruntime(case: Case) -> Prepared:
+    import onnxruntime as ort
+
+    start = time.perf_counter()
+    path, exporter = export_onnx(case)
+    options = ort_session_options(case)
     session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     seconds = time.perf_counter() - start
     feed = {name: tensor.numpy() for name, tensor in case.inputs.items()}

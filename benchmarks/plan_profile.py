@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from benchmarks.cpu_models import CASES, load_spec
-from benchmarks.peers import Case, export_onnx
+from benchmarks.peers import Case, export_onnx, ort_session_options
 
 
 def _timed(kernel: Callable[..., Any], into: list[float]) -> Callable[..., Any]:
@@ -75,11 +75,7 @@ def ort_nodes(case: Case, runs: int) -> dict[str, Any]:
     import onnxruntime as ort
 
     path, _ = export_onnx(case)
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = case.threads
-    options.inter_op_num_threads = 1
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    options = ort_session_options(case)
     options.enable_profiling = True
     options.profile_file_prefix = str(case.workdir / case.name)
     session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
