@@ -44,7 +44,8 @@ class Backend(Protocol):
 
     target: Target
     device: torch.device
-    kernels: Mapping[str, KernelFactory]  # fused op -> factory
+    # fused op -> factory; also ATen ops the backend runs with its own kernel (CPU max-pool)
+    kernels: Mapping[str, KernelFactory]
     fallbacks: Mapping[str, str]  # fused op without a kernel of its own -> why, and what runs it
     lowering: Lowering
     verified_by: str  # how the compiler's verify stage ran this target's plan (for the report)

@@ -4,7 +4,7 @@ passed before its turn, so none reaches the model after its client gave up: no r
 model ran had waited past its deadline in the queue (the queue histogram in /metrics), each
 request either ran or was dropped, counted (``nv_inference_count``,
 ``cuvil_inference_rejected``), and the runs are fewer than the requests. The model is heavy on
-purpose (64 chained 256x256 matmuls on a 256x256 activation, tens of milliseconds a run on two
+purpose (48 chained 512x512 matmuls on a 512x512 activation, about 50 ms a run on two AVX-512
 cores, seconds on a busy host), so the rate is above its capacity whatever the host's speed,
 and nothing here depends on how long a run takes."""
 
@@ -29,16 +29,17 @@ from tests.cuvil_sidecar.test_server import scrape
 RATE_PER_S = 100
 SENT = 300  # 3 s of sending
 DEADLINE_S = 1.0
+WIDTH = 512
 
 
 class Heavy(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.layer = torch.nn.Linear(256, 256)
+        self.layer = torch.nn.Linear(WIDTH, WIDTH)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.unsqueeze(2) * x.unsqueeze(1)  # (1, 256) -> (1, 256, 256)
-        for _ in range(64):
+        h = x.unsqueeze(2) * x.unsqueeze(1)  # (1, WIDTH) -> (1, WIDTH, WIDTH)
+        for _ in range(48):
             h = torch.tanh(self.layer(h))
         return h.mean(dim=1)
 
@@ -46,7 +47,7 @@ class Heavy(torch.nn.Module):
 @pytest.fixture(scope="module")
 def heavy_artifact(artifact_dir: Path) -> Path:
     torch.manual_seed(0)
-    compiled = cuvil.jit(Heavy().eval(), (torch.randn(1, 256),), name="heavy")
+    compiled = cuvil.jit(Heavy().eval(), (torch.randn(1, WIDTH),), name="heavy")
     return compiled.save(artifact_dir / "heavy.cuvil")
 
 
@@ -54,8 +55,8 @@ async def send_open_loop(url: str) -> list[str]:
     """``SENT`` requests at ``RATE_PER_S``, each sent on time whether or not the earlier ones
     were answered; the status of each."""
     client = aioclient.InferenceServerClient(url)
-    item = aioclient.InferInput("x", [1, 256], "FP32")
-    item.set_data_from_numpy(np.full((1, 256), 0.1, dtype=np.float32))
+    item = aioclient.InferInput("x", [1, WIDTH], "FP32")
+    item.set_data_from_numpy(np.full((1, WIDTH), 0.1, dtype=np.float32))
 
     async def one() -> str:
         try:

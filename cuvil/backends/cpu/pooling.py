@@ -6,6 +6,8 @@ ATen's CPU kernel also computes the index of every maximum and drops it; native/
 not, and takes about a third of ATen's time on ResNet's 112x112x64 stem map. Other calls (an
 NCHW tensor, another dtype, dilation, ``ceil_mode``) and machines without the native library
 run ATen's op, with the same results: both take the first maximum, NaN wins, padding never does.
+The native plan loop calls the same C kernel through ``cuvil_native::max_pool2d``
+(native/kernel_ops.cc), which makes the same choice between it and ATen's op per call.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 import torch
 
 from cuvil.backends.cpu.native import load as load_native
+from cuvil.backends.cpu.native_calls import OpCall, op
 from cuvil.runtime.kernels import FusedCall, PreparedKernel
 
 aten = torch.ops.aten
@@ -68,6 +71,12 @@ def max_pool2d_kernel(call: FusedCall) -> PreparedKernel:
     if library is None or dilation != (1, 1) or ceil_mode:
         return PreparedKernel(with_aten)
     native = library.cuvil_max_pool2d_nhwc
+    address = int(ctypes.cast(native, ctypes.c_void_p).value or 0)
+    window = [*kernel, *stride, *padding]
+
+    def native_form(args: tuple[Any, ...]) -> list[OpCall]:
+        return [op(torch.ops.cuvil_native.max_pool2d.default, address, args[0], window)]
+
     channels_last = torch.channels_last
 
     def max_pool2d(x: torch.Tensor) -> Any:
@@ -90,4 +99,4 @@ def max_pool2d_kernel(call: FusedCall) -> PreparedKernel:
         )  # fmt: skip
         return out
 
-    return PreparedKernel(max_pool2d)
+    return PreparedKernel(max_pool2d, native=native_form)

@@ -1,5 +1,5 @@
 // Cuvil's own kernels as dispatcher ops, so the native plan loop (plan_loop.cc) calls them like
-// any ATen op: the C kernels of rowwise.c and winograd.c (each built for this CPU and loaded by
+// any ATen op: the C kernels of rowwise.c, winograd.c and pooling.c (each built for this CPU and loaded by
 // ctypes; the op is handed the function's address), SwiGLU's gating, and the KV-cache ops of
 // decoder generation (cuvil/backends/kv_cache.py's ATen calls, here without Python between).
 //
@@ -19,6 +19,8 @@ using RmsNorm = void (*)(const float *, int64_t, int64_t, int64_t, const float *
 using Rope = void (*)(const float *, int64_t, int64_t, int64_t, const float *, int64_t, int64_t,
                       int64_t, const float *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                       int64_t, float *, int);
+using MaxPool = void (*)(const float *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                        int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float *, int);
 using WinogradInput = void (*)(const float *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                                int64_t, int64_t, int64_t, float *, int);
 using WinogradOutput = void (*)(const float *, const float *, const float *, float *, int64_t,
@@ -81,6 +83,28 @@ at::Tensor rope(int64_t kernel, const at::Tensor &x, const at::Tensor &cos, cons
                                    sin.data_ptr<float>(), ss[0], ss[1], ss[2], x.size(0),
                                    x.size(1), x.size(2), x.size(3), out.data_ptr<float>(),
                                    at::get_num_threads());
+  return out;
+}
+
+// pooling.py's max_pool2d(): window = kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w;
+// ATen's op for what the C kernel does not take (not channels-last fp32, padding over half a
+// window, an empty result), so its errors are ATen's
+at::Tensor max_pool2d(int64_t kernel, const at::Tensor &x, std::vector<int64_t> window) {
+  const int64_t kh = window.at(0), kw = window.at(1), sh = window.at(2), sw = window.at(3);
+  const int64_t ph = window.at(4), pw = window.at(5);
+  auto with_aten = [&] { return at::max_pool2d(x, {kh, kw}, {sh, sw}, {ph, pw}); };
+  if (x.dim() != 4 || x.scalar_type() != at::kFloat || !x.device().is_cpu() ||
+      !x.is_contiguous(at::MemoryFormat::ChannelsLast) || x.numel() == 0 ||
+      2 * std::max(ph, pw) > std::min(kh, kw))
+    return with_aten();
+  const int64_t batch = x.size(0), channels = x.size(1), height = x.size(2), width = x.size(3);
+  const int64_t out_h = (height + 2 * ph - kh) / sh + 1, out_w = (width + 2 * pw - kw) / sw + 1;
+  if (out_h <= 0 || out_w <= 0) return with_aten();
+  at::Tensor out = at::empty({batch, channels, out_h, out_w},
+                             x.options().memory_format(at::MemoryFormat::ChannelsLast));
+  reinterpret_cast<MaxPool>(kernel)(x.data_ptr<float>(), batch, height, width, channels, kh, kw,
+                                    sh, sw, ph, pw, out_h, out_w, out.data_ptr<float>(),
+                                    at::get_num_threads());
   return out;
 }
 
@@ -211,6 +235,7 @@ at::Tensor cached_attention(const at::Tensor &query, const at::Tensor &key_cache
 TORCH_LIBRARY_FRAGMENT(cuvil_native, m) {
   m.def("rms_norm(int kernel, Tensor x, Tensor weight, float eps) -> Tensor", rms_norm);
   m.def("rope(int kernel, Tensor x, Tensor cos, Tensor sin) -> Tensor", rope);
+  m.def("max_pool2d(int kernel, Tensor x, int[] window) -> Tensor", max_pool2d);
   m.def("silu_mul(Tensor projected, int hidden) -> Tensor", silu_mul);
   m.def(
       "winograd(int input_kernel, int output_kernel, Tensor x, Tensor transformed, Tensor? bias, "
