@@ -28,6 +28,8 @@ from cuvil.runtime.plan import ExecutionPlan
 from cuvil.runtime.signature import InputBinder, InputError, Signature
 
 MAX_DIRECT = 32  # input dtype/shape/device/thread-count keys with a direct call kept per model
+# a runner's call for one input key, straight to its foreign call; it runs in inference mode
+# of its own (native_plan.py's schedules set it in C++), as the checked path does
 Direct = Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]
 
 
@@ -120,7 +122,7 @@ class CompiledModel:
         key = _named_key(inputs)
         direct = self._direct_named.get(key) if key is not None else None
         if direct is not None:
-            values = _call_direct(direct, list(inputs.values()))
+            values = direct(list(inputs.values()))
             return dict(zip(self._output_names, values, strict=True))
         outputs = self._run_checked(inputs)
         if key is not None:
@@ -167,11 +169,7 @@ class CompiledModel:
         key = _positional_key(args) if not kwargs and len(args) == len(names) else None
         direct = self._direct.get(key) if key is not None else None
         if direct is not None:
-            if torch.is_inference_mode_enabled():
-                values = direct(args)
-            else:
-                with torch.inference_mode():
-                    values = direct(args)
+            values = direct(args)
             return values[0] if self._single_output else self._shaped(values)
         if len(args) > len(names):
             raise InputError(f"{len(args)} positional inputs given, the model takes {list(names)}")
@@ -234,10 +232,3 @@ def _named_key(inputs: Mapping[str, Any]) -> tuple[Any, ...] | None:
         )
     except AttributeError:
         return None
-
-
-def _call_direct(direct: Direct, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    if torch.is_inference_mode_enabled():
-        return direct(tensors)
-    with torch.inference_mode():
-        return direct(tensors)

@@ -192,7 +192,8 @@ class NativePlanRunner:
     ) -> Callable[[Sequence[torch.Tensor]], list[torch.Tensor]] | None:
         """For a shape whose whole plan is one schedule: a call from the inputs in
         ``input_names`` order to the outputs in ``output_names`` order, with nothing between it
-        and the foreign call (runtime/model.py keeps it per input key); else None."""
+        and the foreign call (runtime/model.py keeps it per input key), which runs in inference
+        mode whatever the caller's; else None."""
         shape = self._shapes.get((ShapeCache.key(symbols), torch.get_num_threads()))
         if shape is None or shape.whole is None:
             return None

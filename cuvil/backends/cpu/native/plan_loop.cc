@@ -12,6 +12,7 @@
 #include <ATen/ATen.h>
 #include <ATen/ScalarOps.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/InferenceMode.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
@@ -231,7 +232,10 @@ struct Schedule : torch::CustomClassHolder {
     return p.result_sizes.empty() ? out : out.view(p.result_sizes);
   }
 
+  // in inference mode whatever the caller's (the Python plan runs its kernels in it too), so a
+  // direct call from runtime/model.py needs no Python context manager around it
   std::vector<at::Tensor> run(std::vector<at::Tensor> inputs) const {
+    c10::InferenceMode inference;
     TORCH_CHECK(inputs.size() == input_slots.size(), "expected ", input_slots.size(),
                 " inputs, got ", inputs.size());
     std::vector<IValue> slots(slot_count);
