@@ -111,42 +111,38 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
-def time_calls(
-    model: Callable[..., Any], inputs: Any, iterations: int, sync: Callable[[], None] = lambda: None
-) -> list[float]:
-    """Milliseconds per call, from a synchronised start to a synchronised end (``sync``: the
+def time_call(model: Callable[..., Any], inputs: Any, sync: Callable[[], None]) -> float:
+    """Milliseconds of one call, from a synchronised start to a synchronised end (``sync``: the
     GPU's, where the calls run there)."""
-    for _ in range(min(3, iterations)):
-        call(model, inputs)
-    times = []
-    for _ in range(iterations):
-        sync()
-        start = time.perf_counter()
-        call(model, inputs)
-        sync()
-        times.append((time.perf_counter() - start) * 1e3)
-    return times
+    sync()
+    start = time.perf_counter()
+    call(model, inputs)
+    sync()
+    return (time.perf_counter() - start) * 1e3
 
 
 def benchmark(
     compiled: Callable[..., Any], eager: torch.nn.Module, inputs: Any, iterations: int
 ) -> dict[str, Any]:
-    """p50/p99 latency (ms) of eager and compiled on the example inputs, interleaved in rounds
-    so that a noisy neighbour slows both alike; speedup = eager p50 / compiled p50. A model
-    whose plan runs on a GPU is timed there against eager on the same GPU (fp32), with both
-    reading GPU inputs."""
+    """p50/p99 latency (ms) of eager and compiled on the example inputs after three untimed
+    calls each, timed call by call in turn so that a noisy neighbour slows both alike (a burst
+    of load lands on calls of both, not on one side's run of calls); speedup = eager p50 /
+    compiled p50. A model whose plan runs on a GPU is timed there against eager on the same GPU
+    (fp32), with both reading GPU inputs."""
     sync: Callable[[], None] = lambda: None  # noqa: E731
     device = getattr(compiled, "device", torch.device("cpu"))
     if device.type == "cuda":
         eager = copy.deepcopy(eager).to(device)
         inputs = pytree.tree_map_only(torch.Tensor, lambda tensor: tensor.to(device), inputs)
         sync = torch.cuda.synchronize
+    for _ in range(3):
+        call(eager, inputs)
+        call(compiled, inputs)
     eager_ms: list[float] = []
     compiled_ms: list[float] = []
-    rounds = max(1, min(5, iterations // 5))
-    for _ in range(rounds):
-        eager_ms += time_calls(eager, inputs, max(1, iterations // rounds), sync)
-        compiled_ms += time_calls(compiled, inputs, max(1, iterations // rounds), sync)
+    for _ in range(max(1, iterations)):
+        eager_ms.append(time_call(eager, inputs, sync))
+        compiled_ms.append(time_call(compiled, inputs, sync))
     eager_p50, compiled_p50 = statistics.median(eager_ms), statistics.median(compiled_ms)
     return {
         "iterations": len(compiled_ms),

@@ -41,7 +41,7 @@ def real_worker(redis_server: RedisServer, tmp_path: Path) -> Iterator[Process]:
     env = celery_env(
         redis_server,
         CUVIL_WORK_DIR=str(tmp_path / "work"),
-        CUVIL_BENCH_ITERATIONS="3",
+        CUVIL_BENCH_ITERATIONS="5",
         CUVIL_TORCH_THREADS="1",
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",
