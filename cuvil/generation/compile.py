@@ -117,7 +117,12 @@ def compile_generation(
             f"(tolerance {options.tolerance}): {errors}"
         )
     compiled.reset_cache()
+    choosing = time.perf_counter()
+    if options.choose_kernels:  # made now, carried in the artifact: no timing in first steps
+        with run.stage("verify"):  # as the forward compile, where its choices are made
+            artifact_config.update(compiled.choose_kernels(int(prompt.numel())))
     artifact_config["report"] = {
+        "kernel_choice_seconds": round(time.perf_counter() - choosing, 3),
         "compile_seconds": round(time.perf_counter() - started, 3),
         "stages": run.stages,
         "decode": _graph_report(decode, decode_passes, {"batch": max_batch}),
