@@ -17,6 +17,11 @@ keeps the model's dtype (fp32), so the cache adds no rounding of its own.
 Verification runs the compiled steps the way ``generate`` does — the example prompt as a
 prefill, then decode steps on the model's greedy tokens — against the model's own full forward
 on the same sequence, and refuses the result (VerificationError) past the tolerance.
+
+With ``choose_kernels`` (the default outside test suites), the verified model then makes its
+kernel choices for every decode row bucket and for the example prompt's prefill
+(``GenerationModel.choose_kernels``), and the artifact carries them, so the first steps after a
+load do not time candidates.
 """
 
 from __future__ import annotations
