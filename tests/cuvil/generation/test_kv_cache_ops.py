@@ -86,6 +86,20 @@ def test_cached_attention_equals_attention_over_the_gathered_prefix(
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_native_decode_attention_over_long_prefixes_splits_across_threads() -> None:
+    """Prefixes long enough that the rows and heads are shared out among threads."""
+    assert plan_loop.load(), plan_loop.reason()
+    generator = torch.Generator().manual_seed(1)
+    keys = torch.randn(3, 2, 640, 64, generator=generator)
+    values = torch.randn(3, 2, 640, 64, generator=generator)
+    query = torch.randn(3, 4, 1, 64, generator=generator)
+    slots, starts = [2, 0, 1], [639, 300, 17]
+    attend = torch.ops.cuvil_native.cached_attention.default
+    got = attend(query, keys, values, torch.tensor(slots), torch.tensor(starts), None)
+    expected = _reference_attention(query, keys, values, slots, starts, 64**-0.5)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_attention_refuses_a_row_past_the_cache() -> None:
     query = torch.randn(1, KV_HEADS, 2, HEAD)
     with pytest.raises(IndexError, match="reaches position"):

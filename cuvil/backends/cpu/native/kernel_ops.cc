@@ -211,7 +211,12 @@ at::Tensor decode_attention(const at::Tensor &query_in, const at::Tensor &key_ca
   const int64_t vs0 = value_cache.stride(0), vs1 = value_cache.stride(1),
                 vs2 = value_cache.stride(2);
   const float factor = static_cast<float>(scale);
-  at::parallel_for(0, count * heads, 1, [&](int64_t begin, int64_t end) {
+  // (row, head) items per thread: a step whose attention is a few microseconds of work runs
+  // on the calling thread, without a parallel region to wait for
+  int64_t longest = 1;
+  for (int64_t r = 0; r < count; r++) longest = std::max(longest, starts[r] + 1);
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (longest * dim));
+  at::parallel_for(0, count * heads, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t item = begin; item < end; item++) {
       const int64_t r = item / heads, h = item % heads, kvh = h / group;
