@@ -7,6 +7,8 @@
 // ATen computation for inputs its C kernel does not take (not fp32, last dim not contiguous).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <c10/core/InferenceMode.h>
 #include <torch/library.h>
 
@@ -290,9 +292,46 @@ at::Tensor cached_attention(const at::Tensor &query, const at::Tensor &key_cache
   return out.size() == 1 ? out[0] : at::cat(out);
 }
 
+// the calling thread's intra-op thread count for a scope, restored however the scope ends
+struct ThreadCount {
+  int before;
+  explicit ThreadCount(int threads) : before(at::get_num_threads()) { at::set_num_threads(threads); }
+  ~ThreadCount() { at::set_num_threads(before); }
+};
+
+// linear_kernels.py's one-thread bf16 linear: the input cast to bf16, oneDNN's inner product
+// (mkldnn::_linear_pointwise) on the calling thread alone, the result cast back to fp32. A
+// one-row GEMM of a small weight costs less than the parallel region two threads would wait on.
+at::Tensor bf16_linear_one_thread(const at::Tensor &x, const at::Tensor &packed,
+                                  const std::optional<at::Tensor> &bias, c10::string_view attr,
+                                  c10::List<std::optional<c10::Scalar>> scalars,
+                                  std::optional<c10::string_view> algorithm) {
+  static const c10::OperatorHandle linear =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack;
+  stack.emplace_back(x.to(at::kBFloat16));
+  stack.emplace_back(packed);
+  stack.emplace_back(bias);
+  stack.emplace_back(std::string(attr));
+  stack.emplace_back(scalars);
+  if (algorithm.has_value())
+    stack.emplace_back(std::string(*algorithm));
+  else
+    stack.emplace_back(c10::IValue());
+  {
+    ThreadCount one(1);
+    linear.callBoxed(&stack);
+  }
+  return stack.back().toTensor().to(at::kFloat);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(cuvil_native, m) {
+  m.def(
+      "bf16_linear_one_thread(Tensor x, Tensor packed, Tensor? bias, str attr, Scalar?[] scalars, "
+      "str? algorithm) -> Tensor",
+      bf16_linear_one_thread);
   m.def("rms_norm(int kernel, Tensor x, Tensor weight, float eps) -> Tensor", rms_norm);
   m.def("rope(int kernel, Tensor x, Tensor cos, Tensor sin) -> Tensor", rope);
   m.def("max_pool2d(int kernel, Tensor x, int[] window) -> Tensor", max_pool2d);
