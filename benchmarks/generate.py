@@ -10,16 +10,19 @@ transformers' streamer protocol (``put`` per step), the peers interleaved run by
 - ``transformers_eager``: ``model.generate`` with its own dynamic KV cache;
 - ``transformers_compiled``: ``model.generate`` with a static cache and ``torch.compile`` of the
   forward, where it compiles (its error is recorded where it does not);
-- ``cuvil``: ``cuvil.jit(model, …, task="text-generation").generate``.
+- ``cuvil``: ``cuvil.jit(model, …, task="text-generation").generate``;
+- ``cuvil_bf16``: the same compiled with ``precision="bf16"`` (bf16 GEMM weights, fp32 KV
+  cache); its greedy tokens may leave eager's after some steps (bf16 rounding flips a close
+  argmax), so ``same_tokens_as_eager`` is expected false for it.
 
 Per peer: time to first token (prefill), inter-token p50/p99 (decode steps), decode tokens/s
 (1 / mean inter-token time), end-to-end tokens/s; ratios against transformers eager.
 
 ``--streams N`` adds aggregate tokens/s for N concurrent streams of different prompt lengths
 (``STREAM_PEERS``): transformers in static batches (left-padded, all streams in one batch) and
-Cuvil's in-process ``generate`` on the same batch. The same streams through the sidecar's
-continuous batching, over HTTP, are ``benchmarks/generate_streams.py`` (``--engine compiled``
-for this compiled model).
+Cuvil's in-process ``generate`` on the same batch, fp32 and bf16. The same streams through the
+sidecar's continuous batching, over HTTP, are ``benchmarks/generate_streams.py`` (``--engine
+compiled`` for this compiled model).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # no compile workers left behind
@@ -106,7 +110,7 @@ def _greedy_options(case: Case) -> dict[str, Any]:
     return {"max_new_tokens": case.new_tokens, "do_sample": False}
 
 
-def _compiled(case: Case) -> GenerationModel:
+def _compiled(case: Case, precision: str = "fp32") -> GenerationModel:
     import cuvil
 
     compiled = cuvil.jit(
@@ -115,6 +119,7 @@ def _compiled(case: Case) -> GenerationModel:
         task="text-generation",
         max_batch=16,
         max_seq=MAX_SEQ,
+        precision=precision,
     )
     assert isinstance(compiled, GenerationModel)
     return compiled
@@ -158,8 +163,8 @@ def transformers_compiled(case: Case) -> Callable[[TokenClock], torch.Tensor]:
     return run
 
 
-def cuvil_generate(case: Case) -> Callable[[TokenClock], torch.Tensor]:
-    compiled = _compiled(case)
+def cuvil_generate(case: Case, precision: str = "fp32") -> Callable[[TokenClock], torch.Tensor]:
+    compiled = _compiled(case, precision)
 
     def run(clock: TokenClock) -> torch.Tensor:
         options = {**_greedy_options(case), "eos_token_id": None, "pad_token_id": 0}
@@ -172,6 +177,7 @@ PEERS: dict[str, Callable[[Case], Callable[[TokenClock], torch.Tensor]]] = {
     "transformers_eager": transformers_eager,
     "transformers_compiled": transformers_compiled,
     "cuvil": cuvil_generate,
+    "cuvil_bf16": partial(cuvil_generate, precision="bf16"),
 }
 
 
@@ -263,9 +269,11 @@ def transformers_static_batches(case: Case, prompts: list[torch.Tensor]) -> dict
     return {"seconds": round(seconds, 3), "tokens_per_s": len(prompts) * case.new_tokens / seconds}
 
 
-def cuvil_in_process(case: Case, prompts: list[torch.Tensor]) -> dict[str, Any]:
+def cuvil_in_process(
+    case: Case, prompts: list[torch.Tensor], precision: str = "fp32"
+) -> dict[str, Any]:
     """Cuvil's ``generate`` on the same left-padded batch (groups of its slots)."""
-    compiled = _compiled(case)
+    compiled = _compiled(case, precision)
     ids, mask = _left_padded(prompts)
     options = {**_greedy_options(case), "eos_token_id": None, "pad_token_id": 0}
     compiled.generate(ids[:1], attention_mask=mask[:1], **options)  # warm-up
@@ -278,6 +286,7 @@ def cuvil_in_process(case: Case, prompts: list[torch.Tensor]) -> dict[str, Any]:
 STREAM_PEERS: dict[str, Callable[[Case, list[torch.Tensor]], dict[str, Any]]] = {
     "transformers_static_batches": transformers_static_batches,
     "cuvil_in_process": cuvil_in_process,
+    "cuvil_bf16_in_process": partial(cuvil_in_process, precision="bf16"),
 }
 
 

@@ -9,7 +9,9 @@ layers, the catalog's tiny Llama; ``llama100m``: hidden 768, 12 layers, ~100M pa
 saved as a transformers checkpoint in a temporary folder and served by a sidecar subprocess
 (``CUVIL_MODEL`` = that folder: ``EagerDecoderEngine``, one slot per stream), or with
 ``--engine compiled`` compiled by ``cuvil.jit(..., task="text-generation")`` into an artifact
-folder with one slot per stream, which the sidecar serves through its compiled prefill/decode.
+folder with one slot per stream, which the sidecar serves through its compiled prefill/decode
+(``--precision bf16``: bf16 GEMM weights, an fp32 KV cache; greedy tokens may then leave the
+fp32 static batch's after some steps, so ``matching_streams`` counts fewer).
 Every request is greedy with ``ignore_eos`` (so each generates exactly its ``max_tokens``),
 prompts of ``--prompt-min``..``--prompt-max`` tokens and ``--tokens-min``..``--tokens-max`` new
 tokens, spread evenly. ``sidecar``: all streams sent at
@@ -72,7 +74,7 @@ def compiled_artifact(checkpoint: Path, args: argparse.Namespace) -> Path:
     example = {"input_ids": torch.randint(3, 100, (1, 8))}
     compiled = cuvil.jit(
         model, example, task="text-generation", max_batch=args.streams,
-        max_seq=args.prompt_max + args.tokens_max, name=args.model,
+        max_seq=args.prompt_max + args.tokens_max, name=args.model, precision=args.precision,
     )  # fmt: skip
     return compiled.save(checkpoint.parent / "artifact" / args.model, directory=True)
 
@@ -233,6 +235,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--engine", choices=("eager", "compiled"), default="eager")
+    parser.add_argument(
+        "--precision", choices=("fp32", "bf16"), default="fp32", help="the compiled engine's"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
@@ -255,6 +260,7 @@ def main() -> None:
         "streams": args.streams,
         "threads": args.threads,
         "engine": "EagerDecoderEngine" if args.engine == "eager" else "compiled (cuvil.jit)",
+        "precision": "fp32" if args.engine == "eager" else args.precision,
         "gomp_spincount": os.environ["GOMP_SPINCOUNT"],
         "cpu": _cpu(),
         "load_average": {"before": load_before, "after": os.getloadavg()},

@@ -11,8 +11,11 @@ attention of ``query`` ([batch, heads, tokens, head_dim]) over each row's own sl
 ``t`` of row ``b`` sees cache positions ``0 .. positions[b] + t``. Keys and values are read as
 views of the slot's prefix (``cache[slot, :, :length]``), so the work follows each sequence's
 length, not ``max_seq``, and nothing is gathered; a decode step over consecutive slots is one
-call over a view of those slots up to the longest row, each row masked to its own length.
-Grouped-query attention (fewer KV heads than query heads) is ATen's ``enable_gqa``.
+call over a view of those slots up to the longest row, each row masked to its own length (slots
+in another order, as a continuous-batching scheduler's, are gathered for that one call).
+Grouped-query attention (fewer KV heads than query heads) is ATen's ``enable_gqa``. The CPU's
+native form runs a decode step (one token per row, fp32) as its own loop over rows and heads,
+reading each slot's prefix in place in any slot order.
 
 The CPU and CUDA backends both take these factories (``KV_CACHE_KERNELS``; the CPU adds native
 forms, the same computation in C++ for its native plan loop: cpu/native/kernel_ops.cc); the
@@ -60,11 +63,15 @@ def attend(
     if longest > key_cache.shape[2]:
         raise IndexError(f"a row reaches position {longest} of a cache of {key_cache.shape[2]}")
     first = rows[0]
-    if tokens == 1 and len(rows) > 1 and rows == list(range(first, first + len(rows))):
-        # one token per row in consecutive slots: one call over a view of the slots, each row
-        # masked to its own length (what generate's batches are)
-        keys = key_cache[first : first + len(rows), :, :longest]
-        values = value_cache[first : first + len(rows), :, :longest]
+    if tokens == 1 and len(rows) > 1:
+        # one token per row: one call over the rows' slots up to the longest, each row masked to
+        # its own length; consecutive slots (generate's batches) are a view, others a gather
+        if rows == list(range(first, first + len(rows))):
+            keys = key_cache[first : first + len(rows), :, :longest]
+            values = value_cache[first : first + len(rows), :, :longest]
+        else:
+            keys = key_cache[:, :, :longest].index_select(0, slots)
+            values = value_cache[:, :, :longest].index_select(0, slots)
         seen = torch.arange(longest, device=query.device)[None, :] <= positions[:, None]
         return F.scaled_dot_product_attention(
             query, keys, values, attn_mask=seen[:, None, None, :], scale=scale, enable_gqa=gqa

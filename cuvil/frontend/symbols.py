@@ -74,10 +74,19 @@ def shape_symbol_names(
     """Name torch's symbols from the user inputs' dims; return the map and the bounded symbols.
 
     ``dim_names`` maps (input name, dim index) to the user's Dim name; a dynamic dim the user did
-    not name (Dim.AUTO) gets ``<input>_<dim>``. A derived dim (``4 * d - 1``) whose root appears
+    not name (Dim.AUTO) gets ``<input>_<dim>``. Dims of one ``Dim`` share one symbol even where
+    torch keeps a symbol per input for them (it does when the example size equals a static dim
+    of another input, as a decode step's rows equal its cache's slots at ``max_batch=2``); the
+    binder checks at call time that they agree. A derived dim (``4 * d - 1``) whose root appears
     in no input on its own names that root; the binder solves for it at call time.
     """
     names: dict[sympy.Symbol, sympy.Symbol] = {}
+    by_name: dict[str, sympy.Symbol] = {}  # one Cuvil symbol per Dim name
+
+    def named(name: str) -> sympy.Symbol:
+        identifier = _identifier(name)
+        return by_name.setdefault(identifier, make_symbol(identifier))
+
     sizes = [
         (node.name, index, size.node.expr)
         for node in ep.graph.nodes
@@ -87,21 +96,31 @@ def shape_symbol_names(
     ]
     for input_name, index, expr in sizes:  # bare dims first: they name their symbols
         if isinstance(expr, sympy.Symbol) and expr not in names:
-            name = dim_names.get((input_name, index), f"{input_name}_{index}")
-            names[expr] = make_symbol(_identifier(name))
+            names[expr] = named(dim_names.get((input_name, index), f"{input_name}_{index}"))
     for input_name, index, expr in sizes:  # then a derived dim's root seen nowhere bare
         free = [symbol for symbol in expr.free_symbols if symbol not in names]
         if len(free) == 1:
-            name = dim_names.get((input_name, index), f"{input_name}_{index}_root")
-            names[free[0]] = make_symbol(_identifier(name))
-    symbols = []
+            names[free[0]] = named(dim_names.get((input_name, index), f"{input_name}_{index}_root"))
+    ranges: dict[str, tuple[int, int | None]] = {}
     for torch_symbol, symbol in names.items():
         bounds = ep.range_constraints.get(torch_symbol)
         lower = int(bounds.lower) if bounds is not None else 0
         upper: Any = bounds.upper if bounds is not None else None
         finite = upper is not None and upper.is_finite and int(upper) < 2**62
-        symbols.append(Symbol(symbol.name, lower, int(upper) if finite else None))
-    return names, tuple(symbols)
+        high = int(upper) if finite else None
+        if symbol.name in ranges:  # torch kept two symbols for one Dim: the tighter range
+            low_before, high_before = ranges[symbol.name]
+            lower = max(lower, low_before)
+            high = (
+                high_before
+                if high is None
+                else high
+                if high_before is None
+                else min(high, high_before)
+            )
+        ranges[symbol.name] = (lower, high)
+    symbols = tuple(Symbol(name, lower, upper) for name, (lower, upper) in ranges.items())
+    return names, symbols
 
 
 def _identifier(name: str) -> str:

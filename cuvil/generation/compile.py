@@ -10,11 +10,18 @@ computed from them in the graph). Each graph goes through the same passes as any
 (``pipeline.lower``: RMSNorm, SwiGLU, RoPE, sibling linears, epilogues) and the op allowlist;
 the KV cache ops are Cuvil ops from the start (``cuvil.kv_cache_write`` and
 ``cuvil.cached_attention``, GQA inside). The two graphs share one weights file: a weight a pass
-derived in both (a packed SwiGLU or QKV weight) is stored once.
+derived in both (a packed SwiGLU or QKV weight) is stored once. With ``precision="bf16"`` the
+lowering's precision pass gives the GEMMs bf16 weights, as in a forward compile; the KV cache
+keeps the model's dtype (fp32), so the cache adds no rounding of its own.
 
 Verification runs the compiled steps the way ``generate`` does — the example prompt as a
 prefill, then decode steps on the model's greedy tokens — against the model's own full forward
 on the same sequence, and refuses the result (VerificationError) past the tolerance.
+
+With ``choose_kernels`` (the default outside test suites), the verified model then makes its
+kernel choices for every decode row bucket and for the example prompt's prefill
+(``GenerationModel.choose_kernels``), and the artifact carries them, so the first steps after a
+load do not time candidates.
 """
 
 from __future__ import annotations
@@ -54,8 +61,6 @@ def compile_generation(
     backend = check_options(options)
     if backend.target.family != "cpu":
         raise ValueError(f"generation compiles for the CPU only, not {options.target}")
-    if options.precision != "fp32":
-        raise ValueError(f"generation compiles in fp32 only, not {options.precision}")
     prompt = _example_prompt(example_inputs)
     if max_batch < 1 or max_seq < 2:
         raise ValueError(f"max_batch must be at least 1 and max_seq 2 ({max_batch}, {max_seq})")
@@ -117,7 +122,12 @@ def compile_generation(
             f"(tolerance {options.tolerance}): {errors}"
         )
     compiled.reset_cache()
+    choosing = time.perf_counter()
+    if options.choose_kernels:  # made now, carried in the artifact: no timing in first steps
+        with run.stage("verify"):  # as the forward compile, where its choices are made
+            artifact_config.update(compiled.choose_kernels(int(prompt.numel())))
     artifact_config["report"] = {
+        "kernel_choice_seconds": round(time.perf_counter() - choosing, 3),
         "compile_seconds": round(time.perf_counter() - started, 3),
         "stages": run.stages,
         "decode": _graph_report(decode, decode_passes, {"batch": max_batch}),

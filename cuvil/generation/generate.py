@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from cuvil.generation.engine import DecoderEngine
-from cuvil.generation.sampling import SamplingParams, next_token
+from cuvil.generation.sampling import SamplingParams, next_token, next_tokens
 
 TAKEN = (
     "max_new_tokens",
@@ -131,8 +131,9 @@ def _generate_group(
             positions = torch.tensor([lengths[slot] + step for slot in running])
             step_ids = torch.tensor([tokens[slot] for slot in running], dtype=torch.int64)
             rows = engine.decode(running, step_ids, positions)
-            for index, slot in enumerate(running):
-                tokens[slot] = next_token(rows[index], params, generators[slot])
+            picked = next_tokens(rows, [params] * len(running), [generators[s] for s in running])
+            for slot, token in zip(running, picked, strict=True):
+                tokens[slot] = token
     finally:
         for slot in slots:
             engine.release(slot)

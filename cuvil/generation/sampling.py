@@ -8,6 +8,7 @@ tokens whether it runs alone or in a batch that others join and leave.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -60,3 +61,18 @@ def next_token(
         scores = scores.masked_fill(dropped.scatter(0, order, dropped), float("-inf"))
     probabilities = scores.softmax(-1)
     return int(torch.multinomial(probabilities, 1, generator=generator))
+
+
+def next_tokens(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> list[int]:
+    """The next token of each row of ``logits`` [rows, vocab]: one argmax over all rows for the
+    greedy ones (a step's per-row Python is what a small model's decode pays for), each sampled
+    row from its own generator, as ``next_token``."""
+    picks = torch.argmax(logits, dim=-1).tolist()
+    return [
+        next_token(logits[row], row_params, generator) if row_params.do_sample else picks[row]
+        for row, (row_params, generator) in enumerate(zip(params, generators, strict=True))
+    ]

@@ -3,7 +3,12 @@
 What ``cuvil.jit(..., task="text-generation")`` returns and ``cuvil.load`` brings back from an
 artifact whose config has a ``generation`` entry. It holds two plans over one set of weights:
 the decode step (the artifact's ``graph.json``, also what ``CompiledModel`` runs) and the prefill
-step (``prefill_graph.json``), and owns the KV cache both read and write.
+step (``prefill_graph.json``, run as a ``CompiledModel`` of its own, ``prefill_model``), and
+owns the KV cache both read and write. Kernel choices made at compile time (``choose_kernels``:
+every decode row bucket and the example prompt's prefill) are carried in the config, the
+prefill's under ``PREFILL_CHOICES``, and taken on load. A decode step whose row count has a
+whole-plan native schedule calls it directly, without the signature check (the row count
+decides its outcome).
 
 The cache is static per slot: per layer, a key and a value tensor of
 [max_batch, kv_heads, max_seq, head_dim], allocated once when the model loads. A sequence owns
@@ -31,11 +36,29 @@ import torch
 
 from cuvil.artifact.files import ArtifactContents
 from cuvil.dtypes import dtype_name, torch_dtype
-from cuvil.runtime.model import CompiledModel
-from cuvil.runtime.plan import ExecutionPlan
+from cuvil.runtime.model import CompiledModel, Direct
 from cuvil.runtime.signature import InputBinder, InputError, Signature
 
 STEP_INPUTS = ("input_ids", "slots", "positions")
+# the config entry holding the prefill plan's own backend entries (its kernel choices)
+PREFILL_CHOICES = "prefill_kernel_choices"
+
+
+def row_buckets(max_batch: int) -> list[int]:
+    """Decode row counts whose kernel choices stand for all: powers of two, then max_batch."""
+    buckets = [1 << power for power in range(max_batch.bit_length()) if 1 << power < max_batch]
+    return [*buckets, max_batch]
+
+
+def _prefill_contents(contents: ArtifactContents) -> ArtifactContents:
+    """The prefill step as a model of its own over the same weights, with its own backend
+    entries (kernel choices) from the artifact's config."""
+    assert contents.prefill_graph is not None
+    config = {
+        "target": contents.config.get("target", "cpu"),
+        **contents.config.get(PREFILL_CHOICES, {}),
+    }
+    return ArtifactContents(config, contents.prefill_graph, contents.weights)
 
 
 @dataclass(frozen=True)
@@ -100,14 +123,10 @@ class GenerationModel(CompiledModel):
             raise ValueError("not a generation artifact: no prefill graph or generation config")
         self.generation_config: dict[str, Any] = dict(contents.config["generation"])
         self.layout = KVCacheLayout.from_json(self.generation_config["kv_cache"])
-        factories = {
-            **self.backend.kernels,
-            **self.backend.load_kernels({}),
-        }
-        self.prefill_plan = ExecutionPlan(
-            contents.prefill_graph, contents.weights, self.device, factories
-        )
+        self.prefill_model = CompiledModel(_prefill_contents(contents))
+        self.prefill_plan = self.prefill_model.plan
         self._prefill_binder = InputBinder(Signature.of_graph(contents.prefill_graph))
+        self._decode_calls: dict[tuple[int, int], Direct] = {}  # (rows, threads) -> direct call
         self.cache_names = tuple(self.generation_config["cache_inputs"])
         for graph in (contents.graph, contents.prefill_graph):
             if tuple(graph.inputs) != (*STEP_INPUTS, *self.cache_names):
@@ -162,15 +181,29 @@ class GenerationModel(CompiledModel):
             raise InputError(f"decode needs one token and one position per slot ({rows})")
         for start in starts:
             self._check_span(start, 1)
-        inputs = self._step_inputs(
-            token_ids.reshape(rows, 1).to(torch.int64),
-            torch.tensor(list(slots), dtype=torch.int64),
-            torch.tensor(starts, dtype=torch.int64),
-        )
-        symbols = self._binder.bind(inputs)
+        ids = token_ids.reshape(rows, 1).to(torch.int64)
+        rows_in = torch.tensor(list(slots), dtype=torch.int64)
+        starts_in = torch.tensor(starts, dtype=torch.int64)
+        key = (rows, torch.get_num_threads())
+        direct = self._decode_calls.get(key)
         with torch.inference_mode():
+            if direct is not None:  # this row count's whole plan as one native schedule
+                return direct([ids, rows_in, starts_in, *self.caches])[0].float()
+            inputs = self._step_inputs(ids, rows_in, starts_in)
+            symbols = self._binder.bind(inputs)
             logits = self.runner.run(inputs, symbols)["output"]
+            self._remember_decode(key, symbols)
         return logits.float()
+
+    def _remember_decode(self, key: tuple[int, int], symbols: dict[str, int]) -> None:
+        """Keep the runner's direct call for this row count once it has one: later steps skip
+        the signature check, whose outcome depends only on the row count."""
+        offer = getattr(self.runner, "direct", None)
+        if offer is None or key in self._decode_calls:
+            return
+        direct = offer(symbols, self._input_names, self._output_names)
+        if direct is not None:
+            self._decode_calls[key] = direct
 
     def release(self, slot: int) -> None:
         """Nothing to free: a slot's next sequence overwrites the positions it reads."""
@@ -189,6 +222,35 @@ class GenerationModel(CompiledModel):
             if self.generation_config.get(key) is not None
         }
         return generate(self, input_ids, **{**defaults, **options})
+
+    def choose_kernels(self, prompt_tokens: int) -> dict[str, Any]:
+        """Make the kernel choices a decode step meets at every row bucket (1, 2, 4, …,
+        ``max_batch``) and a prefill of ``prompt_tokens`` tokens meets (and of one token), the
+        backend's way, so generation runs at full speed from its first step; returns the
+        config entries that carry them, the prefill's under ``PREFILL_CHOICES`` (the graphs'
+        node names overlap). The cache is zeroed after."""
+        position = min(prompt_tokens, self.max_seq - 1)
+        entries: dict[str, Any] = {}
+        for rows in row_buckets(self.max_batch):
+            inputs = self._step_inputs(
+                torch.zeros(rows, 1, dtype=torch.int64),
+                torch.arange(rows, dtype=torch.int64),
+                torch.full((rows,), position, dtype=torch.int64),
+            )
+            entries = dict(self.backend.choose_kernels(self, inputs))
+            self.config.update(entries)  # the next bucket's entry merges with these
+        tokens = max(1, min(prompt_tokens, self.max_seq))
+        prefill_inputs = self._step_inputs(
+            torch.zeros(1, tokens, dtype=torch.int64),
+            torch.zeros(1, dtype=torch.int64),
+            torch.zeros(1, dtype=torch.int64),
+        )
+        prefill = dict(self.backend.choose_kernels(self.prefill_model, prefill_inputs))
+        self.prefill_model.config.update(prefill)
+        entries[PREFILL_CHOICES] = prefill
+        self.config[PREFILL_CHOICES] = prefill
+        self.reset_cache()
+        return entries
 
     def reset_cache(self) -> None:
         for cache in self.caches:

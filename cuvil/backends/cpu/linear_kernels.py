@@ -43,6 +43,9 @@ from cuvil.runtime.kernels import FusedCall, PreparedKernel
 mkldnn = torch.ops.mkldnn
 
 
+ONE_THREAD_MAX_ROWS = 16  # rows up to which a bf16 GEMM also times a one-thread run
+
+
 def has_onednn_bf16() -> bool:
     """oneDNN runs bf16 natively only with AVX512-BF16/AMX (or AVX-NE-CONVERT); checked at load."""
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
@@ -185,26 +188,37 @@ def _residual_candidates(
 def _bf16_linear(
     weight: torch.Tensor, bias: torch.Tensor | None, activation: str, residual: bool
 ) -> PreparedKernel:
-    """oneDNN bf16 with fp32 at the op's borders (inputs cast in, result cast out)."""
-    attr, scalars, algorithm = ONEDNN_ACTIVATIONS[activation]
+    """oneDNN bf16 with fp32 at the op's borders (inputs cast in, result cast out). Calls of up
+    to ONE_THREAD_MAX_ROWS rows also time the same GEMM on the calling thread alone (a decode
+    step's GEMM of a small weight waits longer for a second thread than it computes)."""
+    attr, scalars, algorithm = ("none", [], "") if residual else ONEDNN_ACTIVATIONS[activation]
     packed = mkldnn._reorder_linear_weight(weight, None)
     low_bias = bias.to(torch.bfloat16) if bias is not None else None
-    native = bf16_linear_form(packed, low_bias, (attr, scalars, algorithm), residual)
-    if residual:
+    in_features = weight.shape[-1]
 
-        def linear_add(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-            y = mkldnn._linear_pointwise(x.to(torch.bfloat16), packed, low_bias, "none", [], "")
-            return y.float() + residual
-
-        return PreparedKernel(linear_add, native=native)
-
-    def linear(x: torch.Tensor) -> torch.Tensor:
+    def gemm(x: torch.Tensor) -> torch.Tensor:
         y = mkldnn._linear_pointwise(
             x.to(torch.bfloat16), packed, low_bias, attr, scalars, algorithm
         )
         return y.float()
 
-    return PreparedKernel(linear, native=native)
+    def gemm_one_thread(x: torch.Tensor) -> torch.Tensor:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return gemm(x)
+        finally:
+            torch.set_num_threads(threads)
+
+    few_rows = [("onednn_1t", gemm_one_thread)] if torch.get_num_threads() > 1 else []
+    tactics = Tactics([("onednn", gemm)], few_rows, ONE_THREAD_MAX_ROWS)
+
+    def linear(x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+        y = tactics.run(bucket(x.numel() // in_features), x)
+        return y + rest[0] if residual else y
+
+    native = bf16_linear_form(tactics, packed, low_bias, (attr, scalars, algorithm), residual)
+    return PreparedKernel(linear, tactics, native)
 
 
 def swiglu_kernel(call: FusedCall) -> PreparedKernel:

@@ -175,23 +175,37 @@ def single_op_form(
 
 
 def bf16_linear_form(
+    tactics: Tactics,
     packed: torch.Tensor,
     low_bias: torch.Tensor | None,
     post_op: tuple[str, list[Any], str],
     residual: bool,
 ) -> Callable[[tuple[Any, ...]], Sequence[Any] | None]:
-    """A bf16 linear's native form: the input cast to bf16, oneDNN's inner product with the
-    activation as its post-op, the result cast back (and the residual added in fp32)."""
-    attr, scalars, algorithm = ("none", [], "") if residual else post_op
-
+    """A bf16 linear's native form, the decided path of its row bucket: the input cast to bf16,
+    oneDNN's inner product with the activation as its post-op, the result cast back (and the
+    residual added in fp32); ``onednn_1t`` is the same as one call on the calling thread alone
+    (native/kernel_ops.cc)."""
+    attr, scalars, algorithm = post_op
     linear_op = mkldnn._linear_pointwise.default
 
     def native(args: tuple[Any, ...]) -> Sequence[Any] | None:
-        cast = op(aten.to.dtype, args[0], torch.bfloat16)
-        gemm = op(linear_op, Result(0), packed, low_bias, attr, scalars, algorithm)
-        calls = [cast, gemm, op(aten.to.dtype, Result(1), torch.float32)]
+        rows = 1
+        for size in args[0].shape[:-1]:
+            rows *= int(size)
+        key = bucket(rows)
+        offered = tactics.candidates_for(key)
+        chosen = chosen_path(tactics, key) or (offered[0] if len(offered) == 1 else None)
+        if chosen is None:
+            return None
+        if chosen[0] == "onednn_1t":  # the native library is loaded once forms are asked for
+            one_thread = torch.ops.cuvil_native.bf16_linear_one_thread.default
+            calls = [op(one_thread, args[0], packed, low_bias, attr, scalars, algorithm)]
+        else:
+            cast = op(aten.to.dtype, args[0], torch.bfloat16)
+            gemm = op(linear_op, Result(0), packed, low_bias, attr, scalars, algorithm)
+            calls = [cast, gemm, op(aten.to.dtype, Result(1), torch.float32)]
         if residual:
-            calls.append(op(aten.add.Tensor, Result(2), args[1]))
+            calls.append(op(aten.add.Tensor, Result(len(calls) - 1), args[1]))
         return calls
 
     return native

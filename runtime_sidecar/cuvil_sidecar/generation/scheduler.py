@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cuvil.generation.engine import DecoderEngine
-from cuvil.generation.sampling import SamplingParams, next_token
+from cuvil.generation.sampling import SamplingParams, next_token, next_tokens
 from cuvil_sidecar.errors import GenerationQueueFull, InvalidInput, KvBudgetExceeded
 
 log = logging.getLogger("cuvil_sidecar.generation")
@@ -250,12 +250,17 @@ class Scheduler:
         except Exception as error:
             self._fail(sequences, error)
             return
-        for row, sequence in enumerate(sequences):
-            self._take(sequence, logits[row])
+        params = [s.params for s in sequences]
+        tokens = next_tokens(logits, params, [s.generator for s in sequences])
+        for sequence, token in zip(sequences, tokens, strict=True):
+            self._took(sequence, token)
 
     def _take(self, sequence: Sequence, logits: torch.Tensor) -> None:
-        """Pick the sequence's next token from its logits, send it, end the sequence if done."""
-        token = next_token(logits, sequence.params, sequence.generator)
+        """Pick the sequence's next token from its logits, then as ``_took``."""
+        self._took(sequence, next_token(logits, sequence.params, sequence.generator))
+
+    def _took(self, sequence: Sequence, token: int) -> None:
+        """Send the sequence's next token, end the sequence if done."""
         sequence.tokens.append(token)
         finish = None
         if token in sequence.params.eos_token_id:

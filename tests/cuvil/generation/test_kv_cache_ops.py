@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from cuvil.analysis.memory import lifetimes, plan_memory
 from cuvil.backends import kv_cache
+from cuvil.backends.cpu import plan_loop
 from cuvil.fused_ops import CACHED_ATTENTION, KV_CACHE_WRITE, fused_node, in_place_ops
 from cuvil.ir import Graph, Node, TensorType, Value
 from cuvil.ir_verify import IRVerificationError, verify_graph
@@ -62,18 +63,40 @@ def _reference_attention(
 @pytest.mark.parametrize(
     ("tokens", "starts", "slots"),
     [
-        (1, [0, 5, 11], [2, 0, 3]),  # one row at a time
+        (1, [0, 5, 11], [2, 0, 3]),  # slots out of order
         (1, [4, 0, 12], [1, 2, 3]),  # consecutive slots: one masked call
         (4, [0, 3, 9], [2, 0, 3]),  # chunks of a prompt, from 0 and from later positions
     ],
 )
+@pytest.mark.parametrize("form", ["aten", "native"])
 def test_cached_attention_equals_attention_over_the_gathered_prefix(
-    tokens: int, starts: list[int], slots: list[int]
+    tokens: int, starts: list[int], slots: list[int], form: str
 ) -> None:
     keys, values = _cache(), _cache().flip(0)
     query = torch.randn(3, 2 * KV_HEADS, tokens, HEAD)  # grouped-query: 2 heads per KV head
-    got = kv_cache.attend(query, keys, values, torch.tensor(slots), torch.tensor(starts), 0.3)
+    rows, positions = torch.tensor(slots), torch.tensor(starts)
+    if form == "native":  # the CPU native plan's op (cpu/native/kernel_ops.cc)
+        assert plan_loop.load(), plan_loop.reason()
+        attend = torch.ops.cuvil_native.cached_attention.default
+        got = attend(query.transpose(1, 2).contiguous().transpose(1, 2), keys, values, rows,
+                     positions, 0.3)  # fmt: skip
+    else:
+        got = kv_cache.attend(query, keys, values, rows, positions, 0.3)
     expected = _reference_attention(query, keys, values, slots, starts, 0.3)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_native_decode_attention_over_long_prefixes_splits_across_threads() -> None:
+    """Prefixes long enough that the rows and heads are shared out among threads."""
+    assert plan_loop.load(), plan_loop.reason()
+    generator = torch.Generator().manual_seed(1)
+    keys = torch.randn(3, 2, 640, 64, generator=generator)
+    values = torch.randn(3, 2, 640, 64, generator=generator)
+    query = torch.randn(3, 4, 1, 64, generator=generator)
+    slots, starts = [2, 0, 1], [639, 300, 17]
+    attend = torch.ops.cuvil_native.cached_attention.default
+    got = attend(query, keys, values, torch.tensor(slots), torch.tensor(starts), None)
+    expected = _reference_attention(query, keys, values, slots, starts, 64**-0.5)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 

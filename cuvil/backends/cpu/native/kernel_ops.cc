@@ -7,10 +7,14 @@
 // ATen computation for inputs its C kernel does not take (not fp32, last dim not contiguous).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <c10/core/InferenceMode.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
+#include <vector>
 
 namespace {
 
@@ -192,6 +196,58 @@ at::Tensor &kv_cache_write(at::Tensor &cache, const at::Tensor &fresh, const at:
   return cache;
 }
 
+// one query token per row (a decode step), fp32: for each (row, head), softmax(q . K) . V over
+// the slot's prefix 0..position, read in place from the cache; rows in any slot order, no mask,
+// no gather, each row's work its own length. Accumulates in fp32 as ATen's attention does.
+at::Tensor decode_attention(const at::Tensor &query_in, const at::Tensor &key_cache,
+                            const at::Tensor &value_cache, const int64_t *rows,
+                            const int64_t *starts, double scale) {
+  const at::Tensor query = query_in.contiguous();
+  const int64_t count = query.size(0), heads = query.size(1), dim = query.size(3);
+  const int64_t kv_heads = key_cache.size(1), group = heads / kv_heads;
+  at::Tensor out = at::empty(query.sizes(), query.options());
+  const float *q = query.data_ptr<float>(), *k = key_cache.data_ptr<float>(),
+              *v = value_cache.data_ptr<float>();
+  float *o = out.data_ptr<float>();
+  const int64_t ks0 = key_cache.stride(0), ks1 = key_cache.stride(1), ks2 = key_cache.stride(2);
+  const int64_t vs0 = value_cache.stride(0), vs1 = value_cache.stride(1),
+                vs2 = value_cache.stride(2);
+  const float factor = static_cast<float>(scale);
+  // (row, head) items per thread: a step whose attention is a few microseconds of work runs
+  // on the calling thread, without a parallel region to wait for
+  int64_t longest = 1;
+  for (int64_t r = 0; r < count; r++) longest = std::max(longest, starts[r] + 1);
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (longest * dim));
+  at::parallel_for(0, count * heads, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t item = begin; item < end; item++) {
+      const int64_t r = item / heads, h = item % heads, kvh = h / group;
+      const int64_t length = starts[r] + 1;
+      const float *qr = q + item * dim;
+      const float *kr = k + rows[r] * ks0 + kvh * ks1;
+      const float *vr = v + rows[r] * vs0 + kvh * vs1;
+      scores.resize(length);
+      float top = -INFINITY;
+      for (int64_t t = 0; t < length; t++) {
+        const float *key = kr + t * ks2;
+        float dot = 0.f;
+        for (int64_t d = 0; d < dim; d++) dot += qr[d] * key[d];
+        scores[t] = dot * factor;
+        top = std::max(top, scores[t]);
+      }
+      float total = 0.f;
+      for (int64_t t = 0; t < length; t++) total += (scores[t] = std::exp(scores[t] - top));
+      float *orow = o + item * dim;
+      std::fill(orow, orow + dim, 0.f);
+      for (int64_t t = 0; t < length; t++) {
+        const float *value = vr + t * vs2, weight = scores[t] / total;
+        for (int64_t d = 0; d < dim; d++) orow[d] += weight * value[d];
+      }
+    }
+  });
+  return out;
+}
+
 // kv_cache.py's attend(): causal attention of each row's queries over its slot's cache prefix
 at::Tensor cached_attention(const at::Tensor &query, const at::Tensor &key_cache,
                             const at::Tensor &value_cache, const at::Tensor &slots,
@@ -205,6 +261,12 @@ at::Tensor cached_attention(const at::Tensor &query, const at::Tensor &key_cache
   const int64_t longest = *std::max_element(starts, starts + count) + tokens;
   TORCH_CHECK_INDEX(longest <= key_cache.size(2), "a row reaches position ", longest,
                     " of a cache of ", key_cache.size(2));
+  const bool plain = query.scalar_type() == at::kFloat && key_cache.scalar_type() == at::kFloat &&
+                     value_cache.scalar_type() == at::kFloat && key_cache.stride(3) == 1 &&
+                     value_cache.stride(3) == 1 && query.size(1) % key_cache.size(1) == 0;
+  if (tokens == 1 && plain)
+    return decode_attention(query, key_cache, value_cache, rows, starts,
+                            scale.has_value() ? *scale : 1.0 / std::sqrt(double(query.size(3))));
   bool consecutive = count > 1;
   for (int64_t r = 1; r < count && consecutive; r++) consecutive = rows[r] == rows[0] + r;
   if (tokens == 1 && consecutive) {
@@ -230,9 +292,46 @@ at::Tensor cached_attention(const at::Tensor &query, const at::Tensor &key_cache
   return out.size() == 1 ? out[0] : at::cat(out);
 }
 
+// the calling thread's intra-op thread count for a scope, restored however the scope ends
+struct ThreadCount {
+  int before;
+  explicit ThreadCount(int threads) : before(at::get_num_threads()) { at::set_num_threads(threads); }
+  ~ThreadCount() { at::set_num_threads(before); }
+};
+
+// linear_kernels.py's one-thread bf16 linear: the input cast to bf16, oneDNN's inner product
+// (mkldnn::_linear_pointwise) on the calling thread alone, the result cast back to fp32. A
+// one-row GEMM of a small weight costs less than the parallel region two threads would wait on.
+at::Tensor bf16_linear_one_thread(const at::Tensor &x, const at::Tensor &packed,
+                                  const std::optional<at::Tensor> &bias, c10::string_view attr,
+                                  c10::List<std::optional<c10::Scalar>> scalars,
+                                  std::optional<c10::string_view> algorithm) {
+  static const c10::OperatorHandle linear =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack;
+  stack.emplace_back(x.to(at::kBFloat16));
+  stack.emplace_back(packed);
+  stack.emplace_back(bias);
+  stack.emplace_back(std::string(attr));
+  stack.emplace_back(scalars);
+  if (algorithm.has_value())
+    stack.emplace_back(std::string(*algorithm));
+  else
+    stack.emplace_back(c10::IValue());
+  {
+    ThreadCount one(1);
+    linear.callBoxed(&stack);
+  }
+  return stack.back().toTensor().to(at::kFloat);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(cuvil_native, m) {
+  m.def(
+      "bf16_linear_one_thread(Tensor x, Tensor packed, Tensor? bias, str attr, Scalar?[] scalars, "
+      "str? algorithm) -> Tensor",
+      bf16_linear_one_thread);
   m.def("rms_norm(int kernel, Tensor x, Tensor weight, float eps) -> Tensor", rms_norm);
   m.def("rope(int kernel, Tensor x, Tensor cos, Tensor sin) -> Tensor", rope);
   m.def("max_pool2d(int kernel, Tensor x, int[] window) -> Tensor", max_pool2d);

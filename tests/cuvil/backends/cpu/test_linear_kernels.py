@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from cuvil.backends.cpu import plan_loop
 from cuvil.backends.cpu.linear_kernels import (
     INPLACE_ACTIVATIONS,
     compute_precision,
@@ -243,3 +244,44 @@ def test_split_gemm_matches_the_linear(
     extra = (torch.randn(rows, features),) if residual else ()
     expected = ACTIVATE[activation](F.linear(x, weight, bias) + (extra[0] if residual else 0))
     _close(split_linear(weight, bias, activation, residual, parts)(x, *extra), expected)
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_bf16_gemms_of_few_rows_also_time_one_thread(residual: bool) -> None:
+    """One-thread oneDNN joins the bf16 GEMM's candidates for few rows; it computes what two
+    threads do, as a Python call and as the native plan's one call, and leaves the thread count
+    as it was."""
+    torch.manual_seed(3)
+    weight, bias = torch.randn(48, 32).to(torch.bfloat16), torch.randn(48)
+    constants = {"weight": weight, "bias": bias, "activation": "none" if residual else "relu"}
+    runtime = ("input", "residual") if residual else ("input",)
+    x, added = torch.randn(3, 32), torch.randn(3, 48)
+    args = (x, added) if residual else (x,)
+    kernels = {path: prepare(linear_kernel, constants, runtime) for path in ("onednn", "1t")}
+    tactics = kernels["onednn"].choices
+    assert isinstance(tactics, Tactics)
+    names = {key: [name for name, _ in tactics.candidates_for(key)] for key in (4, 32)}
+    if not has_onednn_bf16() or torch.get_num_threads() == 1:  # no bf16 GEMM, or no 2nd thread
+        assert all("onednn_1t" not in found for found in names.values())
+        return
+    assert names == {4: ["onednn", "onednn_1t"], 32: ["onednn"]}
+    kernels["onednn"].choices.preset({4: "onednn"})
+    kernels["1t"].choices.preset({4: "onednn_1t"})
+    threads = torch.get_num_threads()
+    with torch.inference_mode():
+        two, one = (kernels[path].run(*args) for path in ("onednn", "1t"))
+        native = kernels["1t"].native
+        assert native is not None
+        assert plan_loop.load(), plan_loop.reason()
+        calls = native(args)
+        assert calls is not None
+        first = calls[0]
+        values = [first.op(*first.args)]
+        if residual:
+            values.append(values[0] + added)
+    expected = F.linear(x, weight.float(), bias)
+    expected = expected + added if residual else F.relu(expected)
+    assert float((two - expected).abs().max()) < 0.1  # bf16 weights, bf16 inputs
+    _close(one, two)
+    _close(values[-1], one)
+    assert torch.get_num_threads() == threads

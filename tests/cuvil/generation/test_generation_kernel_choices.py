@@ -1,0 +1,82 @@
+"""A generation compile with two slots (the rows of a decode step then equal the cache's slots
+in the export example) and its kernel choices made at compile time: every decode row bucket
+and the example prompt's prefill, carried in the artifact and taken on load, so no step of a
+loaded model times candidates."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import cuvil
+from cuvil.backends.cpu.kernel_choices import CONFIG_KEY, cpu_family
+from cuvil.runtime.generation import PREFILL_CHOICES, GenerationModel, row_buckets
+from cuvil.runtime.signature import InputError
+from tests.cuvil.generation.families import VOCAB, build
+
+PROMPT = 7
+
+
+@pytest.fixture(scope="module")
+def model() -> torch.nn.Module:
+    return build("llama")
+
+
+@pytest.fixture(scope="module")
+def generation(model: torch.nn.Module) -> GenerationModel:
+    example = {"input_ids": _ids(1, PROMPT, seed=0)}
+    compiled = cuvil.jit(
+        model, example, task="text-generation", max_batch=2, max_seq=32, choose_kernels=True
+    )
+    assert isinstance(compiled, GenerationModel)
+    return compiled
+
+
+def _ids(rows: int, length: int, seed: int) -> torch.Tensor:
+    return torch.randint(6, VOCAB, (rows, length), generator=torch.Generator().manual_seed(seed))
+
+
+def test_row_buckets_are_powers_of_two_then_max_batch() -> None:
+    assert row_buckets(1) == [1]
+    assert row_buckets(2) == [1, 2]
+    assert row_buckets(6) == [1, 2, 4, 6]
+    assert row_buckets(16) == [1, 2, 4, 8, 16]
+
+
+def test_two_slots_compile_and_generate_as_transformers(
+    generation: GenerationModel, model: torch.nn.Module
+) -> None:
+    assert [symbol.name for symbol in generation.graph.symbols] == ["batch"]
+    ids = _ids(2, 6, seed=1)
+    ours = generation.generate(ids, max_new_tokens=6, eos_token_id=None)
+    theirs = model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None)
+    assert torch.equal(ours, theirs)
+    caches = dict(zip(generation.cache_names, generation.caches, strict=True))
+    mismatched = {
+        "input_ids": torch.zeros(2, 1, dtype=torch.int64),
+        "slots": torch.zeros(1, dtype=torch.int64),
+        "positions": torch.zeros(2, dtype=torch.int64),
+        **caches,
+    }
+    with pytest.raises(InputError):  # the rows of one Dim must agree
+        generation.run(mismatched)
+
+
+def test_choices_for_every_bucket_are_carried_and_taken_on_load(
+    generation: GenerationModel, tmp_path: Path
+) -> None:
+    family = cpu_family()
+    decode = generation.config[CONFIG_KEY][family]
+    prefill = generation.config[PREFILL_CHOICES][CONFIG_KEY][family]
+    assert decode and prefill
+    assert all(set(buckets) == {"1", "2"} for buckets in decode.values())
+    assert any("8" in buckets for buckets in prefill.values())  # the 7-token prompt's bucket
+    loaded = cuvil.load(generation.save(tmp_path / "llama.cuvil"))
+    assert isinstance(loaded, GenerationModel)
+    assert loaded.execution()["tactics_from_artifact"]
+    assert loaded.prefill_model.execution()["tactics_from_artifact"]
+    loaded.generate(_ids(2, PROMPT, seed=2), max_new_tokens=4, eos_token_id=None)
+    assert not loaded.plan.kernel_trials()  # no decode step timed a candidate
+    assert not loaded.prefill_plan.kernel_trials()
