@@ -31,6 +31,7 @@ from cuvil.backends.cpu.linear_kernels import (
     compute_precision,
     linear_kernel,
     swiglu_kernel,
+    widened,
 )
 from cuvil.backends.cpu.native_calls import Result, chosen_path, kept_conv_call, kept_of, op
 from cuvil.backends.cpu.pointwise_conv import is_pointwise, with_gemm_tactic
@@ -49,23 +50,28 @@ def conv2d_kernel(call: FusedCall) -> PreparedKernel:
     call.check_runtime(("input", "residual"))
     weight: torch.Tensor = call.arg("weight")
     bias = call.arg("bias")
+    low_out = call.output_dtype == "bf16"
     if weight.dtype == torch.bfloat16:
         if compute_precision(weight.dtype) == "bf16":
             low_bias = bias.to(torch.bfloat16) if bias is not None else None
             weights = _conv_weight(call, weight)
             inner = _onednn_conv(call, weight, low_bias, weights)
-            native = _bf16_conv_form(call, weights, low_bias)
-            return PreparedKernel(_bf16_borders(inner), native=native)
+            native = _bf16_conv_form(call, weights, low_bias, low_out)
+            return PreparedKernel(_bf16_borders(inner, low_out), native=native)
         weight, bias = weight.float(), bias.float() if bias is not None else None  # widened
-    return _fp32_conv2d(call, weight, bias)
+    prepared = _fp32_conv2d(call, weight, bias)
+    if low_out or "bf16" in call.dtypes.values():
+        return widened(prepared, low_out)
+    return prepared
 
 
-def _bf16_borders(inner: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """bf16 weights on a CPU with bf16 instructions: oneDNN computes in bf16 with fp32 at the
-    op's borders (inputs cast in, result out)."""
+def _bf16_borders(inner: Callable[..., torch.Tensor], low_out: bool) -> Callable[..., torch.Tensor]:
+    """bf16 weights on a CPU with bf16 instructions: oneDNN computes in bf16; inputs that
+    arrive in fp32 are cast in, and the result cast out unless the graph keeps it bf16."""
 
     def run(*values: torch.Tensor) -> torch.Tensor:
-        return inner(*(v.to(torch.bfloat16) for v in values)).float()
+        y = inner(*(v.to(torch.bfloat16) for v in values))
+        return y if low_out else y.float()
 
     return run
 
@@ -133,10 +139,11 @@ def _conv_weight(call: FusedCall, weight: torch.Tensor) -> ConvWeight:
 
 
 def _bf16_conv_form(
-    call: FusedCall, weights: ConvWeight, low_bias: torch.Tensor | None
+    call: FusedCall, weights: ConvWeight, low_bias: torch.Tensor | None, low_out: bool
 ) -> Callable[[tuple[Any, ...]], Sequence[Any] | None]:
-    """The bf16 convolution's native form: inputs cast to bf16 (channels-last), oneDNN's
-    convolution with its post-ops as ATen calls it, the result cast back to fp32."""
+    """The bf16 convolution's native form: inputs in bf16 (cast where they arrive in fp32),
+    channels-last, oneDNN's convolution with its post-ops as ATen calls it, the result cast
+    back to fp32 unless the graph keeps it bf16."""
     stride, padding, dilation, groups = _geometry(call)
     attr, scalars, algorithm = ONEDNN_ACTIVATIONS[str(call.arg("activation"))]
     aten = torch.ops.aten
@@ -180,7 +187,8 @@ def _bf16_conv_form(
                     algorithm,
                 )
             )
-        calls.append(op(aten.to.dtype, Result(len(calls) - 1), torch.float32))
+        if not low_out:
+            calls.append(op(aten.to.dtype, Result(len(calls) - 1), torch.float32))
         return calls
 
     return native

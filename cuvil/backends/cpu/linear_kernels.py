@@ -55,6 +55,18 @@ def compute_precision(weight_dtype: torch.dtype) -> str:
     return "fp32"
 
 
+def widened(prepared: PreparedKernel, low_out: bool) -> PreparedKernel:
+    """An fp32 kernel (a CPU without bf16 instructions) where the graph passes bf16 values:
+    inputs widened, the result narrowed; Python steps, without a native form."""
+    inner = prepared.run
+
+    def run(*values: torch.Tensor) -> torch.Tensor:
+        y = inner(*(v.float() for v in values))
+        return y.to(torch.bfloat16) if low_out else y
+
+    return PreparedKernel(run, prepared.choices)
+
+
 def _as_fp32(tensor: torch.Tensor | None) -> torch.Tensor | None:
     return tensor.float() if tensor is not None else None
 
@@ -68,9 +80,19 @@ def linear_kernel(call: FusedCall) -> PreparedKernel:
     if residual and activation != "none":
         raise ValueError("cuvil.linear fuses an activation or a residual add, not both")
     weight: torch.Tensor = call.arg("weight")
+    low_out = call.output_dtype == "bf16"
     if compute_precision(weight.dtype) == "bf16":
-        return _bf16_linear(weight, call.arg("bias"), activation, residual)
-    weight, bias = weight.float(), _as_fp32(call.arg("bias"))
+        return _bf16_linear(weight, call.arg("bias"), activation, residual, low_out)
+    fp32 = _fp32_linear(weight.float(), _as_fp32(call.arg("bias")), activation, residual)
+    if low_out or "bf16" in call.dtypes.values():
+        return widened(fp32, low_out)
+    return fp32
+
+
+def _fp32_linear(
+    weight: torch.Tensor, bias: torch.Tensor | None, activation: str, residual: bool
+) -> PreparedKernel:
+    """The fp32 linear: MKL, oneDNN and split-GEMM paths timed per row bucket."""
     transposed = weight.t().contiguous()
     if residual:
         candidates = _residual_candidates(weight, transposed, bias)
@@ -183,26 +205,39 @@ def _residual_candidates(
 
 
 def _bf16_linear(
-    weight: torch.Tensor, bias: torch.Tensor | None, activation: str, residual: bool
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str,
+    residual: bool,
+    low_out: bool = False,
 ) -> PreparedKernel:
-    """oneDNN bf16 with fp32 at the op's borders (inputs cast in, result cast out)."""
+    """oneDNN bf16: inputs cast in where they arrive in fp32; the result cast out (and a
+    residual added in fp32) unless the graph keeps it bf16 (``low_out``), where the residual
+    add is the inner product's post-op."""
     attr, scalars, algorithm = ONEDNN_ACTIVATIONS[activation]
     packed = mkldnn._reorder_linear_weight(weight, None)
     low_bias = bias.to(torch.bfloat16) if bias is not None else None
-    native = bf16_linear_form(packed, low_bias, (attr, scalars, algorithm), residual)
+    native = bf16_linear_form(packed, low_bias, (attr, scalars, algorithm), residual, low_out)
+    low = torch.bfloat16
+    if residual and low_out:
+
+        def linear_add_low(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+            return mkldnn._linear_pointwise.binary(
+                x.to(low), residual.to(low).contiguous(), packed, low_bias, "add"
+            )
+
+        return PreparedKernel(linear_add_low, native=native)
     if residual:
 
         def linear_add(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-            y = mkldnn._linear_pointwise(x.to(torch.bfloat16), packed, low_bias, "none", [], "")
+            y = mkldnn._linear_pointwise(x.to(low), packed, low_bias, "none", [], "")
             return y.float() + residual
 
         return PreparedKernel(linear_add, native=native)
 
     def linear(x: torch.Tensor) -> torch.Tensor:
-        y = mkldnn._linear_pointwise(
-            x.to(torch.bfloat16), packed, low_bias, attr, scalars, algorithm
-        )
-        return y.float()
+        y = mkldnn._linear_pointwise(x.to(low), packed, low_bias, attr, scalars, algorithm)
+        return y if low_out else y.float()
 
     return PreparedKernel(linear, native=native)
 

@@ -179,19 +179,32 @@ def bf16_linear_form(
     low_bias: torch.Tensor | None,
     post_op: tuple[str, list[Any], str],
     residual: bool,
+    low_out: bool = False,
 ) -> Callable[[tuple[Any, ...]], Sequence[Any] | None]:
-    """A bf16 linear's native form: the input cast to bf16, oneDNN's inner product with the
-    activation as its post-op, the result cast back (and the residual added in fp32)."""
+    """A bf16 linear's native form: the input cast to bf16 where it arrives in fp32, oneDNN's
+    inner product with the activation as its post-op; the result cast back and the residual
+    added in fp32, or (``low_out``: the graph keeps it bf16) the residual added as a post-op."""
     attr, scalars, algorithm = ("none", [], "") if residual else post_op
-
     linear_op = mkldnn._linear_pointwise.default
+    low = torch.bfloat16
 
     def native(args: tuple[Any, ...]) -> Sequence[Any] | None:
-        cast = op(aten.to.dtype, args[0], torch.bfloat16)
-        gemm = op(linear_op, Result(0), packed, low_bias, attr, scalars, algorithm)
-        calls = [cast, gemm, op(aten.to.dtype, Result(1), torch.float32)]
+        calls: list[Any] = []
+        x = args[0]
+        if x.dtype != low:
+            calls.append(op(aten.to.dtype, x, low))
+            x = Result(0)
+        if residual and low_out:
+            if args[1].dtype != low or not args[1].is_contiguous():
+                return None  # the graph gives it bf16 and contiguous; else the Python kernel
+            binary = mkldnn._linear_pointwise.binary
+            return [*calls, op(binary, x, args[1], packed, low_bias, "add")]
+        calls.append(op(linear_op, x, packed, low_bias, attr, scalars, algorithm))
+        if low_out:
+            return calls
+        calls.append(op(aten.to.dtype, Result(len(calls) - 1), torch.float32))
         if residual:
-            calls.append(op(aten.add.Tensor, Result(2), args[1]))
+            calls.append(op(aten.add.Tensor, Result(len(calls) - 1), args[1]))
         return calls
 
     return native
