@@ -56,13 +56,43 @@ def conv2d_kernel(call: FusedCall) -> PreparedKernel:
             low_bias = bias.to(torch.bfloat16) if bias is not None else None
             weights = _conv_weight(call, weight)
             inner = _onednn_conv(call, weight, low_bias, weights)
+            aten_path = _bf16_borders(inner, low_out)
+            kept = _kept_bf16_conv(call, weight, bias, low_out)
+            if kept is not None:
+                run = KeptWithFallback(kept, lambda: aten_path).run
+                native = _kept_form(kept)
+                return PreparedKernel(run, native=native)
             native = _bf16_conv_form(call, weights, low_bias, low_out)
-            return PreparedKernel(_bf16_borders(inner, low_out), native=native)
+            return PreparedKernel(aten_path, native=native)
         weight, bias = weight.float(), bias.float() if bias is not None else None  # widened
     prepared = _fp32_conv2d(call, weight, bias)
     if low_out or "bf16" in call.dtypes.values():
         return widened(prepared, low_out)
     return prepared
+
+
+def _kept_bf16_conv(
+    call: FusedCall, weight: torch.Tensor, bias: torch.Tensor | None, low_out: bool
+) -> DirectConv | None:
+    """Kept bf16 primitives for a convolution whose data arguments the graph gives in bf16
+    (passes/low_activations.py), where libdnnl is loaded; else None (ATen's oneDNN call)."""
+    dnnl = load_dnnl()
+    if dnnl is None or not low_out or any(d != "bf16" for d in call.dtypes.values()):
+        return None
+    activation = str(call.arg("activation"))
+    residual = call.is_runtime("residual")
+    low = torch.bfloat16
+    return DirectConv(
+        dnnl, weight, bias, _geometry(call), activation, residual, call.residual_donated,
+        dtypes=(low, low),
+    )  # fmt: skip
+
+
+def _kept_form(kept: DirectConv) -> Callable[[tuple[Any, ...]], Sequence[Any] | None]:
+    def native(args: tuple[Any, ...]) -> Sequence[Any] | None:
+        return kept_conv_call(kept, args[0], args[1] if len(args) > 1 else None)
+
+    return native
 
 
 def _bf16_borders(inner: Callable[..., torch.Tensor], low_out: bool) -> Callable[..., torch.Tensor]:

@@ -200,3 +200,29 @@ def test_the_library_says_its_version(dnnl: dnnl_module.Dnnl) -> None:
     assert major == 3 and minor >= 2  # enum values above are 3.x's
     expected = f"oneDNN {major}.{minor}.{patch} kept primitives (libdnnl.so.3)"
     assert dnnl_module.describe() == expected
+
+
+@pytest.mark.skipif(
+    not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="no bf16 instructions here"
+)
+@pytest.mark.parametrize("residual", [False, True])
+def test_bf16_primitives_read_and_write_bf16_within_its_rounding(
+    dnnl: dnnl_module.Dnnl, residual: bool
+) -> None:
+    torch.manual_seed(0)
+    geometry = (16, 32, 3, 2, 1, 1, 1)
+    weight = torch.randn(32, 16, 3, 3)
+    args = _args(weight, geometry, "relu")
+    low = torch.bfloat16
+    kept = DirectConv(
+        dnnl, weight.to(low), args["bias"], (args["stride"], args["padding"], args["dilation"], 1),
+        "relu", residual, dtypes=(low, low),
+    )  # fmt: skip
+    x = torch.randn(2, 16, 9, 9).to(low).contiguous(memory_format=torch.channels_last)
+    conv = F.conv2d(x.float(), weight.to(low).float(), args["bias"], 2, 1)
+    extra = torch.randn(conv.shape).to(low) if residual else None
+    got = kept(x, extra)
+    assert got is not None and got.dtype == low
+    assert got.is_contiguous(memory_format=torch.channels_last)
+    expected = F.relu(conv + extra.float()) if extra is not None else F.relu(conv)
+    torch.testing.assert_close(got.float(), expected, atol=0.05, rtol=0.02)
