@@ -33,6 +33,7 @@ from cuvil.backends.cpu.kept_primitives import KeptWithFallback
 from cuvil.backends.cpu.native_calls import (
     bf16_linear_form,
     gated_form,
+    kept_linear_form,
     linear_form,
     mkl_linear_form,
 )
@@ -82,11 +83,30 @@ def linear_kernel(call: FusedCall) -> PreparedKernel:
     weight: torch.Tensor = call.arg("weight")
     low_out = call.output_dtype == "bf16"
     if compute_precision(weight.dtype) == "bf16":
-        return _bf16_linear(weight, call.arg("bias"), activation, residual, low_out)
+        aten_path = _bf16_linear(weight, call.arg("bias"), activation, residual, low_out)
+        dnnl = load_dnnl()
+        if dnnl is None or not low_out or any(d != "bf16" for d in call.dtypes.values()):
+            return aten_path
+        low = (torch.bfloat16, torch.bfloat16)
+        kept = DirectLinear(dnnl, weight, call.arg("bias"), activation, residual, low)
+        return _kept_rows(KeptWithFallback(kept, lambda: aten_path.run), weight.shape[-1])
     fp32 = _fp32_linear(weight.float(), _as_fp32(call.arg("bias")), activation, residual)
     if low_out or "bf16" in call.dtypes.values():
         return widened(fp32, low_out)
     return fp32
+
+
+def _kept_rows(kernel: KeptWithFallback, in_features: int) -> PreparedKernel:
+    """A linear on kept primitives that read and write bf16 (passes/low_activations.py gives
+    it bf16 values): leading dims flattened to rows, ATen's oneDNN call past their cache."""
+
+    def linear(x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        rows = x.reshape(-1, in_features)
+        y = kernel.run(rows, *(r.reshape(rows.shape[0], -1) for r in rest))
+        return y.view(*lead, y.shape[-1])
+
+    return PreparedKernel(linear, native=kept_linear_form(kernel.kept, in_features))
 
 
 def _fp32_linear(

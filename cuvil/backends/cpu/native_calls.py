@@ -210,6 +210,25 @@ def bf16_linear_form(
     return native
 
 
+def kept_linear_form(
+    kept: KeptPrimitives, in_features: int
+) -> Callable[[tuple[Any, ...]], Sequence[Any] | None]:
+    """A linear on kept primitives alone (bf16 in and out): its input viewed as rows."""
+
+    def native(args: tuple[Any, ...]) -> Sequence[Any] | None:
+        x, residual = args[0], (args[1] if len(args) > 1 else None)
+        lead = tuple(int(size) for size in x.shape[:-1])
+        rows = 1
+        for size in lead:
+            rows *= size
+        if not kept.can_run((rows, in_features)):
+            return None
+        out_features = kept.prepare((rows, in_features)).output_shape[-1]
+        return [KeptCall(kept, x, residual, (rows, in_features), (*lead, out_features), False)]
+
+    return native
+
+
 def gated_form(
     gemm: Callable[[tuple[Any, ...]], Sequence[Any] | None] | None, hidden: int
 ) -> Callable[[tuple[Any, ...]], Sequence[Any] | None] | None:
