@@ -8,6 +8,9 @@ each casting its input in and its result out:
     # view(y: bf16)           -> view(y) : bf16                   (ops that move data, not math)
     # softmax(y: bf16)        -> softmax(to_f32(y))               (any op not known to be safe)
 
+A GEMM-like op answers in bf16 only where every reader takes bf16 (another GEMM-like op,
+attention, or a follower whose result every reader takes in bf16): where one reader needs fp32,
+the op writes fp32 itself rather than leave a cast to a separate pass over its result.
 bf16 flows through the ops in ``FOLLOWERS`` (views, slices, pooling, ReLU: they move or select
 values, so bf16 loses nothing more there) and through ``cuvil.attention`` (ATen's CPU kernel
 keeps its softmax and accumulators in fp32) and ``cuvil.layer_norm`` (ATen computes the
@@ -28,9 +31,9 @@ from cuvil.passes.program import NameSource, Program
 
 LOW = "bf16"
 FULL = "f32"
-# GEMM-like op -> its data arguments, taken in bf16 when its weight is bf16
-GEMMS = {CONV2D: ("input", "residual"), LINEAR: ("input", "residual")}
-WEIGHTS = {CONV2D: "weight", LINEAR: "weight"}
+# GEMM-like op -> its weight argument; it takes its input in bf16 when that weight is bf16
+GEMMS = {CONV2D, LINEAR}
+WEIGHTS = {CONV2D: "weight", LINEAR: "weight"}  # the data arguments: input, residual
 # ops whose result has their first operand's dtype and loses nothing more in bf16
 FOLLOWERS = {
     "aten.view.default",
@@ -88,8 +91,9 @@ def keep_low_activations(program: Program) -> Program:
 
     weights = {node.value() for node in graph.nodes if node.op == "const"}
 
+    readers_take_low = _readers_take_low(program)
     for node in graph.nodes:
-        wanted, out = _wanted(node, program, is_low)
+        wanted, out = _wanted(node, program, is_low, readers_take_low)
         mapping = {v: convert(v, dtype) for v, dtype in wanted.items()}
         if mapping:
             node = replace(node, args=tuple((k, map_values(a, mapping)) for k, a in node.args))
@@ -101,27 +105,56 @@ def keep_low_activations(program: Program) -> Program:
             types[Value(node.name, index)] = tensor_type
     outputs = tuple((name, convert(value, FULL)) for name, value in graph.outputs)
     casts = len(converted)
-    if not low_nodes:
+    if not low_nodes and not casts:
         return program
     new_graph = replace(graph, nodes=tuple(nodes), outputs=outputs)
     hits = {"bf16_activations": low_nodes, "bf16_casts": casts}
     return replace(program, graph=new_graph).with_hits(hits)
 
 
+def _is_low_gemm(node: Node, program: Program) -> bool:
+    if node.op not in GEMMS:
+        return False
+    weight = node.arg(WEIGHTS[node.op])
+    tensor = program.const_tensor(weight) if isinstance(weight, Value) else None
+    return tensor is not None and tensor.dtype == torch.bfloat16
+
+
+def _readers_take_low(program: Program) -> set[Value]:
+    """The values whose every reader takes them in bf16 (graph outputs take fp32)."""
+    graph = program.graph
+    every: dict[Value, bool] = {value: False for _, value in graph.outputs}
+    for node in reversed(graph.nodes):  # a node's readers come after it: already seen
+        for key, arg in node.args:
+            if not isinstance(arg, Value):
+                continue
+            if _is_low_gemm(node, program):
+                takes = key == "input" or (key == "residual" and every.get(node.value(), False))
+            elif node.op in LOW_DATA:
+                takes = key in LOW_DATA[node.op]
+            elif node.op in FOLLOWERS:
+                takes = arg == node.inputs[0] and every.get(node.value(), False)
+            else:
+                takes = False
+            every[arg] = every.get(arg, True) and takes
+    return {value for value, takes in every.items() if takes}
+
+
 def _wanted(
-    node: Node, program: Program, is_low: Callable[[object], bool]
+    node: Node,
+    program: Program,
+    is_low: Callable[[object], bool],
+    readers_take_low: set[Value],
 ) -> tuple[dict[Value, str], str]:
     """The dtype each tensor operand must have, and the dtype of the node's result."""
-    if node.op in GEMMS:
-        weight = node.arg(WEIGHTS[node.op])
-        tensor = program.const_tensor(weight) if isinstance(weight, Value) else None
-        if tensor is not None and tensor.dtype == torch.bfloat16:
-            data = [node.arg(key) for key in GEMMS[node.op]]
-            return {v: LOW for v in data if isinstance(v, Value)}, LOW
-    elif node.op in LOW_DATA and is_low(node.arg(LOW_DATA[node.op][0])):
+    if _is_low_gemm(node, program):
+        out = LOW if node.value() in readers_take_low else FULL
+        wanted = {node.arg("input"): LOW, node.arg("residual"): out}
+        return {v: dtype for v, dtype in wanted.items() if isinstance(v, Value)}, out
+    if node.op in LOW_DATA and is_low(node.arg(LOW_DATA[node.op][0])):
         data = [node.arg(key) for key in LOW_DATA[node.op]]
         return {v: LOW for v in data if isinstance(v, Value) and not _is_const(v, program)}, LOW
-    elif node.op in FOLLOWERS and node.inputs and is_low(node.inputs[0]):
+    if node.op in FOLLOWERS and node.inputs and is_low(node.inputs[0]):
         return {}, LOW
     if node.op == "const":
         return {}, FULL

@@ -31,6 +31,7 @@ from cuvil.backends.cpu.linear_kernels import (
     compute_precision,
     linear_kernel,
     swiglu_kernel,
+    takes_low_input,
     widened,
 )
 from cuvil.backends.cpu.native_calls import Result, chosen_path, kept_conv_call, kept_of, op
@@ -74,18 +75,17 @@ def conv2d_kernel(call: FusedCall) -> PreparedKernel:
 def _kept_bf16_conv(
     call: FusedCall, weight: torch.Tensor, bias: torch.Tensor | None, low_out: bool
 ) -> DirectConv | None:
-    """Kept bf16 primitives for a convolution whose data arguments the graph gives in bf16
+    """Kept bf16 primitives for a convolution whose input the graph gives in bf16
     (passes/low_activations.py), where libdnnl is loaded; else None (ATen's oneDNN call)."""
     dnnl = load_dnnl()
-    if dnnl is None or not low_out or any(d != "bf16" for d in call.dtypes.values()):
+    if dnnl is None or not takes_low_input(call):
         return None
     activation = str(call.arg("activation"))
     residual = call.is_runtime("residual")
-    low = torch.bfloat16
+    dtypes = (torch.bfloat16, torch.bfloat16 if low_out else torch.float32)
     return DirectConv(
-        dnnl, weight, bias, _geometry(call), activation, residual, call.residual_donated,
-        dtypes=(low, low),
-    )  # fmt: skip
+        dnnl, weight, bias, _geometry(call), activation, residual, call.residual_donated, dtypes
+    )
 
 
 def _kept_form(kept: DirectConv) -> Callable[[tuple[Any, ...]], Sequence[Any] | None]:

@@ -68,6 +68,13 @@ def widened(prepared: PreparedKernel, low_out: bool) -> PreparedKernel:
     return PreparedKernel(run, prepared.choices)
 
 
+def takes_low_input(call: FusedCall) -> bool:
+    """A GEMM-like node the graph gives a bf16 input, and a residual (if any) in its result's
+    dtype: what kept bf16 primitives take (the residual is read in the output's layout)."""
+    residual = call.dtypes.get("residual", call.output_dtype)
+    return call.dtypes.get("input") == "bf16" and residual == call.output_dtype
+
+
 def _as_fp32(tensor: torch.Tensor | None) -> torch.Tensor | None:
     return tensor.float() if tensor is not None else None
 
@@ -85,10 +92,10 @@ def linear_kernel(call: FusedCall) -> PreparedKernel:
     if compute_precision(weight.dtype) == "bf16":
         aten_path = _bf16_linear(weight, call.arg("bias"), activation, residual, low_out)
         dnnl = load_dnnl()
-        if dnnl is None or not low_out or any(d != "bf16" for d in call.dtypes.values()):
+        if dnnl is None or not takes_low_input(call):
             return aten_path
-        low = (torch.bfloat16, torch.bfloat16)
-        kept = DirectLinear(dnnl, weight, call.arg("bias"), activation, residual, low)
+        dtypes = (torch.bfloat16, torch.bfloat16 if low_out else torch.float32)
+        kept = DirectLinear(dnnl, weight, call.arg("bias"), activation, residual, dtypes)
         return _kept_rows(KeptWithFallback(kept, lambda: aten_path.run), weight.shape[-1])
     fp32 = _fp32_linear(weight.float(), _as_fp32(call.arg("bias")), activation, residual)
     if low_out or "bf16" in call.dtypes.values():
@@ -97,8 +104,9 @@ def linear_kernel(call: FusedCall) -> PreparedKernel:
 
 
 def _kept_rows(kernel: KeptWithFallback, in_features: int) -> PreparedKernel:
-    """A linear on kept primitives that read and write bf16 (passes/low_activations.py gives
-    it bf16 values): leading dims flattened to rows, ATen's oneDNN call past their cache."""
+    """A linear on kept primitives that read bf16 (passes/low_activations.py gives it bf16
+    values) and write bf16 or fp32: leading dims flattened to rows, ATen's oneDNN call past
+    their cache."""
 
     def linear(x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]

@@ -213,7 +213,7 @@ def bf16_linear_form(
 def kept_linear_form(
     kept: KeptPrimitives, in_features: int
 ) -> Callable[[tuple[Any, ...]], Sequence[Any] | None]:
-    """A linear on kept primitives alone (bf16 in and out): its input viewed as rows."""
+    """A linear on kept primitives alone (bf16 in): its input viewed as rows."""
 
     def native(args: tuple[Any, ...]) -> Sequence[Any] | None:
         x, residual = args[0], (args[1] if len(args) > 1 else None)

@@ -29,7 +29,7 @@ def _within_budget(expected: torch.Tensor, got: torch.Tensor) -> None:
 
 
 class Softmaxed(nn.Module):
-    """A linear, a softmax (fp32 only), a linear: bf16 around the softmax, cast both ways."""
+    """A linear, a softmax (fp32 only), a linear: each linear reads bf16 and writes fp32."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -44,10 +44,11 @@ def test_a_conv_chain_passes_bf16_with_casts_only_at_its_borders() -> None:
     model = ConvBlock(torch.relu).eval()
     x = torch.randn(2, 8, 10, 10)
     compiled = cuvil.jit(model, (x,), precision="bf16")
-    assert compiled.report["fusions"]["bf16_activations"] >= 3
-    assert _casts(compiled) == ["dtype<bf16>", "dtype<f32>"]  # in once, out once
+    assert compiled.report["fusions"]["bf16_activations"] >= 1
+    assert _casts(compiled) == ["dtype<bf16>"]  # in once; the last conv writes fp32 itself
     convs = [node for node in compiled.graph.nodes if node.op == "cuvil.conv2d"]
-    assert all(node.type.dtype == "bf16" for node in convs)
+    # the last conv and its residual (the shortcut conv) are fp32: what the graph returns
+    assert [node.type.dtype for node in convs] == ["bf16", "f32", "f32"]
     assert compiled.execution()["activations"] == "bf16"
     with torch.no_grad():
         _within_budget(model(x), compiled(x))
@@ -60,7 +61,9 @@ def test_an_op_that_needs_fp32_gets_it_and_the_next_linear_bf16_again() -> None:
     compiled = cuvil.jit(model, (x,), precision="bf16")
     (softmax,) = [node for node in compiled.graph.nodes if "softmax" in node.op]
     assert compiled.graph.type_of(softmax.inputs[0]).dtype == "f32"
-    assert _casts(compiled) == ["dtype<bf16>", "dtype<f32>", "dtype<bf16>", "dtype<f32>"]
+    assert _casts(compiled) == ["dtype<bf16>", "dtype<bf16>"]  # into each linear; out, fp32
+    linears = [node for node in compiled.graph.nodes if node.op == "cuvil.linear"]
+    assert [node.type.dtype for node in linears] == ["f32", "f32"]
     with torch.no_grad():
         _within_budget(model(x), compiled(x))
 
