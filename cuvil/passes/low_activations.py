@@ -11,11 +11,12 @@ each casting its input in and its result out:
 A GEMM-like op answers in bf16 only where every reader takes bf16 (another GEMM-like op,
 attention, or a follower whose result every reader takes in bf16): where one reader needs fp32,
 the op writes fp32 itself rather than leave a cast to a separate pass over its result.
-bf16 flows through the ops in ``FOLLOWERS`` (views, slices, pooling, ReLU: they move or select
-values, so bf16 loses nothing more there) and through ``cuvil.attention`` (ATen's CPU kernel
-keeps its softmax and accumulators in fp32) and ``cuvil.layer_norm`` (ATen computes the
-statistics of a bf16 input in fp32). Every other op gets fp32 operands, graph outputs are
-fp32, and a value that several ops need converted is converted once.
+bf16 flows through the ops in ``FOLLOWERS`` (views, slices, pooling, ReLU: they move or
+select values, so bf16 loses nothing more there; and ``cuvil.layer_norm``, whose statistics ATen
+computes in fp32 for a bf16 input). ``cuvil.attention`` always runs in bf16 (ATen's CPU kernel
+keeps its softmax and accumulators in fp32). Every other op gets fp32 operands, graph outputs
+are fp32, and a value that several ops need converted is converted once. A graph without bf16
+weights is left as it is.
 """
 
 from __future__ import annotations
@@ -25,15 +26,16 @@ from dataclasses import replace
 
 import torch
 
-from cuvil.fused_ops import ATTENTION, CONV2D, LAYER_NORM, LINEAR
+from cuvil.fused_ops import ATTENTION, CONV2D, LAYER_NORM, LINEAR, SWIGLU
 from cuvil.ir import Enum, Node, TensorType, Value, map_values
 from cuvil.passes.program import NameSource, Program
 
 LOW = "bf16"
 FULL = "f32"
 # GEMM-like op -> its weight argument; it takes its input in bf16 when that weight is bf16
-GEMMS = {CONV2D, LINEAR}
-WEIGHTS = {CONV2D: "weight", LINEAR: "weight"}  # the data arguments: input, residual
+GEMMS = {CONV2D, LINEAR, SWIGLU}
+WEIGHTS = {CONV2D: "weight", LINEAR: "weight", SWIGLU: "gate_up_weight"}
+FULL_RESULT = {SWIGLU}  # its gate (silu(gate) * up) is an fp32 kernel: it answers in fp32
 # ops whose result has their first operand's dtype and loses nothing more in bf16
 FOLLOWERS = {
     "aten.view.default",
@@ -54,7 +56,7 @@ FOLLOWERS = {
     "aten.adaptive_avg_pool2d.default",
     LAYER_NORM,
 }
-# fused ops that take bf16 data arguments (and answer in bf16) when their first one is bf16
+# fused ops that take bf16 data arguments and answer in bf16 (cast in where they are fp32)
 LOW_DATA = {ATTENTION: ("query", "key", "value", "mask")}
 
 
@@ -69,6 +71,8 @@ def _as(types: tuple[TensorType, ...], dtype: str) -> tuple[TensorType, ...]:
 
 def keep_low_activations(program: Program) -> Program:
     graph = program.graph
+    if not any(_is_low_gemm(node, program) for node in graph.nodes):
+        return program  # no bf16 weights (precision left out): nothing to keep in bf16
     types: dict[Value, TensorType] = {}
     converted: dict[tuple[Value, str], Value] = {}
     names = NameSource(graph, program.weights)
@@ -148,10 +152,11 @@ def _wanted(
 ) -> tuple[dict[Value, str], str]:
     """The dtype each tensor operand must have, and the dtype of the node's result."""
     if _is_low_gemm(node, program):
-        out = LOW if node.value() in readers_take_low else FULL
+        takes = node.value() in readers_take_low and node.op not in FULL_RESULT
+        out = LOW if takes else FULL
         wanted = {node.arg("input"): LOW, node.arg("residual"): out}
         return {v: dtype for v, dtype in wanted.items() if isinstance(v, Value)}, out
-    if node.op in LOW_DATA and is_low(node.arg(LOW_DATA[node.op][0])):
+    if node.op in LOW_DATA:
         data = [node.arg(key) for key in LOW_DATA[node.op]]
         return {v: LOW for v in data if isinstance(v, Value) and not _is_const(v, program)}, LOW
     if node.op in FOLLOWERS and node.inputs and is_low(node.inputs[0]):

@@ -319,6 +319,9 @@ def attention_kernel(call: FusedCall) -> PreparedKernel:
         )
 
     constant_mask = call.arg("mask")  # a mask baked into the model, or None
+    low = call.output_dtype == "bf16"
+    if low and constant_mask is not None and constant_mask.is_floating_point():
+        constant_mask = constant_mask.to(torch.bfloat16)  # an additive mask: the query's dtype
 
     def unmasked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return sdpa(q, k, v, attn_mask=constant_mask, is_causal=causal, scale=scale, enable_gqa=gqa)

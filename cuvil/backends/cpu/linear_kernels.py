@@ -278,6 +278,11 @@ def swiglu_kernel(call: FusedCall) -> PreparedKernel:
     weight: torch.Tensor = call.arg("gate_up_weight")
     if compute_precision(weight.dtype) == "bf16":
         gemm = _bf16_linear(weight, None, "none", residual=False)
+        dnnl = load_dnnl()
+        if dnnl is not None and takes_low_input(call):  # bf16 in, the gate's fp32 out
+            dtypes = (torch.bfloat16, torch.float32)
+            kept = DirectLinear(dnnl, weight, None, "none", False, dtypes)
+            gemm = _kept_rows(KeptWithFallback(kept, lambda: gemm.run), weight.shape[-1])
     else:
         weight = weight.float()
         transposed = weight.t().contiguous()

@@ -78,13 +78,16 @@ def test_without_the_pass_values_stay_fp32() -> None:
 
 
 @pytest.mark.skipif(not has_onednn_bf16(), reason="bf16 GEMMs widen to fp32 here: Python steps")
-@pytest.mark.parametrize("name", ["resnet18_shaped", "minilm_shaped"])
+@pytest.mark.parametrize("name", ["resnet18_shaped", "minilm_shaped", "tiny_llama_shaped"])
 def test_a_bf16_model_keeps_bf16_activations_and_runs_whole_native(name: str) -> None:
     build, inputs_of, dynamic, _ = MODELS[name]
     eager = build()
     compiled = cuvil.jit(eager, inputs_of(2, 0), dynamic_shapes=dynamic, precision="bf16")
     execution = compiled.execution()
     assert (execution["weights"], execution["activations"]) == ("bf16", "bf16")
+    for node in compiled.graph.nodes:  # attention in bf16 (its softmax fp32 inside ATen's)
+        if node.op == "cuvil.attention":
+            assert [compiled.graph.type_of(v).dtype for v in node.inputs[:3]] == ["bf16"] * 3
     _settled_native(compiled, inputs_of(1, 1))
     fresh = inputs_of(1, 2)
     with torch.inference_mode():
