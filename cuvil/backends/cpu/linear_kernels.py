@@ -36,6 +36,7 @@ from cuvil.backends.cpu.native_calls import (
     kept_linear_form,
     linear_form,
     mkl_linear_form,
+    widened_form,
 )
 from cuvil.backends.cpu.split_gemm import SPLIT_MAX_ROWS, split_linear, split_parts
 from cuvil.backends.cpu.tactics import Tactics, bucket
@@ -58,14 +59,14 @@ def compute_precision(weight_dtype: torch.dtype) -> str:
 
 def widened(prepared: PreparedKernel, low_out: bool) -> PreparedKernel:
     """An fp32 kernel (a CPU without bf16 instructions) where the graph passes bf16 values:
-    inputs widened, the result narrowed; Python steps, without a native form."""
+    inputs widened, the result narrowed, natively too (``widened_form``)."""
     inner = prepared.run
 
     def run(*values: torch.Tensor) -> torch.Tensor:
         y = inner(*(v.float() for v in values))
         return y.to(torch.bfloat16) if low_out else y
 
-    return PreparedKernel(run, prepared.choices)
+    return PreparedKernel(run, prepared.choices, widened_form(prepared.native, low_out))
 
 
 def takes_low_input(call: FusedCall) -> bool:

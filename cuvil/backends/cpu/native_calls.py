@@ -19,7 +19,7 @@ refuses any other tensor rather than bake a run-time value in as a constant.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -227,6 +227,55 @@ def kept_linear_form(
         return [KeptCall(kept, x, residual, (rows, in_features), (*lead, out_features), False)]
 
     return native
+
+
+def widened_form(
+    inner: Callable[[tuple[Any, ...]], Sequence[Any] | None] | None, low_out: bool
+) -> Callable[[tuple[Any, ...]], Sequence[Any] | None] | None:
+    """An fp32 kernel's native form for bf16 values (a CPU without bf16 instructions): the bf16
+    arguments widened first, the fp32 form's calls on them, the result narrowed to bf16 where
+    the graph keeps it so."""
+    if inner is None:
+        return None
+
+    def native(args: tuple[Any, ...]) -> Sequence[Any] | None:
+        casts: list[Any] = []
+        wide: list[Any] = []
+        stand_ins: dict[int, Result] = {}
+        for value in args:
+            if isinstance(value, torch.Tensor) and value.dtype == torch.bfloat16:
+                stand_in = value.float()  # what the fp32 form sees; replaced by the cast's result
+                stand_ins[id(stand_in)] = Result(len(casts))
+                casts.append(op(aten.to.dtype, value, torch.float32))
+                wide.append(stand_in)
+            else:
+                wide.append(value)
+        calls = inner(tuple(wide))
+        if calls is None:
+            return None
+        shifted = [_renumbered(call, len(casts), stand_ins) for call in calls]
+        if low_out:
+            shifted.append(op(aten.to.dtype, Result(len(casts) + len(calls) - 1), torch.bfloat16))
+        return [*casts, *shifted]
+
+    return native
+
+
+def _renumbered(call: Any, shift: int, stand_ins: dict[int, Result]) -> Any:
+    def move(value: Any) -> Any:
+        if isinstance(value, Result):
+            return Result(value.index + shift)
+        if isinstance(value, torch.Tensor) and id(value) in stand_ins:
+            return stand_ins[id(value)]
+        if isinstance(value, (list, tuple)):
+            return type(value)(move(item) for item in value)
+        return value
+
+    if isinstance(call, KeptCall):
+        return replace(call, source=move(call.source), residual=move(call.residual))
+    return OpCall(
+        call.op, tuple(move(a) for a in call.args), {k: move(v) for k, v in call.kwargs.items()}
+    )
 
 
 def gated_form(

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import cuvil
+from cuvil.backends.cpu import linear_kernels
 from cuvil.backends.cpu.linear_kernels import has_onednn_bf16
 from cuvil.precisions import PRECISIONS
 from tests.cuvil.backends.cpu.test_whole_native import MODELS, _outputs, _settled_native
@@ -95,3 +96,18 @@ def test_a_bf16_model_keeps_bf16_activations_and_runs_whole_native(name: str) ->
     assert got
     for want, have in zip(expected, got, strict=False):
         _within_budget(want, have)
+
+
+def test_without_bf16_instructions_the_widened_kernels_stay_whole_native(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(linear_kernels, "has_onednn_bf16", lambda: False)
+    build, inputs_of, dynamic, _ = MODELS["resnet18_shaped"]
+    eager = build()
+    compiled = cuvil.jit(eager, inputs_of(2, 0), dynamic_shapes=dynamic, precision="bf16")
+    execution = compiled.execution()
+    assert (execution["gemm_compute"], execution["activations"]) == ("fp32", "bf16")
+    _settled_native(compiled, inputs_of(1, 1))
+    fresh = inputs_of(1, 2)
+    with torch.inference_mode():
+        _within_budget(_outputs(eager(**fresh))[0], _outputs(compiled(**fresh))[0])
