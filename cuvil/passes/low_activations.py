@@ -27,7 +27,7 @@ from dataclasses import replace
 import torch
 
 from cuvil.fused_ops import ATTENTION, CONV2D, LAYER_NORM, LINEAR, SWIGLU
-from cuvil.ir import Enum, Node, TensorType, Value, map_values
+from cuvil.ir import Enum, Node, TensorType, Value, iter_values, map_values
 from cuvil.passes.program import NameSource, Program
 
 LOW = "bf16"
@@ -130,7 +130,9 @@ def _readers_take_low(program: Program) -> set[Value]:
     every: dict[Value, bool] = {value: False for _, value in graph.outputs}
     for node in reversed(graph.nodes):  # a node's readers come after it: already seen
         for key, arg in node.args:
-            if not isinstance(arg, Value):
+            if not isinstance(arg, Value):  # values in a list (a concat's): read in fp32
+                for value in iter_values(arg):
+                    every[value] = False
                 continue
             if _is_low_gemm(node, program):
                 takes = key == "input" or (key == "residual" and every.get(node.value(), False))

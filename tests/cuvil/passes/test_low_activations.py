@@ -111,3 +111,25 @@ def test_without_bf16_instructions_the_widened_kernels_stay_whole_native(
     fresh = inputs_of(1, 2)
     with torch.inference_mode():
         _within_budget(_outputs(eager(**fresh))[0], _outputs(compiled(**fresh))[0])
+
+
+class Joined(nn.Module):
+    """Two linears joined by a concat (a list operand: read in fp32), then a linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.left, self.right, self.last = nn.Linear(16, 24), nn.Linear(16, 8), nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.last(torch.cat([self.left(x), self.right(y)], dim=-1))
+
+
+def test_values_read_in_a_list_stay_fp32() -> None:
+    torch.manual_seed(0)
+    model = Joined().eval()
+    x, y = torch.randn(4, 16), torch.randn(4, 16)
+    compiled = cuvil.jit(model, (x, y), precision="bf16")
+    (cat,) = [node for node in compiled.graph.nodes if node.op == "aten.cat.default"]
+    assert {compiled.graph.type_of(v).dtype for v in cat.inputs} == {"f32"}
+    with torch.no_grad():
+        _within_budget(model(x, y), compiled(x, y))
