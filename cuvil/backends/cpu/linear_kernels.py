@@ -15,7 +15,10 @@ linear weights take twice their size in memory while loaded.
 bf16 weights run in bf16 on CPUs whose oneDNN has bf16 instructions (AVX512-BF16, AMX); on
 others they are widened to fp32 once at load — the fp32 GEMM is several times faster there
 than ATen's emulated bf16, and the result only carries bf16's weight rounding.
-``compute_precision()`` says which one runs.
+``compute_precision()`` says which one runs. Where the graph gives a bf16 GEMM its input in
+bf16 (passes/low_activations.py; ``FusedCall.dtypes``, ``output_dtype``), it runs on kept
+oneDNN primitives that read bf16 and write bf16 or fp32, with no cast of its own; elsewhere
+ATen's oneDNN call with the casts at the op's borders.
 """
 
 from __future__ import annotations
