@@ -55,7 +55,7 @@ def test_a_conv_chain_passes_bf16_with_casts_only_at_its_borders() -> None:
         _within_budget(model(x), compiled(x))
 
 
-def test_an_op_that_needs_fp32_gets_it_and_the_next_linear_bf16_again() -> None:
+def test_an_op_that_needs_fp32_gets_it_from_the_linear_before_it() -> None:
     torch.manual_seed(0)
     model = Softmaxed().eval()
     x = torch.randn(4, 32)
