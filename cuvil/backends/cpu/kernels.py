@@ -55,16 +55,19 @@ def conv2d_kernel(call: FusedCall) -> PreparedKernel:
     if weight.dtype == torch.bfloat16:
         if compute_precision(weight.dtype) == "bf16":
             low_bias = bias.to(torch.bfloat16) if bias is not None else None
-            weights = _conv_weight(call, weight)
-            inner = _onednn_conv(call, weight, low_bias, weights)
-            aten_path = _bf16_borders(inner, low_out)
+
+            def aten_path(weights: ConvWeight | None = None) -> Callable[..., torch.Tensor]:
+                inner = _onednn_conv(call, weight, low_bias, weights)
+                return _bf16_borders(inner, low_out)
+
             kept = _kept_bf16_conv(call, weight, bias, low_out)
-            if kept is not None:
-                run = KeptWithFallback(kept, lambda: aten_path).run
-                native = _kept_form(kept)
-                return PreparedKernel(run, native=native)
+            if kept is not None:  # ATen's call (and its packed weight) only on first need
+                return PreparedKernel(
+                    KeptWithFallback(kept, aten_path).run, native=_kept_form(kept)
+                )
+            weights = _conv_weight(call, weight)
             native = _bf16_conv_form(call, weights, low_bias, low_out)
-            return PreparedKernel(aten_path, native=native)
+            return PreparedKernel(aten_path(weights), native=native)
         weight, bias = weight.float(), bias.float() if bias is not None else None  # widened
     prepared = _fp32_conv2d(call, weight, bias)
     if low_out or "bf16" in call.dtypes.values():
