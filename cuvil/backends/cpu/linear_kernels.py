@@ -94,13 +94,17 @@ def linear_kernel(call: FusedCall) -> PreparedKernel:
     weight: torch.Tensor = call.arg("weight")
     low_out = call.output_dtype == "bf16"
     if compute_precision(weight.dtype) == "bf16":
-        aten_path = _bf16_linear(weight, call.arg("bias"), activation, residual, low_out)
+        bias = call.arg("bias")
         dnnl = load_dnnl()
         if dnnl is None or not takes_low_input(call):
-            return aten_path
+            return _bf16_linear(weight, bias, activation, residual, low_out)
         dtypes = (torch.bfloat16, torch.bfloat16 if low_out else torch.float32)
-        kept = DirectLinear(dnnl, weight, call.arg("bias"), activation, residual, dtypes)
-        return _kept_rows(KeptWithFallback(kept, lambda: aten_path.run), weight.shape[-1])
+        kept = DirectLinear(dnnl, weight, bias, activation, residual, dtypes)
+        # ATen's call (and its packed weight) only on first need
+        aten = KeptWithFallback(
+            kept, lambda: _bf16_linear(weight, bias, activation, residual, low_out).run
+        )
+        return _kept_rows(aten, weight.shape[-1])
     fp32 = _fp32_linear(weight.float(), _as_fp32(call.arg("bias")), activation, residual)
     if low_out or "bf16" in call.dtypes.values():
         return widened(fp32, low_out)
@@ -281,12 +285,14 @@ def swiglu_kernel(call: FusedCall) -> PreparedKernel:
     hidden = int(call.arg("hidden"))
     weight: torch.Tensor = call.arg("gate_up_weight")
     if compute_precision(weight.dtype) == "bf16":
-        gemm = _bf16_linear(weight, None, "none", residual=False)
         dnnl = load_dnnl()
         if dnnl is not None and takes_low_input(call):  # bf16 in, the gate's fp32 out
             dtypes = (torch.bfloat16, torch.float32)
             kept = DirectLinear(dnnl, weight, None, "none", False, dtypes)
-            gemm = _kept_rows(KeptWithFallback(kept, lambda: gemm.run), weight.shape[-1])
+            aten = KeptWithFallback(kept, lambda: _bf16_linear(weight, None, "none", False).run)
+            gemm = _kept_rows(aten, weight.shape[-1])
+        else:
+            gemm = _bf16_linear(weight, None, "none", residual=False)
     else:
         weight = weight.float()
         transposed = weight.t().contiguous()
