@@ -248,13 +248,21 @@ def _prepare_cuvil(case: Case, precision: str) -> Prepared:
         return first_tensor([result[name] for name in names])
 
     verification = report.get("verification") or {}
+    execution = compiled.execution()
     info = {
         "compile_seconds_reported": report.get("compile_seconds"),
         "verification_rel_err": verification.get("max_relative_to_scale"),
         "ops_before": report.get("ops_before"),
         "ops_after": report.get("ops_after"),
         # what ran here: bf16 artifacts compute fp32 GEMMs on CPUs without bf16 instructions
-        "gemm_compute": compiled.execution()["gemm_compute"],
+        "gemm_compute": execution["gemm_compute"],
+        # the dtype values pass between the GEMMs in (bf16 artifacts: bf16 where kept so)
+        "activations": execution["activations"],
+        # the settled shapes: whether each runs as one native call
+        "whole_plan_native": [
+            shape["whole_plan_native"]
+            for shape in execution["plan_loop"].get("shapes", {}).values()
+        ],
         # intermediates at this case's shape: the arena plan against keeping every one
         "memory": compiled.memory_plan(inputs),
     }

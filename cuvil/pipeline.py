@@ -51,6 +51,7 @@ from cuvil.passes.fusion import (
     fuse_transformer_blocks,
 )
 from cuvil.passes.layout import to_channels_last
+from cuvil.passes.low_activations import keep_low_activations
 from cuvil.passes.precision import LOW_DTYPES, low_precision_pass
 from cuvil.passes.program import Program
 from cuvil.passes.rewrite import Rule, apply_rules
@@ -83,6 +84,7 @@ PASS_NAMES = (
     "sibling_linears",
     "layout",
     "precision",
+    "low_activations",
 )
 
 tracer = trace.get_tracer("cuvil.pipeline")
@@ -151,6 +153,8 @@ def lowering_passes(lowering: Lowering, precision: str) -> tuple[tuple[str, Pass
         passes.append(("layout", to_channels_last))
     if precision in LOW_DTYPES:
         passes.append(("precision", low_precision_pass(precision)))
+    if precision == "bf16" and lowering.low_activations:
+        passes.append(("low_activations", keep_low_activations))
     return tuple(passes)
 
 

@@ -37,6 +37,8 @@ class Lowering:
     channels_last: bool  # run convolution chains channels-last (transposes at the borders)
     sibling_linears: bool  # linears reading one input merged into one GEMM
     precisions: tuple[str, ...]  # the precisions it compiles
+    # bf16 values kept between its bf16 GEMM-like ops (passes/low_activations.py)
+    low_activations: bool = False
 
 
 class Backend(Protocol):

@@ -8,7 +8,9 @@ the backend computes them in it (with fp32 accumulation) and fp32 at their borde
 fp32's range; fp16 keeps three more mantissa bits but ends at 65504, so a GEMM whose outputs
 pass that overflows (the verify stage sees it). Everything else — normalisations, softmax and
 attention, residual sums, embeddings — stays fp32, so errors do not accumulate through the
-network. Values between ops stay fp32: the graph's types do not change.
+network. This pass leaves the values between ops fp32; for bf16, a backend that declares
+``Lowering.low_activations`` also gets passes/low_activations.py, which keeps them bf16
+between the GEMM-like ops and attention.
 """
 
 from __future__ import annotations

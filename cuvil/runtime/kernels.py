@@ -62,6 +62,9 @@ class FusedCall:
     sizes: Mapping[str, tuple[int | None, ...]] = field(default_factory=dict)
     # the node may write its output over its residual (nothing reads it later: runtime/donation)
     residual_donated: bool = False
+    # IR dtype names ("f32", "bf16") of the run-time arguments, and of the node's result
+    dtypes: Mapping[str, str] = field(default_factory=dict)
+    output_dtype: str = "f32"
 
     def arg(self, name: str, default: Any = None) -> Any:
         value = self.constants.get(name)

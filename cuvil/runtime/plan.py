@@ -163,6 +163,7 @@ class ExecutionPlan:
         constants: dict[str, Any] = {}
         sizes: dict[str, tuple[int | None, ...]] = {}
         runtime: list[tuple[str, Value]] = []
+        dtypes: dict[str, str] = {}
         for key, arg in node.args:
             if isinstance(arg, Value):
                 slot = self._slot[arg]
@@ -173,6 +174,7 @@ class ExecutionPlan:
                     # Static sizes of run-time operands let kernels pick their packed layout.
                     shape = self.graph.type_of(arg).shape
                     sizes[key] = tuple(int(d) if d.is_Integer else None for d in shape)
+                    dtypes[key] = self.graph.type_of(arg).dtype
             else:
                 literal, filler = self._compile_arg(arg)
                 if filler is not None:
@@ -185,6 +187,8 @@ class ExecutionPlan:
             tuple(key for key, _ in runtime),
             sizes,
             residual_donated=node.name in self.donated,
+            dtypes=dtypes,
+            output_dtype=node.types[0].dtype if node.types else "f32",
         )
         try:
             prepared = self._factories[node.op](call)

@@ -40,6 +40,7 @@ LOWERING = Lowering(
     channels_last=True,  # oneDNN's convolutions run NHWC
     sibling_linears=True,  # one wider GEMM beats several narrow ones on a few cores
     precisions=("fp32", "bf16"),
+    low_activations=True,  # oneDNN's bf16 convolutions and inner products read and write bf16
 )
 
 
@@ -93,15 +94,17 @@ class CpuBackend:
 
     def describe(self, model: CompiledModel) -> dict[str, Any]:
         """The precision the GEMMs compute in (a bf16 artifact runs fp32 GEMMs on a CPU without
-        bf16 instructions), the path each kernel with a choice took, which oneDNN the
-        convolutions and linears call, and whether Cuvil's native kernels are offered; which of
-        the choices came from the artifact (made at compile time on this CPU family)."""
+        bf16 instructions) and the one values pass between them in (``activations``), the path
+        each kernel with a choice took, which oneDNN the convolutions and linears call, and
+        whether Cuvil's native kernels are offered; which of the choices came from the artifact
+        (made at compile time on this CPU family)."""
         dtypes = {tensor.dtype for tensor in model.contents.weights.values()}
         has_bf16 = torch.bfloat16 in dtypes
         return {
             "backend": "cpu",
             "weights": "bf16" if has_bf16 else "fp32",
             "gemm_compute": compute_precision(torch.bfloat16) if has_bf16 else "fp32",
+            "activations": _activations(model.graph),
             "tactics": model.plan.kernel_choices(),
             "cpu_family": kernel_choices.cpu_family(),
             "tactics_from_artifact": kernel_choices.from_artifact(model),
@@ -111,6 +114,14 @@ class CpuBackend:
             "pooling": describe_native("pooling"),
             "plan_loop": _describe_runner(model.runner),
         }
+
+
+def _activations(graph: Graph) -> str:
+    """The dtype values pass between the GEMM-like ops in (passes/low_activations.py)."""
+    for node in graph.nodes:
+        if node.op not in ("const", "input") and any(t.dtype == "bf16" for t in node.types):
+            return "bf16"
+    return "fp32"
 
 
 def _settle(model: CompiledModel, inputs: Mapping[str, torch.Tensor]) -> int:

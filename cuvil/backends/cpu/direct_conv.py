@@ -23,7 +23,8 @@ def channels_last_strides(shape: Sequence[int]) -> list[int]:
 
 
 class DirectConv(KeptPrimitives):
-    """activation(conv(x) [+ residual]) for a constant fp32 weight and bias."""
+    """activation(conv(x) [+ residual]) for a constant weight and fp32 bias: fp32 throughout,
+    or bf16 input and weight with a bf16 or fp32 output (``dtypes``)."""
 
     def __init__(
         self,
@@ -34,6 +35,7 @@ class DirectConv(KeptPrimitives):
         activation: str,
         residual: bool,
         donated: bool = False,
+        dtypes: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.float32),
     ) -> None:
         self.stride, self.padding, self.dilation, self.groups = geometry
         self.weight_shape = tuple(int(size) for size in weight.shape)
@@ -41,7 +43,7 @@ class DirectConv(KeptPrimitives):
         dims = [out_channels, in_per_group, *kernel]
         if self.groups > 1:
             dims = [self.groups, out_channels // self.groups, in_per_group, *kernel]
-        super().__init__(dnnl, weight, dims, bias, activation, residual, donated)
+        super().__init__(dnnl, weight, dims, bias, activation, residual, donated, dtypes)
         self.weight_dims = dims
 
     def output_shape(self, x_shape: Sequence[int]) -> tuple[int, int, int, int]:
@@ -61,15 +63,19 @@ class DirectConv(KeptPrimitives):
     def layouts(self, dims: tuple[int, ...]) -> Layouts:
         dnnl, own = self.dnnl, self.own
         output_shape = self.output_shape(dims)
+        out_strides = channels_last_strides(output_shape)
         bias = None
         if self.bias is not None:
             bias = own("memory_desc", dnnl.strided_desc([self.weight_shape[0]], [1]))
         return Layouts(
-            src=own("memory_desc", dnnl.strided_desc(dims, channels_last_strides(dims))),
-            dst=own(
-                "memory_desc", dnnl.strided_desc(output_shape, channels_last_strides(output_shape))
+            src=own(
+                "memory_desc", dnnl.strided_desc(dims, channels_last_strides(dims), self.dtype)
             ),
-            weights=own("memory_desc", dnnl.any_desc(self.weight_dims)),
+            dst=own(
+                "memory_desc",
+                dnnl.strided_desc(output_shape, out_strides, self.out_dtype),
+            ),
+            weights=own("memory_desc", dnnl.any_desc(self.weight_dims, self.dtype)),
             bias=bias,
             output_shape=output_shape,
         )
@@ -99,6 +105,8 @@ class DirectConv(KeptPrimitives):
         if self.donated and residual is not None:
             out = residual  # the sum post-op adds to what is there
         else:
-            out = torch.empty(primitive.output_shape, memory_format=torch.channels_last)
+            out = torch.empty(
+                primitive.output_shape, dtype=self.out_dtype, memory_format=torch.channels_last
+            )
         self.execute(primitive, x, out, residual)
         return out

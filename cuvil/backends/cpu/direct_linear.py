@@ -17,8 +17,9 @@ from cuvil.backends.cpu.kept_primitives import KeptPrimitives, Layouts
 
 
 class DirectLinear(KeptPrimitives):
-    """activation(rows @ weight^T + bias [+ residual]) for a constant fp32 ``[out, in]`` weight;
-    rows are ``[M, in]``, one primitive per M."""
+    """activation(rows @ weight^T + bias [+ residual]) for a constant ``[out, in]`` weight;
+    rows are ``[M, in]``, one primitive per M. fp32 throughout, or bf16 rows and weight with a
+    bf16 or fp32 output (``dtypes``)."""
 
     def __init__(
         self,
@@ -27,11 +28,11 @@ class DirectLinear(KeptPrimitives):
         bias: torch.Tensor | None,
         activation: str,
         residual: bool,
+        dtypes: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.float32),
     ) -> None:
         self.out_features, self.in_features = (int(size) for size in weight.shape)
-        super().__init__(
-            dnnl, weight, [self.out_features, self.in_features], bias, activation, residual
-        )
+        dims = [self.out_features, self.in_features]
+        super().__init__(dnnl, weight, dims, bias, activation, residual, False, dtypes)
 
     def layouts(self, dims: tuple[int, ...]) -> Layouts:
         dnnl, own = self.dnnl, self.own
@@ -40,9 +41,11 @@ class DirectLinear(KeptPrimitives):
         if self.bias is not None:
             bias = own("memory_desc", dnnl.strided_desc([columns], [1]))
         return Layouts(
-            src=own("memory_desc", dnnl.strided_desc(dims, [self.in_features, 1])),
-            dst=own("memory_desc", dnnl.strided_desc([rows, columns], [columns, 1])),
-            weights=own("memory_desc", dnnl.any_desc([columns, self.in_features])),
+            src=own("memory_desc", dnnl.strided_desc(dims, [self.in_features, 1], self.dtype)),
+            dst=own(
+                "memory_desc", dnnl.strided_desc([rows, columns], [columns, 1], self.out_dtype)
+            ),
+            weights=own("memory_desc", dnnl.any_desc([columns, self.in_features], self.dtype)),
             bias=bias,
             output_shape=(rows, columns),
         )
@@ -57,6 +60,6 @@ class DirectLinear(KeptPrimitives):
         primitive = self.prepare(rows.shape)
         if residual is not None:
             residual = residual.contiguous()
-        out = torch.empty(primitive.output_shape)
+        out = torch.empty(primitive.output_shape, dtype=self.out_dtype)
         self.execute(primitive, rows, out, residual)
         return out

@@ -34,7 +34,8 @@ ENGINE_CPU = 1
 STREAM_IN_ORDER = 1
 FORWARD_INFERENCE = 96
 CONVOLUTION_DIRECT = 1
-F32 = 3
+BF16, F32 = 2, 3  # dnnl_data_type_t
+DATA_TYPES = {torch.float32: F32, torch.bfloat16: BF16}
 FORMAT_ANY = 1
 QUERY_IMPL_INFO = 8
 QUERY_EXEC_ARG_MD = 255
@@ -125,19 +126,25 @@ class Dnnl:
         self.check(function(ctypes.byref(handle), *args), function.__name__)
         return handle
 
-    def strided_desc(self, shape: Sequence[int], strides: Sequence[int]) -> Handle:
+    def strided_desc(
+        self, shape: Sequence[int], strides: Sequence[int], dtype: torch.dtype = torch.float32
+    ) -> Handle:
         return self._create(
             self.lib.dnnl_memory_desc_create_with_strides,
             len(shape),
             _dims(shape),
-            F32,
+            DATA_TYPES[dtype],
             _dims(strides),
         )
 
-    def any_desc(self, shape: Sequence[int]) -> Handle:
+    def any_desc(self, shape: Sequence[int], dtype: torch.dtype = torch.float32) -> Handle:
         """A descriptor whose layout the primitive chooses (its blocked weight format)."""
         return self._create(
-            self.lib.dnnl_memory_desc_create_with_tag, len(shape), _dims(shape), F32, FORMAT_ANY
+            self.lib.dnnl_memory_desc_create_with_tag,
+            len(shape),
+            _dims(shape),
+            DATA_TYPES[dtype],
+            FORMAT_ANY,
         )
 
     def attributes(

@@ -83,8 +83,12 @@ class KeptPrimitives:
         activation: str,
         residual: bool,
         donated: bool = False,
+        dtypes: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.float32),
     ) -> None:
         self.dnnl = dnnl
+        # what the input and weight are in, and what the output (and a residual) is in: fp32,
+        # or bf16 (AVX512-BF16/AMX; accumulation stays fp32 inside the primitive)
+        self.dtype, self.out_dtype = dtypes
         self.activation = activation
         self.has_residual = residual
         # a donated residual is dead after this op: the output is written over it (oneDNN's sum
@@ -101,9 +105,11 @@ class KeptPrimitives:
         }
         # packed weights, by layout: (descriptor, tensor); the first one is every later's source
         plain = self.own(
-            "memory_desc", dnnl.strided_desc(weight_dims, contiguous_strides(weight_dims))
+            "memory_desc",
+            dnnl.strided_desc(weight_dims, contiguous_strides(weight_dims), self.dtype),
         )
-        self.packs: list[tuple[Handle, torch.Tensor]] = [(plain, weight.float().contiguous())]
+        plain_weight = weight.to(self.dtype).contiguous()
+        self.packs: list[tuple[Handle, torch.Tensor]] = [(plain, plain_weight)]
         self.plain_kept = True
         weakref.finalize(self, _free, dnnl, self.owned)
 
@@ -171,7 +177,8 @@ class KeptPrimitives:
         dnnl = self.dnnl
         source_desc, source = self.packs[0]
         target_desc = self.own("memory_desc", dnnl.clone(wanted))
-        target = torch.empty(dnnl.size(target_desc) // 4, dtype=torch.float32)
+        element = torch.empty(0, dtype=self.dtype).element_size()
+        target = torch.empty(dnnl.size(target_desc) // element, dtype=self.dtype)
         reorder_desc = dnnl.reorder(source_desc, target_desc)
         reorder = dnnl.primitive(reorder_desc)
         memories = [

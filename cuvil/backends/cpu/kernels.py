@@ -31,6 +31,8 @@ from cuvil.backends.cpu.linear_kernels import (
     compute_precision,
     linear_kernel,
     swiglu_kernel,
+    takes_low_input,
+    widened,
 )
 from cuvil.backends.cpu.native_calls import Result, chosen_path, kept_conv_call, kept_of, op
 from cuvil.backends.cpu.pointwise_conv import is_pointwise, with_gemm_tactic
@@ -49,23 +51,60 @@ def conv2d_kernel(call: FusedCall) -> PreparedKernel:
     call.check_runtime(("input", "residual"))
     weight: torch.Tensor = call.arg("weight")
     bias = call.arg("bias")
+    low_out = call.output_dtype == "bf16"
     if weight.dtype == torch.bfloat16:
         if compute_precision(weight.dtype) == "bf16":
             low_bias = bias.to(torch.bfloat16) if bias is not None else None
+
+            def aten_path(weights: ConvWeight | None = None) -> Callable[..., torch.Tensor]:
+                inner = _onednn_conv(call, weight, low_bias, weights)
+                return _bf16_borders(inner, low_out)
+
+            kept = _kept_bf16_conv(call, weight, bias, low_out)
+            if kept is not None:  # ATen's call (and its packed weight) only on first need
+                return PreparedKernel(
+                    KeptWithFallback(kept, aten_path).run, native=_kept_form(kept)
+                )
             weights = _conv_weight(call, weight)
-            inner = _onednn_conv(call, weight, low_bias, weights)
-            native = _bf16_conv_form(call, weights, low_bias)
-            return PreparedKernel(_bf16_borders(inner), native=native)
+            native = _bf16_conv_form(call, weights, low_bias, low_out)
+            return PreparedKernel(aten_path(weights), native=native)
         weight, bias = weight.float(), bias.float() if bias is not None else None  # widened
-    return _fp32_conv2d(call, weight, bias)
+    prepared = _fp32_conv2d(call, weight, bias)
+    if low_out or "bf16" in call.dtypes.values():
+        return widened(prepared, low_out)
+    return prepared
 
 
-def _bf16_borders(inner: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """bf16 weights on a CPU with bf16 instructions: oneDNN computes in bf16 with fp32 at the
-    op's borders (inputs cast in, result out)."""
+def _kept_bf16_conv(
+    call: FusedCall, weight: torch.Tensor, bias: torch.Tensor | None, low_out: bool
+) -> DirectConv | None:
+    """Kept bf16 primitives for a convolution whose input the graph gives in bf16
+    (passes/low_activations.py), where libdnnl is loaded; else None (ATen's oneDNN call)."""
+    dnnl = load_dnnl()
+    if dnnl is None or not takes_low_input(call):
+        return None
+    activation = str(call.arg("activation"))
+    residual = call.is_runtime("residual")
+    dtypes = (torch.bfloat16, torch.bfloat16 if low_out else torch.float32)
+    return DirectConv(
+        dnnl, weight, bias, _geometry(call), activation, residual, call.residual_donated, dtypes
+    )
+
+
+def _kept_form(kept: DirectConv) -> Callable[[tuple[Any, ...]], Sequence[Any] | None]:
+    def native(args: tuple[Any, ...]) -> Sequence[Any] | None:
+        return kept_conv_call(kept, args[0], args[1] if len(args) > 1 else None)
+
+    return native
+
+
+def _bf16_borders(inner: Callable[..., torch.Tensor], low_out: bool) -> Callable[..., torch.Tensor]:
+    """bf16 weights on a CPU with bf16 instructions: oneDNN computes in bf16; inputs that
+    arrive in fp32 are cast in, and the result cast out unless the graph keeps it bf16."""
 
     def run(*values: torch.Tensor) -> torch.Tensor:
-        return inner(*(v.to(torch.bfloat16) for v in values)).float()
+        y = inner(*(v.to(torch.bfloat16) for v in values))
+        return y if low_out else y.float()
 
     return run
 
@@ -133,10 +172,11 @@ def _conv_weight(call: FusedCall, weight: torch.Tensor) -> ConvWeight:
 
 
 def _bf16_conv_form(
-    call: FusedCall, weights: ConvWeight, low_bias: torch.Tensor | None
+    call: FusedCall, weights: ConvWeight, low_bias: torch.Tensor | None, low_out: bool
 ) -> Callable[[tuple[Any, ...]], Sequence[Any] | None]:
-    """The bf16 convolution's native form: inputs cast to bf16 (channels-last), oneDNN's
-    convolution with its post-ops as ATen calls it, the result cast back to fp32."""
+    """The bf16 convolution's native form: inputs in bf16 (cast where they arrive in fp32),
+    channels-last, oneDNN's convolution with its post-ops as ATen calls it, the result cast
+    back to fp32 unless the graph keeps it bf16."""
     stride, padding, dilation, groups = _geometry(call)
     attr, scalars, algorithm = ONEDNN_ACTIVATIONS[str(call.arg("activation"))]
     aten = torch.ops.aten
@@ -180,7 +220,8 @@ def _bf16_conv_form(
                     algorithm,
                 )
             )
-        calls.append(op(aten.to.dtype, Result(len(calls) - 1), torch.float32))
+        if not low_out:
+            calls.append(op(aten.to.dtype, Result(len(calls) - 1), torch.float32))
         return calls
 
     return native
@@ -281,6 +322,9 @@ def attention_kernel(call: FusedCall) -> PreparedKernel:
         )
 
     constant_mask = call.arg("mask")  # a mask baked into the model, or None
+    low = call.output_dtype == "bf16"
+    if low and constant_mask is not None and constant_mask.is_floating_point():
+        constant_mask = constant_mask.to(torch.bfloat16)  # an additive mask: the query's dtype
 
     def unmasked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return sdpa(q, k, v, attn_mask=constant_mask, is_causal=causal, scale=scale, enable_gqa=gqa)

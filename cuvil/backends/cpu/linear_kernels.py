@@ -15,7 +15,10 @@ linear weights take twice their size in memory while loaded.
 bf16 weights run in bf16 on CPUs whose oneDNN has bf16 instructions (AVX512-BF16, AMX); on
 others they are widened to fp32 once at load — the fp32 GEMM is several times faster there
 than ATen's emulated bf16, and the result only carries bf16's weight rounding.
-``compute_precision()`` says which one runs.
+``compute_precision()`` says which one runs. Where the graph gives a bf16 GEMM its input in
+bf16 (passes/low_activations.py; ``FusedCall.dtypes``, ``output_dtype``), it runs on kept
+oneDNN primitives that read bf16 and write bf16 or fp32, with no cast of its own; elsewhere
+ATen's oneDNN call with the casts at the op's borders.
 """
 
 from __future__ import annotations
@@ -33,8 +36,10 @@ from cuvil.backends.cpu.kept_primitives import KeptWithFallback
 from cuvil.backends.cpu.native_calls import (
     bf16_linear_form,
     gated_form,
+    kept_linear_form,
     linear_form,
     mkl_linear_form,
+    widened_form,
 )
 from cuvil.backends.cpu.split_gemm import SPLIT_MAX_ROWS, split_linear, split_parts
 from cuvil.backends.cpu.tactics import Tactics, bucket
@@ -58,6 +63,25 @@ def compute_precision(weight_dtype: torch.dtype) -> str:
     return "fp32"
 
 
+def widened(prepared: PreparedKernel, low_out: bool) -> PreparedKernel:
+    """An fp32 kernel (a CPU without bf16 instructions) where the graph passes bf16 values:
+    inputs widened, the result narrowed, natively too (``widened_form``)."""
+    inner = prepared.run
+
+    def run(*values: torch.Tensor) -> torch.Tensor:
+        y = inner(*(v.float() for v in values))
+        return y.to(torch.bfloat16) if low_out else y
+
+    return PreparedKernel(run, prepared.choices, widened_form(prepared.native, low_out))
+
+
+def takes_low_input(call: FusedCall) -> bool:
+    """A GEMM-like node the graph gives a bf16 input, and a residual (if any) in its result's
+    dtype: what kept bf16 primitives take (the residual is read in the output's layout)."""
+    residual = call.dtypes.get("residual", call.output_dtype)
+    return call.dtypes.get("input") == "bf16" and residual == call.output_dtype
+
+
 def _as_fp32(tensor: torch.Tensor | None) -> torch.Tensor | None:
     return tensor.float() if tensor is not None else None
 
@@ -71,9 +95,43 @@ def linear_kernel(call: FusedCall) -> PreparedKernel:
     if residual and activation != "none":
         raise ValueError("cuvil.linear fuses an activation or a residual add, not both")
     weight: torch.Tensor = call.arg("weight")
+    low_out = call.output_dtype == "bf16"
     if compute_precision(weight.dtype) == "bf16":
-        return _bf16_linear(weight, call.arg("bias"), activation, residual)
-    weight, bias = weight.float(), _as_fp32(call.arg("bias"))
+        bias = call.arg("bias")
+        dnnl = load_dnnl()
+        if dnnl is None or not takes_low_input(call):
+            return _bf16_linear(weight, bias, activation, residual, low_out)
+        dtypes = (torch.bfloat16, torch.bfloat16 if low_out else torch.float32)
+        kept = DirectLinear(dnnl, weight, bias, activation, residual, dtypes)
+        # ATen's call (and its packed weight) only on first need
+        aten = KeptWithFallback(
+            kept, lambda: _bf16_linear(weight, bias, activation, residual, low_out).run
+        )
+        return _kept_rows(aten, weight.shape[-1])
+    fp32 = _fp32_linear(weight.float(), _as_fp32(call.arg("bias")), activation, residual)
+    if low_out or "bf16" in call.dtypes.values():
+        return widened(fp32, low_out)
+    return fp32
+
+
+def _kept_rows(kernel: KeptWithFallback, in_features: int) -> PreparedKernel:
+    """A linear on kept primitives that read bf16 (passes/low_activations.py gives it bf16
+    values) and write bf16 or fp32: leading dims flattened to rows, ATen's oneDNN call past
+    their cache."""
+
+    def linear(x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        rows = x.reshape(-1, in_features)
+        y = kernel.run(rows, *(r.reshape(rows.shape[0], -1) for r in rest))
+        return y.view(*lead, y.shape[-1])
+
+    return PreparedKernel(linear, native=kept_linear_form(kernel.kept, in_features))
+
+
+def _fp32_linear(
+    weight: torch.Tensor, bias: torch.Tensor | None, activation: str, residual: bool
+) -> PreparedKernel:
+    """The fp32 linear: MKL, oneDNN and split-GEMM paths timed per row bucket."""
     transposed = weight.t().contiguous()
     if residual:
         candidates = _residual_candidates(weight, transposed, bias)
@@ -186,21 +244,35 @@ def _residual_candidates(
 
 
 def _bf16_linear(
-    weight: torch.Tensor, bias: torch.Tensor | None, activation: str, residual: bool
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str,
+    residual: bool,
+    low_out: bool = False,
 ) -> PreparedKernel:
-    """oneDNN bf16 with fp32 at the op's borders (inputs cast in, result cast out). Calls of up
-    to ONE_THREAD_MAX_ROWS rows also time the same GEMM on the calling thread alone (a decode
-    step's GEMM of a small weight waits longer for a second thread than it computes)."""
+    """oneDNN bf16: inputs cast in where they arrive in fp32; the result cast out (and a
+    residual added in fp32) unless the graph keeps it bf16 (``low_out``), where the residual
+    add is the inner product's post-op. Calls of up to ONE_THREAD_MAX_ROWS rows with an fp32
+    result also time the same GEMM on the calling thread alone (a decode step's GEMM of a small
+    weight waits longer for a second thread than it computes)."""
     attr, scalars, algorithm = ("none", [], "") if residual else ONEDNN_ACTIVATIONS[activation]
     packed = mkldnn._reorder_linear_weight(weight, None)
     low_bias = bias.to(torch.bfloat16) if bias is not None else None
     in_features = weight.shape[-1]
+    low = torch.bfloat16
+    if residual and low_out:
+
+        def linear_add_low(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+            return mkldnn._linear_pointwise.binary(
+                x.to(low), residual.to(low).contiguous(), packed, low_bias, "add"
+            )
+
+        native = bf16_linear_form(None, packed, low_bias, (attr, scalars, algorithm), True, True)
+        return PreparedKernel(linear_add_low, native=native)
 
     def gemm(x: torch.Tensor) -> torch.Tensor:
-        y = mkldnn._linear_pointwise(
-            x.to(torch.bfloat16), packed, low_bias, attr, scalars, algorithm
-        )
-        return y.float()
+        y = mkldnn._linear_pointwise(x.to(low), packed, low_bias, attr, scalars, algorithm)
+        return y if low_out else y.float()
 
     def gemm_one_thread(x: torch.Tensor) -> torch.Tensor:
         threads = torch.get_num_threads()
@@ -210,14 +282,16 @@ def _bf16_linear(
         finally:
             torch.set_num_threads(threads)
 
-    few_rows = [("onednn_1t", gemm_one_thread)] if torch.get_num_threads() > 1 else []
+    one_thread = torch.get_num_threads() > 1 and not low_out  # its native op writes fp32
+    few_rows = [("onednn_1t", gemm_one_thread)] if one_thread else []
     tactics = Tactics([("onednn", gemm)], few_rows, ONE_THREAD_MAX_ROWS)
 
     def linear(x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
         y = tactics.run(bucket(x.numel() // in_features), x)
         return y + rest[0] if residual else y
 
-    native = bf16_linear_form(tactics, packed, low_bias, (attr, scalars, algorithm), residual)
+    post_op = (attr, scalars, algorithm)
+    native = bf16_linear_form(tactics, packed, low_bias, post_op, residual, low_out)
     return PreparedKernel(linear, tactics, native)
 
 
@@ -228,7 +302,14 @@ def swiglu_kernel(call: FusedCall) -> PreparedKernel:
     hidden = int(call.arg("hidden"))
     weight: torch.Tensor = call.arg("gate_up_weight")
     if compute_precision(weight.dtype) == "bf16":
-        gemm = _bf16_linear(weight, None, "none", residual=False)
+        dnnl = load_dnnl()
+        if dnnl is not None and takes_low_input(call):  # bf16 in, the gate's fp32 out
+            dtypes = (torch.bfloat16, torch.float32)
+            kept = DirectLinear(dnnl, weight, None, "none", False, dtypes)
+            aten = KeptWithFallback(kept, lambda: _bf16_linear(weight, None, "none", False).run)
+            gemm = _kept_rows(aten, weight.shape[-1])
+        else:
+            gemm = _bf16_linear(weight, None, "none", residual=False)
     else:
         weight = weight.float()
         transposed = weight.t().contiguous()

@@ -19,7 +19,7 @@ refuses any other tensor rather than bake a run-time value in as a constant.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -175,40 +175,124 @@ def single_op_form(
 
 
 def bf16_linear_form(
-    tactics: Tactics,
+    tactics: Tactics | None,
     packed: torch.Tensor,
     low_bias: torch.Tensor | None,
     post_op: tuple[str, list[Any], str],
     residual: bool,
+    low_out: bool = False,
 ) -> Callable[[tuple[Any, ...]], Sequence[Any] | None]:
-    """A bf16 linear's native form, the decided path of its row bucket: the input cast to bf16,
-    oneDNN's inner product with the activation as its post-op, the result cast back (and the
-    residual added in fp32); ``onednn_1t`` is the same as one call on the calling thread alone
-    (native/kernel_ops.cc)."""
+    """A bf16 linear's native form, the decided path of its row bucket (``tactics``; None: one
+    path): the input cast to bf16 where it arrives in fp32, oneDNN's inner product with the
+    activation as its post-op; the result cast back and the residual added in fp32, or
+    (``low_out``: the graph keeps it bf16) the residual added as a post-op. ``onednn_1t`` is
+    the same with an fp32 result as one call on the calling thread alone (native/kernel_ops.cc)."""
     attr, scalars, algorithm = post_op
     linear_op = mkldnn._linear_pointwise.default
+    low = torch.bfloat16
 
     def native(args: tuple[Any, ...]) -> Sequence[Any] | None:
-        rows = 1
-        for size in args[0].shape[:-1]:
-            rows *= int(size)
-        key = bucket(rows)
-        offered = tactics.candidates_for(key)
-        chosen = chosen_path(tactics, key) or (offered[0] if len(offered) == 1 else None)
+        x = args[0]
+        chosen: tuple[str, Any] | None = ("onednn", None)
+        if tactics is not None:
+            rows = 1
+            for size in x.shape[:-1]:
+                rows *= int(size)
+            key = bucket(rows)
+            offered = tactics.candidates_for(key)
+            chosen = chosen_path(tactics, key) or (offered[0] if len(offered) == 1 else None)
         if chosen is None:
             return None
+        calls: list[Any] = []
         if chosen[0] == "onednn_1t":  # the native library is loaded once forms are asked for
             one_thread = torch.ops.cuvil_native.bf16_linear_one_thread.default
-            calls = [op(one_thread, args[0], packed, low_bias, attr, scalars, algorithm)]
+            calls.append(op(one_thread, x, packed, low_bias, attr, scalars, algorithm))
         else:
-            cast = op(aten.to.dtype, args[0], torch.bfloat16)
-            gemm = op(linear_op, Result(0), packed, low_bias, attr, scalars, algorithm)
-            calls = [cast, gemm, op(aten.to.dtype, Result(1), torch.float32)]
+            if x.dtype != low:
+                calls.append(op(aten.to.dtype, x, low))
+                x = Result(0)
+            if residual and low_out:
+                if args[1].dtype != low or not args[1].is_contiguous():
+                    return None  # the graph gives it bf16 and contiguous; else the Python kernel
+                binary = mkldnn._linear_pointwise.binary
+                return [*calls, op(binary, x, args[1], packed, low_bias, "add")]
+            calls.append(op(linear_op, x, packed, low_bias, attr, scalars, algorithm))
+            if low_out:
+                return calls
+            calls.append(op(aten.to.dtype, Result(len(calls) - 1), torch.float32))
         if residual:
             calls.append(op(aten.add.Tensor, Result(len(calls) - 1), args[1]))
         return calls
 
     return native
+
+
+def kept_linear_form(
+    kept: KeptPrimitives, in_features: int
+) -> Callable[[tuple[Any, ...]], Sequence[Any] | None]:
+    """A linear on kept primitives alone (bf16 in): its input viewed as rows."""
+
+    def native(args: tuple[Any, ...]) -> Sequence[Any] | None:
+        x, residual = args[0], (args[1] if len(args) > 1 else None)
+        lead = tuple(int(size) for size in x.shape[:-1])
+        rows = 1
+        for size in lead:
+            rows *= size
+        if not kept.can_run((rows, in_features)):
+            return None
+        out_features = kept.prepare((rows, in_features)).output_shape[-1]
+        return [KeptCall(kept, x, residual, (rows, in_features), (*lead, out_features), False)]
+
+    return native
+
+
+def widened_form(
+    inner: Callable[[tuple[Any, ...]], Sequence[Any] | None] | None, low_out: bool
+) -> Callable[[tuple[Any, ...]], Sequence[Any] | None] | None:
+    """An fp32 kernel's native form for bf16 values (a CPU without bf16 instructions): the bf16
+    arguments widened first, the fp32 form's calls on them, the result narrowed to bf16 where
+    the graph keeps it so."""
+    if inner is None:
+        return None
+
+    def native(args: tuple[Any, ...]) -> Sequence[Any] | None:
+        casts: list[Any] = []
+        wide: list[Any] = []
+        stand_ins: dict[int, Result] = {}
+        for value in args:
+            if isinstance(value, torch.Tensor) and value.dtype == torch.bfloat16:
+                stand_in = value.float()  # what the fp32 form sees; replaced by the cast's result
+                stand_ins[id(stand_in)] = Result(len(casts))
+                casts.append(op(aten.to.dtype, value, torch.float32))
+                wide.append(stand_in)
+            else:
+                wide.append(value)
+        calls = inner(tuple(wide))
+        if calls is None:
+            return None
+        shifted = [_renumbered(call, len(casts), stand_ins) for call in calls]
+        if low_out:
+            shifted.append(op(aten.to.dtype, Result(len(casts) + len(calls) - 1), torch.bfloat16))
+        return [*casts, *shifted]
+
+    return native
+
+
+def _renumbered(call: Any, shift: int, stand_ins: dict[int, Result]) -> Any:
+    def move(value: Any) -> Any:
+        if isinstance(value, Result):
+            return Result(value.index + shift)
+        if isinstance(value, torch.Tensor) and id(value) in stand_ins:
+            return stand_ins[id(value)]
+        if isinstance(value, (list, tuple)):
+            return type(value)(move(item) for item in value)
+        return value
+
+    if isinstance(call, KeptCall):
+        return replace(call, source=move(call.source), residual=move(call.residual))
+    return OpCall(
+        call.op, tuple(move(a) for a in call.args), {k: move(v) for k, v in call.kwargs.items()}
+    )
 
 
 def gated_form(

@@ -445,6 +445,7 @@ def _add_kept(schedule: Any, call: KeptCall, results: list[int]) -> None:
         int(kept.has_residual and not kept.donated),
         int(kept.donated),
         int(call.channels_last),
+        int(kept.out_dtype == torch.bfloat16),
     ]
     out_shape = list(primitive.output_shape)
     if call.channels_last:

@@ -1,4 +1,4 @@
-"""``aten.max_pool2d`` on the CPU backend: Cuvil's C kernel for channels-last fp32 maps.
+"""``aten.max_pool2d`` on the CPU backend: Cuvil's C kernels for channels-last fp32 and bf16 maps.
 
 The layout pass keeps a CNN's pooling in channels-last (passes/layout.py), where each output
 pixel is the elementwise maximum of its window's input pixels along the contiguous channel dim.
@@ -46,6 +46,8 @@ def _library() -> ctypes.CDLL | None:
             ctypes.c_int,
         ]
         library.cuvil_max_pool2d_nhwc.restype = None
+        library.cuvil_max_pool2d_nhwc_bf16.argtypes = library.cuvil_max_pool2d_nhwc.argtypes
+        library.cuvil_max_pool2d_nhwc_bf16.restype = None
     return library
 
 
@@ -70,9 +72,12 @@ def max_pool2d_kernel(call: FusedCall) -> PreparedKernel:
     library = _library()
     if library is None or dilation != (1, 1) or ceil_mode:
         return PreparedKernel(with_aten)
-    native = library.cuvil_max_pool2d_nhwc
-    address = int(ctypes.cast(native, ctypes.c_void_p).value or 0)
-    window = [*kernel, *stride, *padding]
+    kernels = {torch.float32: library.cuvil_max_pool2d_nhwc}
+    kernels[torch.bfloat16] = library.cuvil_max_pool2d_nhwc_bf16
+    address, low_address = (
+        int(ctypes.cast(k, ctypes.c_void_p).value or 0) for k in kernels.values()
+    )
+    window = [*kernel, *stride, *padding, low_address]
 
     def native_form(args: tuple[Any, ...]) -> list[OpCall]:
         return [op(torch.ops.cuvil_native.max_pool2d.default, address, args[0], window)]
@@ -82,7 +87,7 @@ def max_pool2d_kernel(call: FusedCall) -> PreparedKernel:
     def max_pool2d(x: torch.Tensor) -> Any:
         if (
             x.dim() != 4
-            or x.dtype != torch.float32
+            or x.dtype not in kernels
             or not x.is_contiguous(memory_format=channels_last)
             or x.numel() == 0
         ):
@@ -92,8 +97,10 @@ def max_pool2d_kernel(call: FusedCall) -> PreparedKernel:
         out_w = output_size(width, kernel[1], stride[1], padding[1])
         if out_h <= 0 or out_w <= 0 or 2 * max(padding) > min(kernel):
             return with_aten(x)  # ATen's own errors for shapes it refuses
-        out = torch.empty((batch, channels, out_h, out_w), memory_format=channels_last)
-        native(
+        out = torch.empty(
+            (batch, channels, out_h, out_w), dtype=x.dtype, memory_format=channels_last
+        )
+        kernels[x.dtype](
             x.data_ptr(), batch, height, width, channels, *kernel, *stride, *padding,
             out_h, out_w, out.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip

@@ -23,8 +23,9 @@ using RmsNorm = void (*)(const float *, int64_t, int64_t, int64_t, const float *
 using Rope = void (*)(const float *, int64_t, int64_t, int64_t, const float *, int64_t, int64_t,
                       int64_t, const float *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                       int64_t, float *, int);
-using MaxPool = void (*)(const float *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                        int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float *, int);
+// fp32 or bf16 elements, by the kernel (pooling.c)
+using MaxPool = void (*)(const void *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                        int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, void *, int);
 using WinogradInput = void (*)(const float *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                                int64_t, int64_t, int64_t, float *, int);
 using WinogradOutput = void (*)(const float *, const float *, const float *, float *, int64_t,
@@ -90,14 +91,17 @@ at::Tensor rope(int64_t kernel, const at::Tensor &x, const at::Tensor &cos, cons
   return out;
 }
 
-// pooling.py's max_pool2d(): window = kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w;
-// ATen's op for what the C kernel does not take (not channels-last fp32, padding over half a
-// window, an empty result), so its errors are ATen's
+// pooling.py's max_pool2d(): window = kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w
+// [, the bf16 kernel]; ATen's op for what the C kernels do not take (not channels-last fp32 or
+// bf16, padding over half a window, an empty result), so its errors are ATen's
 at::Tensor max_pool2d(int64_t kernel, const at::Tensor &x, std::vector<int64_t> window) {
   const int64_t kh = window.at(0), kw = window.at(1), sh = window.at(2), sw = window.at(3);
   const int64_t ph = window.at(4), pw = window.at(5);
   auto with_aten = [&] { return at::max_pool2d(x, {kh, kw}, {sh, sw}, {ph, pw}); };
-  if (x.dim() != 4 || x.scalar_type() != at::kFloat || !x.device().is_cpu() ||
+  // window[6], where given: the kernel for bf16 maps (its fp32 one is `kernel`)
+  const int64_t low_kernel = window.size() > 6 ? window.at(6) : 0;
+  const bool low = x.scalar_type() == at::kBFloat16 && low_kernel != 0;
+  if (x.dim() != 4 || (x.scalar_type() != at::kFloat && !low) || !x.device().is_cpu() ||
       !x.is_contiguous(at::MemoryFormat::ChannelsLast) || x.numel() == 0 ||
       2 * std::max(ph, pw) > std::min(kh, kw))
     return with_aten();
@@ -106,9 +110,9 @@ at::Tensor max_pool2d(int64_t kernel, const at::Tensor &x, std::vector<int64_t> 
   if (out_h <= 0 || out_w <= 0) return with_aten();
   at::Tensor out = at::empty({batch, channels, out_h, out_w},
                              x.options().memory_format(at::MemoryFormat::ChannelsLast));
-  reinterpret_cast<MaxPool>(kernel)(x.data_ptr<float>(), batch, height, width, channels, kh, kw,
-                                    sh, sw, ph, pw, out_h, out_w, out.data_ptr<float>(),
-                                    at::get_num_threads());
+  reinterpret_cast<MaxPool>(low ? low_kernel : kernel)(
+      x.data_ptr(), batch, height, width, channels, kh, kw, sh, sw, ph, pw, out_h, out_w,
+      out.data_ptr(), at::get_num_threads());
   return out;
 }
 

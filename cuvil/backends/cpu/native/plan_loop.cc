@@ -79,6 +79,7 @@ struct Primitive {
   bool donated;          // the output is written over the residual (sum post-op)
   bool channels_last;
   std::vector<int64_t> in_sizes, out_sizes, out_strides, result_sizes;
+  at::ScalarType out_dtype = at::kFloat;
   std::mutex lock;
   std::unordered_map<std::thread::id, Bound> bound;
 
@@ -193,6 +194,7 @@ struct Schedule : torch::CustomClassHolder {
     p->weight = h(4), p->bias = h(5), p->engine = h(6);
     p->scratch_bytes = flags.at(0), p->binary_residual = flags.at(1) != 0;
     p->donated = flags.at(2) != 0, p->channels_last = flags.at(3) != 0;
+    p->out_dtype = flags.size() > 4 && flags.at(4) != 0 ? at::kBFloat16 : at::kFloat;
     p->in_sizes = std::move(in_sizes), p->out_sizes = std::move(out_sizes);
     p->out_strides = std::move(out_strides), p->result_sizes = std::move(result_sizes);
     Step step;
@@ -220,7 +222,7 @@ struct Schedule : torch::CustomClassHolder {
     if (p.donated && residual.defined()) {
       out = residual;
     } else {
-      out = at::empty_strided(p.out_sizes, p.out_strides, at::kFloat);
+      out = at::empty_strided(p.out_sizes, p.out_strides, p.out_dtype);
     }
     Bound &b = p.for_this_thread();
     dnnl.set_handle(b.src, x.data_ptr());

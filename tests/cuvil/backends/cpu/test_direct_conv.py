@@ -15,6 +15,7 @@ from cuvil.backends.cpu import dnnl as dnnl_module
 from cuvil.backends.cpu import kept_primitives
 from cuvil.backends.cpu.direct_conv import DirectConv
 from cuvil.backends.cpu.kernels import conv2d_kernel
+from cuvil.runtime.kernels import FusedCall
 from tests.cuvil.backends.cpu.calls import kept_of, prepare
 
 ACTIVATIONS = {
@@ -200,3 +201,55 @@ def test_the_library_says_its_version(dnnl: dnnl_module.Dnnl) -> None:
     assert major == 3 and minor >= 2  # enum values above are 3.x's
     expected = f"oneDNN {major}.{minor}.{patch} kept primitives (libdnnl.so.3)"
     assert dnnl_module.describe() == expected
+
+
+@pytest.mark.skipif(
+    not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="no bf16 instructions here"
+)
+@pytest.mark.parametrize("residual", [False, True])
+def test_bf16_primitives_read_and_write_bf16_within_its_rounding(
+    dnnl: dnnl_module.Dnnl, residual: bool
+) -> None:
+    torch.manual_seed(0)
+    geometry = (16, 32, 3, 2, 1, 1, 1)
+    weight = torch.randn(32, 16, 3, 3)
+    args = _args(weight, geometry, "relu")
+    low = torch.bfloat16
+    kept = DirectConv(
+        dnnl, weight.to(low), args["bias"], (args["stride"], args["padding"], args["dilation"], 1),
+        "relu", residual, dtypes=(low, low),
+    )  # fmt: skip
+    x = torch.randn(2, 16, 9, 9).to(low).contiguous(memory_format=torch.channels_last)
+    conv = F.conv2d(x.float(), weight.to(low).float(), args["bias"], 2, 1)
+    extra = torch.randn(conv.shape).to(low) if residual else None
+    got = kept(x, extra)
+    assert got is not None and got.dtype == low
+    assert got.is_contiguous(memory_format=torch.channels_last)
+    expected = F.relu(conv + extra.float()) if extra is not None else F.relu(conv)
+    torch.testing.assert_close(got.float(), expected, atol=0.05, rtol=0.02)
+
+
+@pytest.mark.skipif(
+    not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="no bf16 instructions here"
+)
+def test_a_bf16_conv_given_bf16_runs_kept_primitives_and_aten_past_their_cache(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(kept_primitives, "MAX_SHAPES", 1)
+    torch.manual_seed(4)
+    low = torch.bfloat16
+    weight = torch.randn(8, 4, 3, 3)
+    args = {**_args(weight.to(low), (4, 8, 3, 1, 1, 1, 1), "relu"), "residual": None}
+    call = FusedCall(
+        "cuvil.conv2d", "node", args, ("input",), dtypes={"input": "bf16"}, output_dtype="bf16"
+    )
+    kernel = conv2d_kernel(call)
+    kept = kept_of(kernel)
+    assert kept is not None and kept.out_dtype == low
+    for size in (6, 9):  # the second size is past the cache: ATen's bf16 call
+        x = torch.randn(1, 4, size, size).to(low).contiguous(memory_format=torch.channels_last)
+        got = kernel.run(x)
+        expected = F.relu(F.conv2d(x.float(), weight.to(low).float(), args["bias"], 1, 1))
+        assert got.dtype == low
+        torch.testing.assert_close(got.float(), expected, atol=0.05, rtol=0.02)
+    assert len(kept.primitives) == 1

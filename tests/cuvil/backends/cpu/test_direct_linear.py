@@ -13,8 +13,9 @@ import torch.nn.functional as F
 from cuvil.backends.cpu import dnnl as dnnl_module
 from cuvil.backends.cpu import kept_primitives
 from cuvil.backends.cpu.linear_kernels import INPLACE_ACTIVATIONS, linear_kernel
+from cuvil.backends.cpu.native_calls import KeptCall
 from cuvil.backends.cpu.tactics import Tactics
-from cuvil.runtime.kernels import PreparedKernel
+from cuvil.runtime.kernels import FusedCall, PreparedKernel
 from tests.cuvil.backends.cpu.calls import kept_of, prepare
 from tests.cuvil.backends.cpu.test_linear_kernels import REFERENCE
 
@@ -99,3 +100,31 @@ def test_switched_off_the_path_is_atens(monkeypatch: pytest.MonkeyPatch) -> None
     finally:
         monkeypatch.delenv("CUVIL_DNNL")
         dnnl_module.load.cache_clear()
+
+
+@pytest.mark.skipif(
+    not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="no bf16 instructions here"
+)
+@pytest.mark.parametrize(("activation", "residual"), [("gelu", False), ("none", True)])
+def test_a_linear_given_bf16_runs_kept_bf16_primitives_in_and_out(
+    activation: str, residual: bool
+) -> None:
+    torch.manual_seed(0)
+    low = torch.bfloat16
+    weight, bias = torch.randn(40, 24).to(low), torch.randn(40)
+    runtime = ["input", "residual"] if residual else ["input"]
+    call = FusedCall(
+        "cuvil.linear", "node", {"weight": weight, "bias": bias, "activation": activation},
+        tuple(runtime), dtypes=dict.fromkeys(runtime, "bf16"), output_dtype="bf16",
+    )  # fmt: skip
+    kernel = linear_kernel(call)
+    assert kernel.native is not None
+    x = torch.randn(2, 7, 24).to(low)
+    extra = torch.randn(2, 7, 40).to(low) if residual else None
+    got = kernel.run(x, *([extra] if extra is not None else []))
+    assert got.dtype == low and got.shape == (2, 7, 40)
+    expected = F.linear(x.float(), weight.float(), bias)
+    expected = expected + extra.float() if extra is not None else REFERENCE[activation](expected)
+    torch.testing.assert_close(got.float(), expected, atol=0.1, rtol=0.02)
+    (step,) = kernel.native((x, *([extra] if extra is not None else [])))
+    assert isinstance(step, KeptCall) and step.kept.out_dtype == low

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import cuvil
-from cuvil.backends.cpu import native
+from cuvil.backends.cpu import native, plan_loop
 from cuvil.backends.cpu.pooling import max_pool2d_kernel
 from cuvil.runtime.kernels import FusedCall, PreparedKernel
 
@@ -38,10 +38,11 @@ GEOMETRIES = [
 
 @pytest.mark.parametrize("geometry", GEOMETRIES)
 @pytest.mark.parametrize("threads", [1, 2])
-def test_matches_aten_bit_for_bit(geometry: tuple, threads: int) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_aten_bit_for_bit(geometry: tuple, threads: int, dtype: torch.dtype) -> None:
     assert native.load("pooling") is not None, native.reason("pooling")
     batch, channels, height, width, kernel, stride, padding = geometry
-    x = _channels_last(batch, channels, height, width)
+    x = _channels_last(batch, channels, height, width).to(dtype)
     want = aten.max_pool2d.default(x, kernel, stride, padding)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -54,12 +55,19 @@ def test_matches_aten_bit_for_bit(geometry: tuple, threads: int) -> None:
     assert torch.equal(got, want)
 
 
-def test_nan_wins_and_padding_never_does() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nan_wins_and_padding_never_does(dtype: torch.dtype) -> None:
     x = -torch.rand(1, 16, 6, 6).add(1.0)  # all negative: a zero from the padding would show
     x[0, 3, 2, 2] = float("nan")
     x[0, 5] = float("-inf")
-    x = x.contiguous(memory_format=torch.channels_last)
-    got = _kernel(kernel_size=[3, 3], stride=[2, 2], padding=[1, 1]).run(x)
+    x = x.to(dtype).contiguous(memory_format=torch.channels_last)
+    prepared = _kernel(kernel_size=[3, 3], stride=[2, 2], padding=[1, 1])
+    assert prepared.native is not None and plan_loop.load(), plan_loop.reason()
+    (call,) = prepared.native((x,))  # the native plan loop's call, kernel_ops.cc's op
+    native_result = call.op(*call.args)
+    got = prepared.run(x)
+    assert native_result.dtype == dtype and torch.equal(native_result.isnan(), got.isnan())
+    assert torch.equal(native_result.nan_to_num(), got.nan_to_num())
     want = aten.max_pool2d.default(x, [3, 3], [2, 2], [1, 1])
     assert torch.equal(got.isnan(), want.isnan()) and bool(got.isnan().any())
     assert torch.equal(got.isneginf(), want.isneginf()) and bool(got[0, 5].isneginf().all())
