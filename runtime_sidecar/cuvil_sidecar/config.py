@@ -94,8 +94,8 @@
   reserves its prompt plus ``max_tokens`` positions, waits while they are taken, and is refused
   RESOURCE_EXHAUSTED (HTTP 413) at once when it could never fit. ``CUVIL_GENERATION_MAX_WAITING``
   (64): requests waiting for room; one more is refused RESOURCE_EXHAUSTED (HTTP 429).
-  ``CUVIL_PREFILL_CHUNK`` (128): prompt tokens prefilled per scheduler step, between decode
-  steps of the running streams.
+  ``CUVIL_PREFILL_CHUNK`` (128): prompt tokens prefilled per scheduler step (several short
+  prompts, or a chunk of a long one), between decode steps of the running streams.
 
 - ``CUVIL_MEASURE_RUNS``, ``CUVIL_POD_NAME``, ``CUVIL_POD_NAMESPACE``, ``CUVIL_NODE_NAME``,
   ``CUVIL_KUBE_API``, ``CUVIL_KUBE_TOKEN_FILE``, ``CUVIL_KUBE_CA``: the warm-up measurement of

@@ -2,9 +2,11 @@
 
 Scheduling is per iteration, as in Orca and vLLM: a request that arrives joins the running
 batch at the next step, and a sequence that finishes leaves it at once, its slot free for the
-next one. Each iteration runs at most one chunk of one prompt (``prefill_chunk`` tokens) and
-then one decode step for every sequence past its prompt, so a long prompt is prefilled over
-several iterations while the running streams keep getting a token per iteration.
+next one. Each iteration prefills at most ``prefill_chunk`` prompt tokens, first come first
+served (several short prompts together, or one chunk of a long one), then runs one decode step
+for every sequence past its prompt: a long prompt is prefilled over several iterations while the
+running streams keep getting a token per iteration, and a burst of short prompts reaches its
+first tokens in a few iterations rather than one iteration per prompt.
 
 Memory is admitted, never discovered: a sequence reserves its prompt plus the tokens it may
 generate (its ``max_new_tokens``, cut to what ``max_seq`` leaves) against a budget of cache
@@ -192,12 +194,12 @@ class Scheduler:
                     break
                 dropped = self._drop_cancelled()
                 self._admit()
-                prefilling = next((s for s in self._running if s.prefilled < len(s.prompt)), None)
+                prefills = self._prefill_plan()
                 decoding = [s for s in self._running if s.prefilled == len(s.prompt)]
             for sequence in dropped:
                 self._emit(sequence, None, FINISH_CANCELLED)
-            if prefilling is not None:
-                self._prefill_chunk(prefilling)
+            for sequence, tokens in prefills:
+                self._prefill_chunk(sequence, tokens)
             if decoding:
                 self._decode(decoding)
         for sequence in ending:
@@ -229,9 +231,20 @@ class Scheduler:
         self._free_slots.append(sequence.slot)
         self._reserved -= sequence.reserved
 
-    def _prefill_chunk(self, sequence: Sequence) -> None:
+    def _prefill_plan(self) -> list[tuple[Sequence, int]]:
+        """Under the lock: this iteration's prompt chunks, in arrival order, ``prefill_chunk``
+        tokens in all."""
+        plan, left = [], self.prefill_chunk
+        for sequence in self._running:
+            remaining = len(sequence.prompt) - sequence.prefilled
+            if remaining and left:
+                plan.append((sequence, min(remaining, left)))
+                left -= plan[-1][1]
+        return plan
+
+    def _prefill_chunk(self, sequence: Sequence, tokens: int) -> None:
         start = sequence.prefilled
-        chunk = sequence.prompt[start : start + self.prefill_chunk]
+        chunk = sequence.prompt[start : start + tokens]
         try:
             logits = self.engine.prefill(sequence.slot, torch.tensor(chunk), start)
         except Exception as error:

@@ -2,8 +2,11 @@
 ``tokenizers``: a Rust library reading the file as data, never code).
 
 Streams send text as it becomes whole: a token may end in the middle of a multi-byte character
-(byte-level BPE), so ``Detokenizer`` decodes the whole output so far and sends only what was
-not sent before, holding back while the end is an incomplete character.
+(byte-level BPE), so ``Detokenizer`` holds text back while its end is an incomplete character.
+It decodes a window, not the whole output: the tokens not yet sent plus the few sent before
+them (their context: a SentencePiece word's leading space, a character split across tokens),
+so each token costs the same however long the stream has run (incremental detokenization, as
+vLLM and TGI do it).
 """
 
 from __future__ import annotations
@@ -44,24 +47,31 @@ class Detokenizer:
     def __init__(self, codec: TextCodec) -> None:
         self._codec = codec
         self._ids: list[int] = []
+        self._context = 0  # where the decoded window starts: the tokens sent last time
+        self._sent = 0  # tokens whose text has been sent
         self.text = ""  # what has been sent
 
     def add(self, token: int) -> str:
         """The new text ``token`` completes (may be empty)."""
         self._ids.append(token)
-        text = self._codec.decode(self._ids)
-        if text.endswith(_INCOMPLETE) or not text.startswith(self.text):
-            return ""
-        piece, self.text = text[len(self.text) :], text
-        return piece
+        return self._advance(hold_incomplete=True)
 
     def flush(self) -> str:
         """What is still held back, once no more tokens come (an incomplete last character
         stays as decoding renders it)."""
-        text = self._codec.decode(self._ids)
-        if not text.startswith(self.text):
+        return self._advance(hold_incomplete=False)
+
+    def _advance(self, *, hold_incomplete: bool) -> str:
+        decode = self._codec.decode
+        before = decode(self._ids[self._context : self._sent])
+        window = decode(self._ids[self._context :])
+        if len(window) <= len(before) or not window.startswith(before):
             return ""
-        piece, self.text = text[len(self.text) :], text
+        if hold_incomplete and window.endswith(_INCOMPLETE):
+            return ""
+        piece = window[len(before) :]
+        self._context, self._sent = self._sent, len(self._ids)
+        self.text += piece
         return piece
 
 

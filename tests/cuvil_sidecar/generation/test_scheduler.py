@@ -156,6 +156,36 @@ def test_long_prompt_is_prefilled_in_chunks_between_decode_steps() -> None:
     assert sum(kind == "decode" for kind, _, _ in between) >= len(chunks) - 1
 
 
+def test_a_burst_of_short_prompts_shares_each_iterations_prefill_budget() -> None:
+    engine = HistoryEngine(max_batch=8, max_seq=4096)
+    scheduler = Scheduler(engine, prefill_chunk=16)
+    short = [[(i * 11 + k) % VOCAB for k in range(5)] for i in range(6)]
+    try:
+        running = Collector()
+        endless = scheduler.submit([1, 2, 3], SamplingParams(max_new_tokens=4000), running)
+        while len(running.events) < 2:  # the first stream decodes
+            threading.Event().wait(0.001)
+        engine.gate.clear()  # hold the engine while the burst arrives
+        collectors = [Collector() for _ in short]
+        for prompt, collector in zip(short, collectors, strict=True):
+            scheduler.submit(prompt, SamplingParams(max_new_tokens=3), collector)
+        engine.gate.set()
+        results = [c.tokens() for c in collectors]
+        scheduler.cancel(endless)
+    finally:
+        scheduler.close()
+    assert results == [alone(prompt, SamplingParams(max_new_tokens=3)) for prompt in short]
+    between: list[list[int]] = [[]]  # prefill sizes between two decode steps
+    for kind, _, tokens in engine.calls[1:]:
+        if kind == "decode":
+            between.append([])
+        else:
+            between[-1].append(tokens)
+    assert max(sum(gap) for gap in between) <= 16  # the budget holds across prompts
+    # one iteration: three whole prompts and the first token of a fourth, not one prompt each
+    assert [5, 5, 5, 1] in between, [gap for gap in between if gap]
+
+
 def test_eos_and_max_seq_end_a_sequence() -> None:
     tokens = alone([5, 6], SamplingParams(max_new_tokens=30))
     eos = tokens[3]
