@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from cuvil_sidecar.generation.text import TextCodec
+
 from tests.cuvil_sidecar.generation.checkpoints import train_tokenizer
 
 TEXTS = [
