@@ -317,6 +317,8 @@ def swiglu_kernel(call: FusedCall) -> PreparedKernel:
         gemm = _tactic_linear(
             candidates, weight.shape[-1], mkl_form=mkl_linear_form(transposed, None, "none")
         )
+        if "bf16" in call.dtypes.values():  # bf16 values on a CPU without bf16 GEMMs
+            gemm = widened(gemm, low_out=False)
     project = gemm.run
 
     def swiglu(x: torch.Tensor) -> torch.Tensor:

@@ -46,6 +46,10 @@ def test_bf16_stays_within_budget_and_halves_gemm_weights(factory, tmp_path: Pat
         for k, v in bf16.contents.golden.items()
         if k.startswith("input.")
     }
+    # the same kernels both sides: on a CPU without bf16 GEMMs an fp32 path's last-bit
+    # differences from another path move some bf16 roundings downstream by an ulp
+    bf16.prepare(inputs)
+    loaded.preset_tactics(bf16.execution()["tactics"])
     for name, value in loaded.run(inputs).items():
         torch.testing.assert_close(value, bf16.run(inputs)[name])
 
