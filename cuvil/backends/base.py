@@ -49,7 +49,12 @@ class Backend(Protocol):
     # fused op -> factory; also ATen ops the backend runs with its own kernel (CPU max-pool)
     kernels: Mapping[str, KernelFactory]
     fallbacks: Mapping[str, str]  # fused op without a kernel of its own -> why, and what runs it
-    lowering: Lowering
+
+    @property
+    def lowering(self) -> Lowering:
+        """The choices the pass pipeline makes for this target."""
+        ...
+
     verified_by: str  # how the compiler's verify stage ran this target's plan (for the report)
     speed_measured: bool  # whether timing its plan here measures the target's own speed
 

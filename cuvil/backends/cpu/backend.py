@@ -11,12 +11,13 @@ compiler settles the example shapes' choices and the artifact carries them per C
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from cuvil.backends.base import Lowering
-from cuvil.backends.cpu import kernel_choices
+from cuvil.backends.cpu import kernel_choices, linear_kernels
 from cuvil.backends.cpu.dnnl import describe as describe_dnnl
 from cuvil.backends.cpu.kernels import CPU_KERNELS
 from cuvil.backends.cpu.linear_kernels import compute_precision
@@ -42,18 +43,31 @@ LOWERING = Lowering(
     precisions=("fp32", "bf16"),
     low_activations=True,  # oneDNN's bf16 convolutions and inner products read and write bf16
 )
+# a CPU without bf16 GEMMs widens bf16 weights once at load: bf16 values between its fp32
+# GEMMs would only add a cast around each of them
+FP32_ACTIVATIONS = replace(LOWERING, low_activations=False)
 
 
 class CpuBackend:
     kernels: Mapping[str, KernelFactory] = CPU_KERNELS
     fallbacks: Mapping[str, str] = {}
-    lowering = LOWERING
     verified_by = "run on this machine's CPU, against eager fp32"
     speed_measured = True
 
     def __init__(self, target: Target) -> None:
         self.target = target
         self.device = torch.device("cpu")
+
+    @property
+    def lowering(self) -> Lowering:
+        """bf16 values between the GEMM-like ops of a bf16 compile where the target's GEMMs
+        compute bf16. A named target (``cpu-x86_64``, ``cpu-x86_64-amx``) is a fleet the
+        artifact may reach on CPUs with bf16 instructions: its values stay bf16 (CPUs without
+        them widen at each GEMM). The family alone (``cpu``, ``cuvil.jit``'s default) is the
+        compiling machine's own CPU: without bf16 GEMMs there, values stay fp32 between them."""
+        if not self.target.variant and not linear_kernels.has_onednn_bf16():
+            return FP32_ACTIVATIONS
+        return LOWERING
 
     def check_compile(self) -> None:
         """Any machine compiles for the CPU."""

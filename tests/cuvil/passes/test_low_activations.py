@@ -16,6 +16,9 @@ from tests.cuvil.backends.cpu.test_whole_native import MODELS, _outputs, _settle
 from tests.cuvil.passes.rule_cases import ConvBlock
 
 BUDGET = PRECISIONS["bf16"].budget
+# a fleet target: its artifact may run on CPUs with bf16 GEMMs, so its values stay bf16
+# whatever CPU compiles it (the bare ``cpu`` target asks the compiling CPU)
+FLEET = "cpu-x86_64"
 
 
 def _casts(compiled: cuvil.CompiledModel) -> list[str]:
@@ -44,7 +47,7 @@ def test_a_conv_chain_passes_bf16_with_casts_only_at_its_borders() -> None:
     torch.manual_seed(0)
     model = ConvBlock(torch.relu).eval()
     x = torch.randn(2, 8, 10, 10)
-    compiled = cuvil.jit(model, (x,), precision="bf16")
+    compiled = cuvil.jit(model, (x,), precision="bf16", target=FLEET)
     assert compiled.report["fusions"]["bf16_activations"] >= 1
     assert _casts(compiled) == ["dtype<bf16>"]  # in once; the last conv writes fp32 itself
     convs = [node for node in compiled.graph.nodes if node.op == "cuvil.conv2d"]
@@ -59,7 +62,7 @@ def test_an_op_that_needs_fp32_gets_it_from_the_linear_before_it() -> None:
     torch.manual_seed(0)
     model = Softmaxed().eval()
     x = torch.randn(4, 32)
-    compiled = cuvil.jit(model, (x,), precision="bf16")
+    compiled = cuvil.jit(model, (x,), precision="bf16", target=FLEET)
     (softmax,) = [node for node in compiled.graph.nodes if "softmax" in node.op]
     assert compiled.graph.type_of(softmax.inputs[0]).dtype == "f32"
     assert _casts(compiled) == ["dtype<bf16>", "dtype<bf16>"]  # into each linear; out, fp32
@@ -107,7 +110,8 @@ def test_without_bf16_instructions_the_widened_kernels_stay_whole_native(
     monkeypatch.setattr(linear_kernels, "has_onednn_bf16", lambda: False)
     build, inputs_of, dynamic, _ = MODELS[name]
     eager = build()
-    compiled = cuvil.jit(eager, inputs_of(2, 0), dynamic_shapes=dynamic, precision="bf16")
+    compiled = cuvil.jit(eager, inputs_of(2, 0), dynamic_shapes=dynamic, precision="bf16",
+                         target=FLEET)  # fmt: skip
     assert compiled.report["bisection"] is None
     execution = compiled.execution()
     assert (execution["gemm_compute"], execution["activations"]) == ("fp32", "bf16")
@@ -117,6 +121,24 @@ def test_without_bf16_instructions_the_widened_kernels_stay_whole_native(
         expected, got = _outputs(eager(**fresh)), _outputs(compiled(**fresh))
     assert got
     for want, have in zip(expected, got, strict=False):
+        _within_budget(want, have)
+
+
+def test_for_its_own_cpu_without_bf16_gemms_a_bf16_compile_keeps_fp32_activations(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(linear_kernels, "has_onednn_bf16", lambda: False)
+    build, inputs_of, dynamic, _ = MODELS["minilm_shaped"]
+    eager = build()
+    compiled = cuvil.jit(eager, inputs_of(2, 0), dynamic_shapes=dynamic, precision="bf16")
+    execution = compiled.execution()
+    assert (execution["weights"], execution["activations"]) == ("bf16", "fp32")
+    assert "low_activations" not in [entry["name"] for entry in compiled.report["passes"]]
+    assert "dtype<bf16>" not in _casts(compiled)  # no value converted for the fp32 GEMMs
+    fresh = inputs_of(1, 2)
+    with torch.inference_mode():
+        expected, got = _outputs(eager(**fresh)), _outputs(compiled(**fresh))
+    for want, have in zip(expected, got, strict=True):
         _within_budget(want, have)
 
 
@@ -135,7 +157,7 @@ def test_values_read_in_a_list_stay_fp32() -> None:
     torch.manual_seed(0)
     model = Joined().eval()
     x, y = torch.randn(4, 16), torch.randn(4, 16)
-    compiled = cuvil.jit(model, (x, y), precision="bf16")
+    compiled = cuvil.jit(model, (x, y), precision="bf16", target=FLEET)
     (cat,) = [node for node in compiled.graph.nodes if node.op == "aten.cat.default"]
     assert {compiled.graph.type_of(v).dtype for v in cat.inputs} == {"f32"}
     with torch.no_grad():
