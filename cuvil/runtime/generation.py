@@ -44,10 +44,22 @@ STEP_INPUTS = ("input_ids", "slots", "positions")
 PREFILL_CHOICES = "prefill_kernel_choices"
 
 
+# prefill lengths whose kernel choices a compile makes: up to the sidecar's default prefill chunk
+PREFILL_CHOICE_TOKENS = 128
+
+
 def row_buckets(max_batch: int) -> list[int]:
     """Decode row counts whose kernel choices stand for all: powers of two, then max_batch."""
     buckets = [1 << power for power in range(max_batch.bit_length()) if 1 << power < max_batch]
     return [*buckets, max_batch]
+
+
+def prefill_buckets(max_seq: int, longest: int) -> list[int]:
+    """Prefill lengths whose kernel choices stand for every chunk of up to ``longest`` tokens
+    (a GEMM's choice holds for a power-of-two bucket of rows): the powers of two up to it (or
+    ``max_seq``), and that length itself."""
+    top = max(1, min(longest, max_seq))
+    return sorted({1 << power for power in range(top.bit_length())} | {top})
 
 
 def _prefill_contents(contents: ArtifactContents) -> ArtifactContents:
@@ -165,7 +177,7 @@ class GenerationModel(CompiledModel):
         )
         symbols = self._prefill_binder.bind(inputs)
         with torch.inference_mode():
-            logits = self.prefill_plan.run(inputs, symbols)["output"]
+            logits = self.prefill_model.runner.run(inputs, symbols)["output"]
         return logits[0].float()
 
     def decode(
@@ -225,10 +237,11 @@ class GenerationModel(CompiledModel):
 
     def choose_kernels(self, prompt_tokens: int) -> dict[str, Any]:
         """Make the kernel choices a decode step meets at every row bucket (1, 2, 4, …,
-        ``max_batch``) and a prefill of ``prompt_tokens`` tokens meets (and of one token), the
-        backend's way, so generation runs at full speed from its first step; returns the
-        config entries that carry them, the prefill's under ``PREFILL_CHOICES`` (the graphs'
-        node names overlap). The cache is zeroed after."""
+        ``max_batch``) and a prefill meets at every length bucket up to
+        ``PREFILL_CHOICE_TOKENS`` (the chunks a scheduler sends) and at ``prompt_tokens``, the
+        backend's way, so generation runs at full speed from its first step whatever the
+        prompts' lengths; returns the config entries that carry them, the prefill's under
+        ``PREFILL_CHOICES`` (the graphs' node names overlap). The cache is zeroed after."""
         position = min(prompt_tokens, self.max_seq - 1)
         entries: dict[str, Any] = {}
         for rows in row_buckets(self.max_batch):
@@ -239,18 +252,39 @@ class GenerationModel(CompiledModel):
             )
             entries = dict(self.backend.choose_kernels(self, inputs))
             self.config.update(entries)  # the next bucket's entry merges with these
-        tokens = max(1, min(prompt_tokens, self.max_seq))
-        prefill_inputs = self._step_inputs(
-            torch.zeros(1, tokens, dtype=torch.int64),
-            torch.zeros(1, dtype=torch.int64),
-            torch.zeros(1, dtype=torch.int64),
-        )
-        prefill = dict(self.backend.choose_kernels(self.prefill_model, prefill_inputs))
-        self.prefill_model.config.update(prefill)
+        prefill: dict[str, Any] = {}
+        lengths = set(prefill_buckets(self.max_seq, PREFILL_CHOICE_TOKENS))
+        for tokens in sorted(lengths | {max(1, min(prompt_tokens, self.max_seq))}):
+            prefill_inputs = self._step_inputs(
+                torch.zeros(1, tokens, dtype=torch.int64),
+                torch.zeros(1, dtype=torch.int64),
+                torch.zeros(1, dtype=torch.int64),
+            )
+            prefill = dict(self.backend.choose_kernels(self.prefill_model, prefill_inputs))
+            self.prefill_model.config.update(prefill)  # the next length's entry merges
         entries[PREFILL_CHOICES] = prefill
         self.config[PREFILL_CHOICES] = prefill
         self.reset_cache()
         return entries
+
+    def warm_up(self, prefill_tokens: int = PREFILL_CHOICE_TOKENS) -> int:
+        """Prepare a decode step at every row count (1 .. ``max_batch``) and a prefill at every
+        length bucket up to ``prefill_tokens`` to run as it will serve (kernel choices made,
+        native schedule built and checked), as a server does before it reports ready: a
+        scheduler meets every row count as streams join and leave, and its first requests
+        should not pay for building them. Returns the steps run; the cache is zeroed after."""
+        steps = 0
+        for rows in range(1, self.max_batch + 1):
+            zeros = torch.zeros(rows, dtype=torch.int64)
+            steps += self.prepare(self._step_inputs(zeros[:, None], torch.arange(rows), zeros))
+            self.decode(list(range(rows)), zeros, zeros)  # keeps the row count's direct call
+            steps += 1
+        for tokens in prefill_buckets(self.max_seq, prefill_tokens):
+            ids = torch.zeros(1, tokens, dtype=torch.int64)
+            slot, position = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+            steps += self.prefill_model.prepare(self._step_inputs(ids, slot, position))
+        self.reset_cache()
+        return steps
 
     def reset_cache(self) -> None:
         for cache in self.caches:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import tarfile
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,7 +56,9 @@ class GenerationLoadError(RuntimeError):
 
 def _compiled_engine(path: Path, config: Mapping[str, Any], settings: SidecarConfig) -> Any:
     """The artifact's compiled prefill/decode pair and its KV cache (``max_batch`` slots of
-    ``max_seq`` positions, fixed when it was compiled): cuvil/runtime/generation.py."""
+    ``max_seq`` positions, fixed when it was compiled): cuvil/runtime/generation.py, warmed up
+    at every decode row count and prefill length bucket up to ``CUVIL_PREFILL_CHUNK`` before
+    it serves."""
     from cuvil.runtime.generation import GenerationModel as CompiledGeneration
     from cuvil.runtime.model import load
 
@@ -65,6 +68,9 @@ def _compiled_engine(path: Path, config: Mapping[str, Any], settings: SidecarCon
         raise GenerationLoadError(f"loading the {TASK} artifact {path} failed: {error}") from error
     if not isinstance(model, CompiledGeneration):
         raise GenerationLoadError(f"{path} says {TASK} but holds no prefill/decode pair")
+    started = time.perf_counter()
+    steps = model.warm_up(settings.prefill_chunk)
+    log.info("warmed up %s: %d steps in %.2f s", path.name, steps, time.perf_counter() - started)
     return model
 
 

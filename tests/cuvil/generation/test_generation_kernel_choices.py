@@ -12,7 +12,12 @@ import torch
 
 import cuvil
 from cuvil.backends.cpu.kernel_choices import CONFIG_KEY, cpu_family
-from cuvil.runtime.generation import PREFILL_CHOICES, GenerationModel, row_buckets
+from cuvil.runtime.generation import (
+    PREFILL_CHOICES,
+    GenerationModel,
+    prefill_buckets,
+    row_buckets,
+)
 from cuvil.runtime.signature import InputError
 from tests.cuvil.generation.families import VOCAB, build
 
@@ -45,6 +50,12 @@ def test_row_buckets_are_powers_of_two_then_max_batch() -> None:
     assert row_buckets(16) == [1, 2, 4, 8, 16]
 
 
+def test_prefill_buckets_are_powers_of_two_then_the_longest_chunk() -> None:
+    assert prefill_buckets(32, 128) == [1, 2, 4, 8, 16, 32]
+    assert prefill_buckets(4096, 100) == [1, 2, 4, 8, 16, 32, 64, 100]
+    assert prefill_buckets(5, 9) == [1, 2, 4, 5]
+
+
 def test_two_slots_compile_and_generate_as_transformers(
     generation: GenerationModel, model: torch.nn.Module
 ) -> None:
@@ -73,10 +84,31 @@ def test_choices_for_every_bucket_are_carried_and_taken_on_load(
     assert decode and prefill
     assert all(set(buckets) == {"1", "2"} for buckets in decode.values())
     assert any("8" in buckets for buckets in prefill.values())  # the 7-token prompt's bucket
+    assert any("32" in buckets for buckets in prefill.values())  # a chunk of up to max_seq
     loaded = cuvil.load(generation.save(tmp_path / "llama.cuvil"))
     assert isinstance(loaded, GenerationModel)
     assert loaded.execution()["tactics_from_artifact"]
     assert loaded.prefill_model.execution()["tactics_from_artifact"]
     loaded.generate(_ids(2, PROMPT, seed=2), max_new_tokens=4, eos_token_id=None)
+    loaded.prefill(0, _ids(1, 21, seed=3)[0], 0)  # a prompt of another length: its bucket is made
     assert not loaded.plan.kernel_trials()  # no decode step timed a candidate
     assert not loaded.prefill_plan.kernel_trials()
+
+
+def test_warm_up_makes_every_row_count_and_prefill_bucket_run_as_it_serves(
+    generation: GenerationModel, model: torch.nn.Module
+) -> None:
+    assert generation.warm_up(prefill_tokens=16) >= 2 + 5  # each row count, each length
+    assert set(generation._decode_calls) >= {
+        (1, torch.get_num_threads()),
+        (2, torch.get_num_threads()),
+    }
+    shapes = generation.prefill_model.execution()["plan_loop"]["shapes"]
+    threads = torch.get_num_threads()
+    assert all(f"seq={n} threads={threads}" in shapes for n in (1, 2, 4, 8, 16))
+    assert all(c.abs().sum() == 0 for c in generation.caches)  # nothing left in the cache
+    ids = _ids(1, 6, seed=4)
+    ours = generation.generate(ids, max_new_tokens=5, eos_token_id=None)
+    assert torch.equal(
+        ours, model.generate(ids, max_new_tokens=5, do_sample=False, eos_token_id=None)
+    )

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cuvil_sidecar.config import SidecarConfig
 from cuvil_sidecar.generation import loader
 from cuvil_sidecar.generation.scheduler import Scheduler
 
@@ -37,9 +38,11 @@ def test_the_loader_serves_the_artifacts_compiled_engine(artifact: tuple) -> Non
     config = loader.artifact_config(path)
     assert config["task"] == loader.TASK
     assert config["eos_token_id"] == [model.generation_config.eos_token_id]
-    engine = loader.ENGINE_FOR_ARTIFACT(path, config, None)  # type: ignore[arg-type]
+    engine = loader.ENGINE_FOR_ARTIFACT(path, config, SidecarConfig(str(path), prefill_chunk=5))
     assert isinstance(engine, GenerationModel)
     assert (engine.max_batch, engine.max_seq) == (4, 64)
+    threads = torch.get_num_threads()
+    assert {(rows, threads) for rows in (1, 2, 3, 4)} <= set(engine._decode_calls)  # warmed up
 
     requests = [(_prompt(i), SamplingParams(max_new_tokens=4 + 2 * i)) for i in range(7)]
     scheduler = Scheduler(engine, prefill_chunk=5)  # 7 streams through 4 slots, chunked prompts

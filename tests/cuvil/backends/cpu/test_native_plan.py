@@ -163,3 +163,27 @@ def test_direct_calls_at_a_settled_shape_still_refuse_other_inputs(
     y = torch.randn(2, 784)
     with torch.no_grad():  # outside inference mode: the direct call enters it, as run() does
         torch.testing.assert_close(compiled_mlp(y), model(y), atol=1e-5, rtol=1e-5)
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return self.linear(a) * b
+
+
+def test_one_tensor_given_as_two_inputs_is_not_recorded_as_one_input() -> None:
+    """Schedules bind arguments to inputs by identity: a call that passes one tensor for two
+    inputs (a caller's shared zeros) must not become the shape's schedule, or every later call
+    would read one input for both."""
+    model = _Scaled().eval()
+    compiled = cuvil.jit(model, (torch.randn(2, 8), torch.randn(2, 8)))
+    same = torch.randn(2, 8)
+    for _ in range(60):  # past every kernel choice: a settled shape would be recorded
+        compiled.run({"a": same, "b": same})
+    a, b = torch.randn(2, 8), torch.randn(2, 8)
+    for _ in range(3):
+        with torch.no_grad():
+            torch.testing.assert_close(compiled.run({"a": a, "b": b})["output"], model(a, b))
