@@ -46,6 +46,9 @@ PREFILL_CHOICES = "prefill_kernel_choices"
 
 # prefill lengths whose kernel choices a compile makes: up to the sidecar's default prefill chunk
 PREFILL_CHOICE_TOKENS = 128
+# decode row counts a warm-up prepares one by one (the CPU keeps native schedules for 16
+# shapes a model); past them, one per row bucket
+WARM_ROW_COUNTS = 16
 
 
 def row_buckets(max_batch: int) -> list[int]:
@@ -268,13 +271,15 @@ class GenerationModel(CompiledModel):
         return entries
 
     def warm_up(self, prefill_tokens: int = PREFILL_CHOICE_TOKENS) -> int:
-        """Prepare a decode step at every row count (1 .. ``max_batch``) and a prefill at every
+        """Prepare a decode step at every row count up to ``WARM_ROW_COUNTS`` and at every row
+        bucket past it (1, 2, …, 16, 32, …, ``max_batch``), and a prefill at every
         length bucket up to ``prefill_tokens`` to run as it will serve (kernel choices made,
         native schedule built and checked), as a server does before it reports ready: a
         scheduler meets every row count as streams join and leave, and its first requests
         should not pay for building them. Returns the steps run; the cache is zeroed after."""
         steps = 0
-        for rows in range(1, self.max_batch + 1):
+        every = range(1, min(self.max_batch, WARM_ROW_COUNTS) + 1)
+        for rows in sorted({*every, *row_buckets(self.max_batch)}):
             zeros = torch.zeros(rows, dtype=torch.int64)
             steps += self.prepare(self._step_inputs(zeros[:, None], torch.arange(rows), zeros))
             self.decode(list(range(rows)), zeros, zeros)  # keeps the row count's direct call
