@@ -14,7 +14,6 @@ tokens, why it ended).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 import time
@@ -23,6 +22,7 @@ from dataclasses import dataclass
 from cuvil_sidecar import tracing
 from cuvil_sidecar.config import SidecarConfig
 from cuvil_sidecar.errors import InvalidInput
+from cuvil_sidecar.generation.inbox import LoopInboxes
 from cuvil_sidecar.generation.loader import GenerationModel
 from cuvil_sidecar.generation.requests import GenerateRequest
 from cuvil_sidecar.generation.scheduler import (
@@ -75,6 +75,7 @@ class GenerationServable:
             name=self.name,
         )
         self.metrics = metrics
+        self.inboxes = LoopInboxes()  # token events to the streams, per event loop
         self.in_flight = 0
         self._in_flight_lock = threading.Lock()
 
@@ -158,7 +159,7 @@ class GenerationStream:
         self.tokens: list[int] = []
         self.text = ""
         self.finish: str | None = None
-        self._loop = asyncio.get_running_loop()
+        self._inbox = servable.inboxes.of(asyncio.get_running_loop())
         self._events: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self._started_ns = time.perf_counter_ns()
         self._last_ns = 0
@@ -192,8 +193,7 @@ class GenerationStream:
         return self._detokenizer is not None
 
     def _sink(self, event: TokenEvent) -> None:  # on the engine thread
-        with contextlib.suppress(RuntimeError):  # a closed loop: nobody reads this stream
-            self._loop.call_soon_threadsafe(self._events.put_nowait, event)
+        self._inbox.put(self._events, event)
 
     def __aiter__(self) -> GenerationStream:
         return self
