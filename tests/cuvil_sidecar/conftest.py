@@ -202,6 +202,26 @@ def mlp_sidecar(
         yield sidecar
 
 
+@pytest.fixture(scope="session", params=["native", "grpcio"])
+def joining_sidecar(
+    request: pytest.FixtureRequest, mlp_artifact: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Sidecar]:
+    """An MLP sidecar whose batches wait up to 200 ms for company, even a lone request's: tests
+    that requests sent together are joined then hold however fast the host answers each one
+    (the shared sidecar runs a request that is alone at once, so on a fast host a burst may
+    never overlap)."""
+    sidecar = Sidecar(
+        mlp_artifact,
+        tmp_path_factory.mktemp("joining-sidecar") / "sidecar.log",
+        CUVIL_GRPC_FRONTEND=request.param,
+        CUVIL_MAX_BATCH_SIZE="8",
+        CUVIL_MAX_QUEUE_DELAY_US="200000",
+        CUVIL_LONE_REQUESTS="wait",
+    )
+    with ready_sidecar(sidecar):
+        yield sidecar
+
+
 def eager(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> object:
     with torch.no_grad():
         return model(**inputs)

@@ -89,16 +89,16 @@ def test_typed_contents_equal_raw(mlp_sidecar: Sidecar) -> None:
 
 
 def test_aio_client_concurrent_requests_are_joined_and_split(
-    mlp_sidecar: Sidecar, mlp_spec
+    joining_sidecar: Sidecar, mlp_spec
 ) -> None:
     """32 concurrent requests of 1-3 rows each: every response equals eager on its own rows, and
     /metrics shows fewer executions than requests (batches were joined)."""
-    before = scrape(mlp_sidecar)
+    before = scrape(joining_sidecar)
     rng = np.random.default_rng(2)
     batches = [rng.standard_normal((1 + i % 3, 784), dtype=np.float32) for i in range(32)]
 
     async def run() -> list[np.ndarray]:
-        client = aioclient.InferenceServerClient(mlp_sidecar.url)
+        client = aioclient.InferenceServerClient(joining_sidecar.url)
         assert await client.is_server_ready()
 
         async def one(x: np.ndarray) -> np.ndarray:
@@ -116,7 +116,7 @@ def test_aio_client_concurrent_requests_are_joined_and_split(
         expected = eager(mlp_spec.model, {"x": torch.from_numpy(x)}).numpy()
         assert y.shape == expected.shape
         np.testing.assert_allclose(y, expected, rtol=1e-4, atol=1e-5)
-    after = scrape(mlp_sidecar)
+    after = scrape(joining_sidecar)
     requests = metric(after, "nv_inference_request_success") - metric(
         before, "nv_inference_request_success"
     )

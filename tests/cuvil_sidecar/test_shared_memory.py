@@ -125,34 +125,39 @@ def scrape_exec_count(sidecar: Sidecar) -> float:
 
 
 def test_batched_requests_each_use_their_own_slice(
-    mlp_sidecar: Sidecar, client, segment, mlp_spec
+    joining_sidecar: Sidecar, segment, mlp_spec
 ) -> None:
     """Eight concurrent requests, each reading its row at its own offset and writing its output
     at its own offset, are joined into batches and every output lands in its place."""
     count = 8
-    client.register_system_shared_memory("rows", "/" + segment.name, 64 * 1024)
-    rows = array_at(segment, 0, (count, 784))
-    rows[:] = np.random.default_rng(3).standard_normal((count, 784), dtype=np.float32)
-    out_base = count * ROW_BYTES
+    client = grpcclient.InferenceServerClient(joining_sidecar.url)
+    try:
+        client.register_system_shared_memory("rows", "/" + segment.name, 64 * 1024)
+        rows = array_at(segment, 0, (count, 784))
+        rows[:] = np.random.default_rng(3).standard_normal((count, 784), dtype=np.float32)
+        out_base = count * ROW_BYTES
 
-    async def send() -> None:
-        aio = aioclient.InferenceServerClient(mlp_sidecar.url)
+        async def send() -> None:
+            aio = aioclient.InferenceServerClient(joining_sidecar.url)
 
-        async def one(index: int) -> None:
-            item = aioclient.InferInput("x", [1, 784], "FP32")
-            item.set_shared_memory("rows", ROW_BYTES, offset=index * ROW_BYTES)
-            wanted = aioclient.InferRequestedOutput("output")
-            wanted.set_shared_memory("rows", OUT_BYTES, offset=out_base + index * OUT_BYTES)
-            await aio.infer("mlp", [item], outputs=[wanted])
+            async def one(index: int) -> None:
+                item = aioclient.InferInput("x", [1, 784], "FP32")
+                item.set_shared_memory("rows", ROW_BYTES, offset=index * ROW_BYTES)
+                wanted = aioclient.InferRequestedOutput("output")
+                wanted.set_shared_memory("rows", OUT_BYTES, offset=out_base + index * OUT_BYTES)
+                await aio.infer("mlp", [item], outputs=[wanted])
 
-        await asyncio.gather(*(one(index) for index in range(count)))
-        await aio.close()
+            await asyncio.gather(*(one(index) for index in range(count)))
+            await aio.close()
 
-    executions = scrape_exec_count(mlp_sidecar)
-    asyncio.run(send())
-    assert scrape_exec_count(mlp_sidecar) - executions < count  # some requests were joined
-    outputs = array_at(segment, out_base, (count, 10))
-    np.testing.assert_allclose(outputs, expected(mlp_spec, rows), rtol=1e-4, atol=1e-5)
+        executions = scrape_exec_count(joining_sidecar)
+        asyncio.run(send())
+        assert scrape_exec_count(joining_sidecar) - executions < count  # some requests were joined
+        outputs = array_at(segment, out_base, (count, 10))
+        np.testing.assert_allclose(outputs, expected(mlp_spec, rows), rtol=1e-4, atol=1e-5)
+    finally:
+        client.unregister_system_shared_memory()
+        client.close()
 
 
 def refused(call, code: str, message: str) -> None:
