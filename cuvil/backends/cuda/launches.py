@@ -55,9 +55,11 @@ def _constant(call: FusedCall, key: str, dtype: torch.dtype, width: int) -> torc
 
 
 def norm_rows(call: FusedCall, manifest: Mapping[str, Any], launcher: Launcher) -> PreparedKernel:
-    """``cuvil.rms_norm`` and ``cuvil.layer_norm``: one program per row of the last dim."""
+    """``cuvil.rms_norm`` and ``cuvil.layer_norm``: ``BLOCK_M`` rows of the last dim per
+    program."""
     call.check_runtime(("input",))
     width = int(manifest["constexprs"]["N"])
+    per_program = int(manifest["constexprs"]["BLOCK_M"])
     dtypes = _dtypes(manifest)
     eps = float(call.arg("eps"))
     params = {"w_ptr": _constant(call, "weight", dtypes["w_ptr"], width)}
@@ -75,6 +77,7 @@ def norm_rows(call: FusedCall, manifest: Mapping[str, Any], launcher: Launcher) 
             "out_ptr": out,
             "stride_x": width,
             "stride_out": width,
+            "n_rows": rows,
             "eps": eps,
         }
         reach = {"x_ptr": rows * width, "out_ptr": rows * width}
@@ -82,7 +85,7 @@ def norm_rows(call: FusedCall, manifest: Mapping[str, Any], launcher: Launcher) 
             args[name] = source if tensor is None else tensor  # absent: never read
             if tensor is not None:
                 reach[name] = width
-        launcher.launch((rows, 1, 1), args, reach)
+        launcher.launch((-(-rows // per_program), 1, 1), args, reach)
         return out.to(x.dtype)
 
     return PreparedKernel(run)

@@ -25,6 +25,11 @@ from cuvil import fused_ops as fused
 from cuvil.ir import Graph, Node, Value
 
 MAX_ROW = 16384  # widest row one program normalises (registers: BLOCK_N fp32 values per row)
+# A row kernel's tile: narrow rows share a program up to this many elements (BLOCK_M rows of
+# BLOCK_N), so a LayerNorm over rows of 64 keeps a program's warps busy instead of one warp
+# each, and Triton's interpreter runs one program per tile rather than per row.
+ROW_TILE = 2048
+MAX_ROWS_PER_PROGRAM = 64
 EPILOGUE_BLOCK = 1024
 # Epilogue activations -> the ACT constexpr of templates.bias_act_residual.
 ACTIVATION_CODES = {
@@ -133,6 +138,14 @@ def _rows(graph: Graph, node: Node) -> tuple[Value, int, str, int] | str:
     return x, width, pointer, 1 << (width - 1).bit_length()
 
 
+ROWS_GRID = "(cdiv(n_rows, BLOCK_M), 1, 1): BLOCK_M rows per program, n_rows = numel(input) / N"
+
+
+def rows_per_program(block: int) -> int:
+    """BLOCK_M of a row kernel whose rows take ``block`` lanes: a power of two, as ``block``."""
+    return max(1, min(MAX_ROWS_PER_PROGRAM, ROW_TILE // block))
+
+
 def _row_hints(width: int) -> tuple[str, ...]:
     """Pointers from torch's allocator are 16-byte aligned; row strides are multiples of 16
     only where the width is."""
@@ -156,14 +169,16 @@ def rms_norm_spec(graph: Graph, node: Node, weights_dtype: str) -> KernelSpec | 
             ("out_ptr", out_pointer),
             ("stride_x", "i32"),
             ("stride_out", "i32"),
+            ("n_rows", "i32"),
             ("eps", "fp32"),
             ("N", "constexpr"),
             ("BLOCK_N", "constexpr"),
+            ("BLOCK_M", "constexpr"),
         ),
-        constexprs={"N": width, "BLOCK_N": block},
+        constexprs={"N": width, "BLOCK_N": block, "BLOCK_M": rows_per_program(block)},
         div16=(*_row_hints(width), "w_ptr"),
-        num_warps=_warps(block),
-        grid="(rows, 1, 1): one program per row, rows = numel(input) / N",
+        num_warps=_warps(block * rows_per_program(block)),
+        grid=ROWS_GRID,
     )
 
 
@@ -191,21 +206,24 @@ def layer_norm_spec(
             ("out_ptr", POINTER_TYPES[node.types[0].dtype]),
             ("stride_x", "i32"),
             ("stride_out", "i32"),
+            ("n_rows", "i32"),
             ("eps", "fp32"),
             ("N", "constexpr"),
             ("BLOCK_N", "constexpr"),
+            ("BLOCK_M", "constexpr"),
             ("HAS_WEIGHT", "constexpr"),
             ("HAS_BIAS", "constexpr"),
         ),
         constexprs={
             "N": width,
             "BLOCK_N": block,
+            "BLOCK_M": rows_per_program(block),
             "HAS_WEIGHT": weight_dtype is not None,
             "HAS_BIAS": bias_dtype is not None,
         },
         div16=hints,
-        num_warps=_warps(block),
-        grid="(rows, 1, 1): one program per row, rows = numel(input) / N",
+        num_warps=_warps(block * rows_per_program(block)),
+        grid=ROWS_GRID,
     )
 
 

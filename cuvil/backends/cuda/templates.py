@@ -4,7 +4,8 @@ Each template is a plain Python function in Triton's language, not decorated her
 worker wraps it in ``triton.jit`` for ``triton.compile`` (compile_worker.py), the CPU executor
 in Triton's interpreter (interpreter.py), so both run the same source. A template is specialised
 per node (specs.py): the row width ``N`` and the block that covers it are constexprs from the
-node's static last dim, so every row is one program and every load is one masked vector.
+node's static last dim, and a row kernel takes as many rows per program as fill a tile of
+``specs.ROW_TILE`` elements (one row, where a row fills it), each load one masked block.
 
 Math is fp32 whatever the storage type (the loads widen, the store rounds once). A template
 calls no other template, so one function is all either wrapper needs. This module imports
@@ -27,19 +28,21 @@ def rms_norm_rows(
     out_ptr,
     stride_x,
     stride_out,
+    n_rows,
     eps,
     N: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
 ):
-    """out[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * w, one program per row."""
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_N)
-    inside = cols < N
-    x = tl.load(x_ptr + row * stride_x + cols, mask=inside, other=0.0).to(tl.float32)
-    inverse = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
-    w = tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+    """out[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * w, BLOCK_M rows per program."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+    cols = tl.arange(0, BLOCK_N)[None, :]
+    inside = (rows < n_rows) & (cols < N)
+    x = tl.load(x_ptr + rows * stride_x + cols, mask=inside, other=0.0).to(tl.float32)
+    inverse = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)[:, None]
+    w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
     y = x * inverse * w
-    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=inside)
+    tl.store(out_ptr + rows * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=inside)
 
 
 def layer_norm_rows(
@@ -49,27 +52,30 @@ def layer_norm_rows(
     out_ptr,
     stride_x,
     stride_out,
+    n_rows,
     eps,
     N: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
 ):
-    """out[r] = (x[r] - mean) * rsqrt(var + eps) * w + b (biased variance), one program per row.
-    Without a weight or bias their pointers are never read (the caller passes any tensor)."""
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_N)
-    inside = cols < N
-    x = tl.load(x_ptr + row * stride_x + cols, mask=inside, other=0.0).to(tl.float32)
-    mean = tl.sum(x, axis=0) / N
+    """out[r] = (x[r] - mean) * rsqrt(var + eps) * w + b (biased variance), BLOCK_M rows per
+    program. Without a weight or bias their pointers are never read (the caller passes any
+    tensor)."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+    cols = tl.arange(0, BLOCK_N)[None, :]
+    inside = (rows < n_rows) & (cols < N)
+    x = tl.load(x_ptr + rows * stride_x + cols, mask=inside, other=0.0).to(tl.float32)
+    mean = (tl.sum(x, axis=1) / N)[:, None]
     centred = tl.where(inside, x - mean, 0.0)
-    inverse = tl.rsqrt(tl.sum(centred * centred, axis=0) / N + eps)
+    inverse = tl.rsqrt(tl.sum(centred * centred, axis=1) / N + eps)[:, None]
     y = centred * inverse
     if HAS_WEIGHT:
-        y = y * tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+        y = y * tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
     if HAS_BIAS:
-        y = y + tl.load(b_ptr + cols, mask=inside, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=inside)
+        y = y + tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=inside)
 
 
 def bias_act_residual(

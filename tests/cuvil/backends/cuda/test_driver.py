@@ -46,11 +46,11 @@ def rms_norm() -> tuple[dict, bytes]:
 
 
 ARGS = {"x_ptr": 0x7F0000001000, "w_ptr": 0x7F0000002000, "out_ptr": 0x7F0000003000}
-ARGS |= {"stride_x": 64, "stride_out": 64, "eps": 1e-5}
+ARGS |= {"stride_x": 64, "stride_out": 64, "n_rows": 4, "eps": 1e-5}
 
 
 def _expected_area() -> bytes:
-    return struct.pack("<QQQiifxxxxQQ", *ARGS.values(), 0, 0)
+    return struct.pack("<QQQiiifQQ", *ARGS.values(), 0, 0)
 
 
 def test_arguments_land_at_the_cubins_offsets(rms_norm: tuple[dict, bytes]) -> None:
@@ -60,7 +60,7 @@ def test_arguments_land_at_the_cubins_offsets(rms_norm: tuple[dict, bytes]) -> N
     packed = pack_arguments(manifest, ARGS)
     area = packed.image([p.offset for p in params], params[-1].offset + params[-1].size)
     assert area == _expected_area()
-    assert area[32:36] == struct.pack("<f", 1e-5)  # 0x3727c5ac: an fp32, not a double
+    assert area[36:40] == struct.pack("<f", 1e-5)  # 0x3727c5ac: an fp32, not a double
 
 
 def test_a_kernel_that_needs_scratch_memory_is_not_launched(rms_norm: tuple[dict, bytes]) -> None:
@@ -118,6 +118,7 @@ def test_a_compiled_rms_norm_runs_on_the_gpu() -> None:
     x, weight = torch.randn(4, 64, device="cuda"), torch.randn(64, device="cuda")
     out = torch.empty_like(x)
     args = {"x_ptr": x, "w_ptr": weight, "out_ptr": out, "stride_x": 64, "stride_out": 64}
-    kernel.launch((4, 1, 1), args | {"eps": 1e-5}, {}, torch.cuda.current_stream().cuda_stream)
+    args |= {"n_rows": 4, "eps": 1e-5}
+    kernel.launch((1, 1, 1), args, {}, torch.cuda.current_stream().cuda_stream)
     torch.cuda.synchronize()
     torch.testing.assert_close(out, F.rms_norm(x, [64], weight, 1e-5))

@@ -38,7 +38,8 @@ def test_rms_norm_matches_torch(width: int) -> None:
     out, spec = run(RMS_NORM, {"input": x}, {"weight": weight, "eps": 1e-6}, tuple(x.shape))
     expected = F.rms_norm(x, [width], weight, 1e-6)
     assert relative_to_scale(out, expected) <= FP32_TOLERANCE
-    assert spec.constexprs == {"N": width, "BLOCK_N": 1 << (width - 1).bit_length()}
+    block = 1 << (width - 1).bit_length()
+    assert spec.constexprs == {"N": width, "BLOCK_N": block, "BLOCK_M": 2048 // block}
     # rows are 16-divisible only where the width is: the stride hints follow it
     assert ("stride_x" in spec.div16) == (width % 16 == 0)
 
@@ -46,7 +47,7 @@ def test_rms_norm_matches_torch(width: int) -> None:
 @pytest.mark.parametrize("affine", [(True, True), (True, False), (False, False)])
 def test_layer_norm_matches_torch(affine: tuple[bool, bool]) -> None:
     width = 96
-    x = torch.randn(5, width) * 3 + 1
+    x = torch.randn(37, 2, width) * 3 + 1  # 74 rows: four full programs of 16 and a part
     weight = torch.randn(width) if affine[0] else None
     bias = torch.randn(width) if affine[1] else None
     constants = {"weight": weight, "bias": bias, "eps": 1e-5}
@@ -248,19 +249,19 @@ def test_a_launch_that_breaks_a_guard_is_refused() -> None:
     kernel = Interpreted(manifest_for(only_spec(graph, weights)))
     out = torch.empty(4, 64)
     args = {"x_ptr": x, "w_ptr": weight, "out_ptr": out, "stride_x": 64, "stride_out": 64}
-    args["eps"] = 1e-6
+    args |= {"n_rows": 4, "eps": 1e-6}
     reach = {"x_ptr": 256, "out_ptr": 256, "w_ptr": 64}
-    kernel.launch((4, 1, 1), args, reach)
+    kernel.launch((1, 1, 1), args, reach)
     torch.testing.assert_close(out, F.rms_norm(x, [64], weight, 1e-6))
     misaligned = torch.randn(257)[1:]  # 4 bytes past an aligned allocation
     with pytest.raises(GuardError, match=r"x_ptr .* not divisible by 16"):
-        kernel.launch((4, 1, 1), args | {"x_ptr": misaligned}, reach)
+        kernel.launch((1, 1, 1), args | {"x_ptr": misaligned}, reach)
     with pytest.raises(GuardError, match="stride_x = 65"):
-        kernel.launch((4, 1, 1), args | {"stride_x": 65}, reach)
+        kernel.launch((1, 1, 1), args | {"stride_x": 65}, reach)
     with pytest.raises(GuardError, match="at least 256 elements"):
-        kernel.launch((4, 1, 1), args | {"out_ptr": torch.empty(3, 64)}, reach)
+        kernel.launch((1, 1, 1), args | {"out_ptr": torch.empty(3, 64)}, reach)
     with pytest.raises(GuardError, match="the kernel takes"):
-        kernel.launch((4, 1, 1), {**args, "extra": 1}, reach)
+        kernel.launch((1, 1, 1), {**args, "extra": 1}, reach)
 
 
 def test_a_kernel_from_another_template_source_is_refused() -> None:
