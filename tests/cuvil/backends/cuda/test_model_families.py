@@ -49,9 +49,10 @@ def test_model_family_matches_eager_on_cuda_sm_90(name: str) -> None:
 )
 def test_bundled_models_compile_for_each_architecture(name: str, target: str) -> None:
     spec = getattr(catalog, name)()
-    compiled = cuvil.jit(
-        spec.model, spec.example_inputs, dynamic_shapes=spec.dynamic_shapes, target=target
-    )
+    example = spec.example_inputs
+    if name == "resnet50":  # the same graph at 96x96: a fifth of 224x224's interpreted epilogues
+        example = {"pixel_values": torch.randn(2, 3, 96, 96)}
+    compiled = cuvil.jit(spec.model, example, dynamic_shapes=spec.dynamic_shapes, target=target)
     assert compiled.report["verification"]["max_relative_to_scale"] <= TOLERANCE
     files = unpack_kernels(compiled.contents.kernels)
     arch = target.removeprefix("cuda-") + ("a" if target.endswith("90") else "")
