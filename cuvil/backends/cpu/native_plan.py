@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from cuvil.backends.cpu import fast_call
+from cuvil.backends.cpu.fast_call import Caller, caller
 from cuvil.backends.cpu.native_calls import KeptCall, OpCall, Result
 from cuvil.backends.cpu.plan_loop import load, reason
 from cuvil.runtime.plan import ExecutionPlan, Step, view_as_reshape
@@ -62,6 +64,7 @@ class Segment:
     writes: tuple[int, ...]
     release: tuple[int, ...]
     names: tuple[str, ...]
+    call: Caller  # one foreign call, made with the GIL released (fast_call.py)
 
 
 @dataclass
@@ -182,7 +185,7 @@ class NativePlanRunner:
         shape = self._shapes.get(key)
         if shape is not None and shape.whole is not None:
             given = [inputs[name] for name in shape.whole_inputs]
-            values = _run_schedule(shape.whole.schedule, given)
+            values = shape.whole.call(given)
             return {name: values[index] for name, index in shape.whole_outputs}
         if shape is not None:
             return self._run_parts(shape, inputs, symbols)
@@ -206,11 +209,11 @@ class NativePlanRunner:
         outputs = dict(shape.whole_outputs)
         if set(output_names) != set(outputs) or not set(shape.whole_inputs) <= set(input_names):
             return None
-        run = shape.whole.schedule.run  # the bound method, looked up once
+        run = shape.whole.call
         take = [input_names.index(name) for name in shape.whole_inputs]
         give = [outputs[name] for name in output_names]
         if take == list(range(len(input_names))) and give == list(range(len(give))):
-            return lambda tensors: run(list(tensors))
+            return run  # any sequence of tensors, straight in
         return lambda tensors: _reordered(run([tensors[i] for i in take]), give)
 
     def has_shape(self, symbols: Mapping[str, int]) -> bool:
@@ -251,7 +254,7 @@ class NativePlanRunner:
         try:
             if shape.whole is not None:
                 given = [inputs[name] for name in shape.whole_inputs]
-                values = _run_schedule(shape.whole.schedule, given)
+                values = shape.whole.call(given)
                 got = {name: values[index] for name, index in shape.whole_outputs}
             else:
                 got = self._run_parts(shape, inputs, symbols)
@@ -269,7 +272,7 @@ class NativePlanRunner:
         slots = self.plan.start(inputs, symbols)
         for part in shape.parts:
             if isinstance(part, Segment):
-                values = _run_schedule(part.schedule, [slots[slot] for slot in part.reads])
+                values = part.call([slots[slot] for slot in part.reads])
                 for slot, value in zip(part.writes, values, strict=True):
                     slots[slot] = value
                 for slot in part.release:
@@ -334,6 +337,7 @@ class NativePlanRunner:
             writes,
             tuple(sorted(released)),
             tuple(entry.step.name for entry in run),
+            caller(schedule),
         )
 
     def describe(self) -> dict[str, Any]:
@@ -346,7 +350,9 @@ class NativePlanRunner:
             + f" threads={key[1]}": run.summary()
             for key, run in list(self._shapes.items())
         }
-        return {"status": "native schedules per settled shape", "shapes": shapes}
+        why = fast_call.reason()
+        calls = "one CPython call each" if why is None else f"TorchScript method ({why})"
+        return {"status": "native schedules per settled shape", "calls": calls, "shapes": shapes}
 
 
 def _reordered(values: list[torch.Tensor], order: list[int]) -> list[torch.Tensor]:
@@ -359,13 +365,6 @@ def _same(expected: torch.Tensor, got: Any) -> bool:
     if not expected.is_floating_point():
         return torch.equal(got, expected)
     return torch.allclose(got, expected, rtol=1e-4, atol=1e-5, equal_nan=True)
-
-
-def _run_schedule(schedule: Any, values: list[Any]) -> list[torch.Tensor]:
-    """One foreign call, made with the GIL released: the schedule's own ``run`` method (a
-    TorchScript method call; a few microseconds less than the ``cuvil_native::run`` op's
-    argument parsing, which a tiny model's call notices)."""
-    return schedule.run(values)
 
 
 def _step_of(entry: NativeStep | Step) -> Step:

@@ -35,14 +35,14 @@ _failure: list[str] = []
 _loaded: list[Path] = []  # a process registers the library's ops once: a second one would abort
 
 
-def _compiler() -> str | None:
+def compiler_name() -> str | None:
     for name in (os.environ.get("CXX"), "c++", "g++"):
         if name and shutil.which(name):
             return name
     return None
 
 
-def _torch_flags() -> list[str]:
+def torch_flags() -> list[str]:
     root = Path(torch.__file__).parent
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     return [
@@ -52,26 +52,26 @@ def _torch_flags() -> list[str]:
     ]
 
 
-def _link_flags() -> list[str]:
+def link_flags() -> list[str]:
     lib = Path(torch.__file__).parent / "lib"
     return [f"-L{lib}", "-lc10", "-ltorch_cpu", "-ltorch", f"-Wl,-rpath,{lib}"]
 
 
 def build() -> Path:
     """The library in the native cache, compiled there unless already present."""
-    flags = (*FLAGS, *_torch_flags())
+    flags = (*FLAGS, *torch_flags())
     parts = [*(source.read_bytes() for source in SOURCES), " ".join(flags).encode()]
     parts.append(torch.__version__.encode())
     digest = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     target = cache_dir() / f"plan_loop-{digest}.so"
     if target.exists():
         return target
-    compiler = _compiler()
+    compiler = compiler_name()
     if compiler is None:
         raise NativeError("no C++ compiler (c++ or g++) on PATH")
     compile_into(
         target,
-        lambda built: [compiler, *flags, *map(str, SOURCES), "-o", str(built), *_link_flags()],
+        lambda built: [compiler, *flags, *map(str, SOURCES), "-o", str(built), *link_flags()],
     )
     return target
 
@@ -109,6 +109,11 @@ def _give_dnnl() -> None:
         int(ctypes.cast(getattr(dnnl.lib, name), ctypes.c_void_p).value or 0) for name in names
     ]
     torch.ops.cuvil_native.set_dnnl(addresses)
+
+
+def loaded_path() -> Path:
+    """The library ``load()`` loaded into this process."""
+    return _loaded[0]
 
 
 def reason() -> str | None:

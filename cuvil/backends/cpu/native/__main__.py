@@ -1,12 +1,12 @@
-"""``python -m cuvil.backends.cpu.native``: compile every native kernel and the native plan loop
-into the cache now (an image build does this, with ``CUVIL_NATIVE_MARCH=x86-64-v3`` and
-``CUVIL_NATIVE_CACHE`` set)."""
+"""``python -m cuvil.backends.cpu.native``: compile every native kernel, the native plan loop
+and its CPython caller into the cache now (an image build does this, with
+``CUVIL_NATIVE_MARCH=x86-64-v3`` and ``CUVIL_NATIVE_CACHE`` set)."""
 
 from __future__ import annotations
 
 import sys
 
-from cuvil.backends.cpu import plan_loop
+from cuvil.backends.cpu import fast_call, plan_loop
 from cuvil.backends.cpu.native import NativeError, build, sources
 
 
@@ -17,11 +17,12 @@ def main() -> int:
         except NativeError as error:
             print(f"{name}: {error}", file=sys.stderr)
             return 1
-    try:
-        print(f"plan_loop: {plan_loop.build()}")
-    except NativeError as error:
-        print(f"plan_loop: {error}", file=sys.stderr)
-        return 1
+    for name, builder in (("plan_loop", plan_loop.build), ("fast_call", fast_call.build)):
+        try:
+            print(f"{name}: {builder()}")
+        except NativeError as error:
+            print(f"{name}: {error}", file=sys.stderr)
+            return 1
     return 0
 
 
