@@ -76,6 +76,9 @@ class EagerDecoderEngine:
         logits = self._step([slot], token_ids.reshape(1, count).long(), positions, [position])
         return logits[0, -1]
 
+    def extend(self, slot: int, token_ids: torch.Tensor, position: int) -> None:
+        self.prefill(slot, token_ids, position)
+
     def decode(
         self, slots: Sequence[int], token_ids: torch.Tensor, positions: torch.Tensor
     ) -> torch.Tensor:

@@ -45,6 +45,15 @@ class DecoderEngine(Protocol):
         """
         ...
 
+    def extend(self, slot: int, token_ids: torch.Tensor, position: int) -> None:
+        """Write the cache of ``token_ids`` as ``prefill`` does, without the logits: what a
+        driver calls for a prompt's tokens but its last, which then goes in with a decode step
+        among the running sequences (its logits come from there). The engine may also write
+        positions of the slot past these (a chunk padded to a prepared length): a later call
+        writes each of them before any token attends to it.
+        """
+        ...
+
     def decode(
         self, slots: Sequence[int], token_ids: torch.Tensor, positions: torch.Tensor
     ) -> torch.Tensor:

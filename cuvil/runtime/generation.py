@@ -46,6 +46,8 @@ PREFILL_CHOICES = "prefill_kernel_choices"
 
 # prefill lengths whose kernel choices a compile makes: up to the sidecar's default prefill chunk
 PREFILL_CHOICE_TOKENS = 128
+# past the small powers of two, ``extend`` pads chunks to multiples of this many tokens
+PAD_STEP = 16
 # decode row counts a warm-up prepares one by one (the CPU keeps native schedules for 16
 # shapes a model); past them, one per row bucket
 WARM_ROW_COUNTS = 16
@@ -63,6 +65,16 @@ def prefill_buckets(max_seq: int, longest: int) -> list[int]:
     ``max_seq``), and that length itself."""
     top = max(1, min(longest, max_seq))
     return sorted({1 << power for power in range(top.bit_length())} | {top})
+
+
+def padded_lengths(max_seq: int, longest: int) -> list[int]:
+    """The lengths ``extend`` pads a chunk of up to ``longest`` tokens to: the powers of two up
+    to ``PAD_STEP``, then every multiple of it, and ``longest`` itself (a chunk pays for at most
+    ``PAD_STEP - 1`` pad tokens past the smallest ones), each one shape with a native schedule
+    after ``warm_up``."""
+    top = max(1, min(longest, max_seq))
+    small = {1 << power for power in range(PAD_STEP.bit_length()) if 1 << power <= top}
+    return sorted(small | set(range(PAD_STEP, top + 1, PAD_STEP)) | {top})
 
 
 def _prefill_contents(contents: ArtifactContents) -> ArtifactContents:
@@ -148,6 +160,7 @@ class GenerationModel(CompiledModel):
                 raise ValueError(f"graph {graph.name} takes {list(graph.inputs)}, not a step")
         self.caches = self.layout.allocate(self.device)
         self._vocab_size = int(self.generation_config["vocab_size"])
+        self._pad_lengths = padded_lengths(self.max_seq, PREFILL_CHOICE_TOKENS)
 
     # -- the DecoderEngine contract
 
@@ -182,6 +195,31 @@ class GenerationModel(CompiledModel):
         with torch.inference_mode():
             logits = self.prefill_model.runner.run(inputs, symbols)["output"]
         return logits[0].float()
+
+    def extend(self, slot: int, token_ids: torch.Tensor, position: int) -> None:
+        """Write the cache of ``token_ids`` as ``prefill`` does, without logits: the chunk is
+        padded (token 0) to the next of ``padded_lengths`` that fits the slot, so that every
+        chunk length runs one of a few prepared shapes (native schedules, kernel choices made)
+        instead of a shape of its own. The pad tokens' keys and values land past the chunk,
+        where nothing reads them before the sequence's own later tokens overwrite them."""
+        tokens = int(token_ids.numel())
+        if token_ids.dim() != 1 or tokens < 1:
+            raise InputError(f"extend takes a non-empty 1-D token tensor, not {token_ids.shape}")
+        self._check_slot(slot)
+        self._check_span(position, tokens)
+        room = self.max_seq - position
+        padded = next((n for n in self._pad_lengths if tokens <= n <= room), tokens)
+        ids = token_ids.to(torch.int64)
+        if padded > tokens:
+            ids = torch.cat([ids, ids.new_zeros(padded - tokens)])
+        inputs = self._step_inputs(
+            ids.reshape(1, padded),
+            torch.tensor([slot], dtype=torch.int64),
+            torch.tensor([position], dtype=torch.int64),
+        )
+        symbols = self._prefill_binder.bind(inputs)
+        with torch.inference_mode():
+            self.prefill_model.runner.run(inputs, symbols)
 
     def decode(
         self, slots: Sequence[int], token_ids: torch.Tensor, positions: torch.Tensor
@@ -272,11 +310,12 @@ class GenerationModel(CompiledModel):
 
     def warm_up(self, prefill_tokens: int = PREFILL_CHOICE_TOKENS) -> int:
         """Prepare a decode step at every row count up to ``WARM_ROW_COUNTS`` and at every row
-        bucket past it (1, 2, …, 16, 32, …, ``max_batch``), and a prefill at every
-        length bucket up to ``prefill_tokens`` to run as it will serve (kernel choices made,
-        native schedule built and checked), as a server does before it reports ready: a
-        scheduler meets every row count as streams join and leave, and its first requests
-        should not pay for building them. Returns the steps run; the cache is zeroed after."""
+        bucket past it (1, 2, …, 16, 32, …, ``max_batch``), and a prefill at every length
+        ``extend`` pads to up to ``prefill_tokens`` (``padded_lengths``) to run as it will
+        serve (kernel choices made, native schedule built and checked), as a server does before
+        it reports ready: a scheduler meets every row count as streams join and leave, and its
+        first requests should not pay for building them. Returns the steps run; the cache is
+        zeroed after."""
         steps = 0
         every = range(1, min(self.max_batch, WARM_ROW_COUNTS) + 1)
         for rows in sorted({*every, *row_buckets(self.max_batch)}):
@@ -284,7 +323,8 @@ class GenerationModel(CompiledModel):
             steps += self.prepare(self._step_inputs(zeros[:, None], torch.arange(rows), zeros))
             self.decode(list(range(rows)), zeros, zeros)  # keeps the row count's direct call
             steps += 1
-        for tokens in prefill_buckets(self.max_seq, prefill_tokens):
+        self._pad_lengths = padded_lengths(self.max_seq, prefill_tokens)
+        for tokens in self._pad_lengths:
             ids = torch.zeros(1, tokens, dtype=torch.int64)
             slot, position = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
             steps += self.prefill_model.prepare(self._step_inputs(ids, slot, position))

@@ -227,10 +227,12 @@ class NativePlanRunner:
     ) -> dict[str, Any]:
         if _aliased(inputs):  # arguments bind to slots by identity: one tensor, two inputs
             return self.plan.run(inputs, symbols)  # would bind both to one: record a later call
+        if len(self._shapes) >= MAX_SCHEDULES:  # no room for another: run it, record nothing
+            return self.plan.run(inputs, symbols)
         before = self.plan.kernel_trials()
         recording = _Recording(self.plan, self._runtime)
         outputs = self.plan.run(inputs, symbols, recording.observe)
-        if self.plan.kernel_trials() != before or len(self._shapes) >= MAX_SCHEDULES:
+        if self.plan.kernel_trials() != before:
             return outputs  # a choice this shape meets is still open: record a later call
         shape = self._assemble(recording.entries)
         refused = self._check(shape, inputs, symbols, outputs)

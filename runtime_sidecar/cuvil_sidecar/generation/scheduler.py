@@ -8,6 +8,11 @@ for every sequence past its prompt: a long prompt is prefilled over several iter
 running streams keep getting a token per iteration, and a burst of short prompts reaches its
 first tokens in a few iterations rather than one iteration per prompt.
 
+A prompt's tokens but its last are written with ``engine.extend`` (no logits: the engine may
+pad the chunk to a length it has prepared); its last token goes in with the decode step of the
+iteration that finished the rest, as a row of its own, and that row's logits pick its first
+token. A prompt of one token goes straight to decode.
+
 Memory is admitted, never discovered: a sequence reserves its prompt plus the tokens it may
 generate (its ``max_new_tokens``, cut to what ``max_seq`` leaves) against a budget of cache
 positions (``kv_budget_bytes // engine.kv_bytes_per_token``, at most slots times ``max_seq``). A
@@ -33,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cuvil.generation.engine import DecoderEngine
-from cuvil.generation.sampling import SamplingParams, next_token, next_tokens
+from cuvil.generation.sampling import SamplingParams, next_tokens
 from cuvil_sidecar.errors import GenerationQueueFull, InvalidInput, KvBudgetExceeded
 
 log = logging.getLogger("cuvil_sidecar.generation")
@@ -68,7 +73,7 @@ class Sequence:
     generator: torch.Generator | None
     submitted_ns: int
     slot: int = -1
-    prefilled: int = 0  # prompt positions in the cache
+    prefilled: int = 0  # prompt positions in the cache before its decode steps (all but one)
     tokens: list[int] = field(default_factory=list)
     cancelled: bool = False
 
@@ -195,11 +200,12 @@ class Scheduler:
                 dropped = self._drop_cancelled()
                 self._admit()
                 prefills = self._prefill_plan()
-                decoding = [s for s in self._running if s.prefilled == len(s.prompt)]
             for sequence in dropped:
                 self._emit(sequence, None, FINISH_CANCELLED)
             for sequence, tokens in prefills:
                 self._prefill_chunk(sequence, tokens)
+            # only this thread changes _running: the prompts finished above decode now too
+            decoding = [s for s in self._running if s.prefilled == len(s.prompt) - 1]
             if decoding:
                 self._decode(decoding)
         for sequence in ending:
@@ -236,7 +242,7 @@ class Scheduler:
         tokens in all."""
         plan, left = [], self.prefill_chunk
         for sequence in self._running:
-            remaining = len(sequence.prompt) - sequence.prefilled
+            remaining = len(sequence.prompt) - 1 - sequence.prefilled
             if remaining and left:
                 plan.append((sequence, min(remaining, left)))
                 left -= plan[-1][1]
@@ -246,17 +252,16 @@ class Scheduler:
         start = sequence.prefilled
         chunk = sequence.prompt[start : start + tokens]
         try:
-            logits = self.engine.prefill(sequence.slot, torch.tensor(chunk), start)
+            self.engine.extend(sequence.slot, torch.tensor(chunk), start)
         except Exception as error:
             self._fail([sequence], error)
             return
         sequence.prefilled += len(chunk)
-        if sequence.prefilled == len(sequence.prompt):
-            self._take(sequence, logits)
 
     def _decode(self, sequences: list[Sequence]) -> None:
+        """One step: each sequence's newest token (a prompt's last, before its first)."""
         slots = [s.slot for s in sequences]
-        last = torch.tensor([s.tokens[-1] for s in sequences])
+        last = torch.tensor([s.tokens[-1] if s.tokens else s.prompt[-1] for s in sequences])
         positions = torch.tensor([len(s.prompt) + len(s.tokens) - 1 for s in sequences])
         try:
             logits = self.engine.decode(slots, last, positions)
@@ -267,10 +272,6 @@ class Scheduler:
         tokens = next_tokens(logits, params, [s.generator for s in sequences])
         for sequence, token in zip(sequences, tokens, strict=True):
             self._took(sequence, token)
-
-    def _take(self, sequence: Sequence, logits: torch.Tensor) -> None:
-        """Pick the sequence's next token from its logits, then as ``_took``."""
-        self._took(sequence, next_token(logits, sequence.params, sequence.generator))
 
     def _took(self, sequence: Sequence, token: int) -> None:
         """Send the sequence's next token, end the sequence if done."""

@@ -15,6 +15,7 @@ from cuvil.backends.cpu.kernel_choices import CONFIG_KEY, cpu_family
 from cuvil.runtime.generation import (
     PREFILL_CHOICES,
     GenerationModel,
+    padded_lengths,
     prefill_buckets,
     row_buckets,
 )
@@ -54,6 +55,13 @@ def test_prefill_buckets_are_powers_of_two_then_the_longest_chunk() -> None:
     assert prefill_buckets(32, 128) == [1, 2, 4, 8, 16, 32]
     assert prefill_buckets(4096, 100) == [1, 2, 4, 8, 16, 32, 64, 100]
     assert prefill_buckets(5, 9) == [1, 2, 4, 5]
+
+
+def test_padded_lengths_are_small_powers_of_two_then_multiples_of_sixteen() -> None:
+    assert padded_lengths(4096, 128) == [1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 112, 128]
+    assert padded_lengths(4096, 40) == [1, 2, 4, 8, 16, 32, 40]
+    assert padded_lengths(24, 128) == [1, 2, 4, 8, 16, 24]
+    assert padded_lengths(5, 9) == [1, 2, 4, 5]
 
 
 def test_two_slots_compile_and_generate_as_transformers(
@@ -112,3 +120,35 @@ def test_warm_up_makes_every_row_count_and_prefill_bucket_run_as_it_serves(
     assert torch.equal(
         ours, model.generate(ids, max_new_tokens=5, do_sample=False, eos_token_id=None)
     )
+
+
+def test_extended_prompts_run_prepared_shapes_and_decode_their_last_token_as_prefill_does(
+    generation: GenerationModel, model: torch.nn.Module
+) -> None:
+    """A prompt's all-but-last tokens written with ``extend`` (padded to a warmed length) and its
+    last token decoded give the logits prefill gives, and greedy tokens equal transformers';
+    chunk lengths of their own add no prefill shape. Pads past the chunk are never read."""
+    generation.warm_up(prefill_tokens=16)
+    runner = generation.prefill_model.runner
+    prompt = _ids(1, 12, seed=6)[0]
+    generation.reset_cache()
+    whole = generation.prefill(0, prompt, 0)  # its own length, 12
+    generation.reset_cache()
+    shapes = len(runner._shapes)
+    generation.extend(1, prompt[:5], 0)  # padded to 8
+    generation.extend(1, prompt[5:11], 5)  # padded to 8: positions 11, 12 get pads
+    logits = generation.decode([1], prompt[11:], torch.tensor([11]))
+    torch.testing.assert_close(logits[0], whole, atol=1e-4, rtol=1e-4)
+    tokens = [int(logits[0].argmax())]
+    for step in range(4):  # greedy, each step over the pads' positions
+        logits = generation.decode([1], torch.tensor(tokens[-1:]), torch.tensor([12 + step]))
+        tokens.append(int(logits[0].argmax()))
+    expected = model.generate(prompt[None], max_new_tokens=5, do_sample=False, eos_token_id=None)[
+        0, 12:
+    ]
+    assert tokens == expected.tolist()
+    assert len(runner._shapes) == shapes  # 5 and 6 tokens ran the 8-token schedule
+    with pytest.raises(InputError, match="do not fit"):
+        generation.extend(0, prompt, 32 - 4)
+    generation.extend(0, prompt[:3], 32 - 3)  # no room to pad: the exact length runs
+    generation.reset_cache()

@@ -59,9 +59,14 @@ class HistoryEngine:
         self.calls.append(("prefill", (slot,), token_ids.numel()))
         return self._logits(slot)
 
+    def extend(self, slot: int, token_ids: torch.Tensor, position: int) -> None:
+        self.prefill(slot, token_ids, position)
+        self.calls[-1] = ("extend", (slot,), token_ids.numel())
+
     def decode(
         self, slots: Seq[int], token_ids: torch.Tensor, positions: torch.Tensor
     ) -> torch.Tensor:
+        self.entered.set()
         self.gate.wait(WAIT_S)
         if self.fail_on is not None and self.fail_on in token_ids.tolist():
             raise RuntimeError("decode failed")
@@ -150,8 +155,9 @@ def test_long_prompt_is_prefilled_in_chunks_between_decode_steps() -> None:
         assert running.finish == FINISH_CANCELLED
     finally:
         scheduler.close()
-    chunks = [i for i, (kind, _, _) in enumerate(engine.calls) if kind == "prefill" and i > 0]
-    assert [engine.calls[i][2] for i in chunks] == [8] * 7 + [4]  # 60 tokens in chunks of 8
+    chunks = [i for i, (kind, _, _) in enumerate(engine.calls) if kind == "extend" and i > 0]
+    # 59 tokens in chunks of 8; the 60th goes in with a decode step
+    assert [engine.calls[i][2] for i in chunks] == [8] * 7 + [3]
     between = engine.calls[chunks[0] : chunks[-1]]
     assert sum(kind == "decode" for kind, _, _ in between) >= len(chunks) - 1
 
@@ -182,8 +188,9 @@ def test_a_burst_of_short_prompts_shares_each_iterations_prefill_budget() -> Non
         else:
             between[-1].append(tokens)
     assert max(sum(gap) for gap in between) <= 16  # the budget holds across prompts
-    # one iteration: three whole prompts and the first token of a fourth, not one prompt each
-    assert [5, 5, 5, 1] in between, [gap for gap in between if gap]
+    # one iteration: four prompts' first four tokens (each one's fifth goes in with the decode
+    # step after them), not one prompt an iteration
+    assert [4, 4, 4, 4] in between, [gap for gap in between if gap]
 
 
 def test_eos_and_max_seq_end_a_sequence() -> None:

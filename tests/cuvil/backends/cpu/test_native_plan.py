@@ -15,7 +15,7 @@ import torch
 
 import cuvil
 from cuvil import fused_ops as fused
-from cuvil.backends.cpu import plan_loop
+from cuvil.backends.cpu import native_plan, plan_loop
 from cuvil.backends.cpu.kernels import CPU_KERNELS
 from cuvil.models import mlp, tiny_llama
 from cuvil.runtime.model import CompiledModel
@@ -187,3 +187,26 @@ def test_one_tensor_given_as_two_inputs_is_not_recorded_as_one_input() -> None:
     for _ in range(3):
         with torch.no_grad():
             torch.testing.assert_close(compiled.run({"a": a, "b": b})["output"], model(a, b))
+
+
+def test_once_its_schedules_are_full_a_model_records_no_new_shape(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A shape past ``MAX_SCHEDULES`` runs the Python plan without the recording pass (which
+    would be built and thrown away on every call)."""
+    spec = mlp()
+    compiled = cuvil.jit(spec.model, spec.example_inputs, dynamic_shapes=spec.dynamic_shapes)
+    compiled.prepare({"x": torch.randn(3, 784)})
+    monkeypatch.setattr(native_plan, "MAX_SCHEDULES", 1)
+    recordings = []
+    recording = native_plan._Recording
+    monkeypatch.setattr(
+        native_plan, "_Recording", lambda *args: recordings.append(1) or recording(*args)
+    )
+    x = torch.randn(5, 784)
+    compiled.prepare({"x": x})
+    for _ in range(3):
+        with torch.inference_mode():
+            torch.testing.assert_close(compiled(x), spec.model(x), atol=1e-5, rtol=1e-5)
+    assert recordings == []
+    assert list(_shapes(compiled)) == [f"batch=3 threads={torch.get_num_threads()}"]
