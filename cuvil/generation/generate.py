@@ -10,11 +10,13 @@ new columns as the longest row ran (all rows stop at once when every one has end
 
 Each row's real tokens go into a slot of their own at positions 0, 1, …, the positions
 transformers derives from a left-padded mask, so a padded batch gives every row the tokens it
-gets alone. A ``streamer`` (transformers' protocol: ``put``, ``end``) gets the prompt, then each
-step's new tokens, one per running row. With ``seed``, every row draws from its own generator
-seeded with it (the sidecar does the same per request). A batch larger than the engine's slots
-runs in groups of ``max_batch`` rows. Beam search, right padding, penalties and the other
-options of transformers' ``generate`` are refused by name (``UnsupportedGenerationError``).
+gets alone. A prompt's tokens but its last are written with the engine's ``extend``; the last
+tokens of all rows go in with one decode step, whose logits pick each row's first token. A
+``streamer`` (transformers' protocol: ``put``, ``end``) gets the prompt, then each step's new
+tokens, one per running row. With ``seed``, every row draws from its own generator seeded with
+it (the sidecar does the same per request). A batch larger than the engine's slots runs in
+groups of ``max_batch`` rows. Beam search, right padding, penalties and the other options of
+transformers' ``generate`` are refused by name (``UnsupportedGenerationError``).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any
 import torch
 
 from cuvil.generation.engine import DecoderEngine
-from cuvil.generation.sampling import SamplingParams, next_token, next_tokens
+from cuvil.generation.sampling import SamplingParams, next_tokens
 
 TAKEN = (
     "max_new_tokens",
@@ -111,10 +113,12 @@ def _generate_group(
     lengths = [len(prompt) for prompt in prompts]
     slots = list(range(len(prompts)))
     try:
-        logits = [
-            engine.prefill(slot, prompt, 0) for slot, prompt in zip(slots, prompts, strict=True)
-        ]
-        tokens = [next_token(row, params, gen) for row, gen in zip(logits, generators, strict=True)]
+        for slot, prompt in zip(slots, prompts, strict=True):  # all but each prompt's last token
+            if len(prompt) > 1:
+                engine.extend(slot, prompt[:-1], 0)
+        last = torch.stack([prompt[-1] for prompt in prompts]).to(torch.int64)
+        logits = engine.decode(slots, last, torch.tensor([n - 1 for n in lengths]))
+        tokens = next_tokens(logits, [params] * len(slots), generators)
         out: list[list[int]] = [[] for _ in prompts]
         running = list(slots)
         for step in range(params.max_new_tokens):
