@@ -4,9 +4,11 @@ from native/kernel_ops.cc): built on first use, loaded into torch.
 It is C++ against torch's own headers and libraries (a TorchScript custom class and op, no
 Python binding code, so it builds in seconds of compiler time), compiled once per torch version
 and source into the native cache (runtime/native_build.py) and loaded with
-``torch.ops.load_library``. It holds no vector code, so one build serves every x86 CPU: no
-``-march``. Where no C++ compiler exists, the build fails, or ``CUVIL_NATIVE_PLAN=off``,
-``load()`` returns None and ``reason()`` says why; models then run the Python plan.
+``torch.ops.load_library``. It is built without ``-march``: its one vector kernel (decode
+attention) is cloned per level (``target_clones``: x86-64-v3 and the baseline, one picked when
+the library loads), so one build serves every x86 CPU. Where no C++ compiler exists, the build
+fails, or ``CUVIL_NATIVE_PLAN=off``, ``load()`` returns None and ``reason()`` says why; models
+then run the Python plan.
 
 The kept oneDNN primitives are executed through libdnnl's C functions, whose addresses are
 handed to the library once (libdnnl is loaded by ctypes, local to it); each primitive step

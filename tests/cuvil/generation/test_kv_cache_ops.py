@@ -100,6 +100,22 @@ def test_native_decode_attention_over_long_prefixes_splits_across_threads() -> N
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dim", [4, 20, 64])
+def test_native_decode_attention_takes_any_head_dim(dim: int) -> None:
+    """Eight lanes at a time, the rest one by one: head dims below, across and at a multiple of
+    eight."""
+    assert plan_loop.load(), plan_loop.reason()
+    generator = torch.Generator().manual_seed(2)
+    keys = torch.randn(4, 2, 40, dim, generator=generator)
+    values = torch.randn(4, 2, 40, dim, generator=generator)
+    query = torch.randn(3, 6, 1, dim, generator=generator)
+    slots, starts = [3, 1, 2], [39, 0, 21]
+    attend = torch.ops.cuvil_native.cached_attention.default
+    got = attend(query, keys, values, torch.tensor(slots), torch.tensor(starts), None)
+    expected = _reference_attention(query, keys, values, slots, starts, dim**-0.5)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_attention_refuses_a_row_past_the_cache() -> None:
     query = torch.randn(1, KV_HEADS, 2, HEAD)
     with pytest.raises(IndexError, match="reaches position"):

@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -200,6 +201,54 @@ at::Tensor &kv_cache_write(at::Tensor &cache, const at::Tensor &fresh, const at:
   return cache;
 }
 
+// eight fp32 lanes: AVX registers in the x86-64-v3 clone below, SSE pairs in the baseline one
+typedef float Lanes __attribute__((vector_size(32)));
+
+__attribute__((always_inline)) inline Lanes load_lanes(const float *from) {
+  Lanes lanes;
+  std::memcpy(&lanes, from, sizeof lanes);
+  return lanes;
+}
+
+__attribute__((always_inline)) inline void store_lanes(float *to, Lanes lanes) {
+  std::memcpy(to, &lanes, sizeof lanes);
+}
+
+#if defined(__x86_64__)
+#define CUVIL_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define CUVIL_CLONES
+#endif
+
+// one query row's attention over ``length`` cached positions: scores (scaled q . k), softmax,
+// the weighted sum of values into ``out``, eight lanes at a time. Built twice (AVX2 with FMA,
+// and the baseline), the loader picking the one this CPU runs, so one build serves every x86 CPU.
+CUVIL_CLONES void attend_row(const float *q, const float *keys, int64_t key_stride,
+                             const float *values, int64_t value_stride, int64_t length,
+                             int64_t dim, float factor, float *scores, float *out) {
+  const int64_t whole = dim - dim % 8;
+  float top = -INFINITY;
+  for (int64_t t = 0; t < length; t++) {
+    const float *key = keys + t * key_stride;
+    Lanes sum = {};
+    for (int64_t d = 0; d < whole; d += 8) sum += load_lanes(q + d) * load_lanes(key + d);
+    float dot = ((sum[0] + sum[4]) + (sum[1] + sum[5])) + ((sum[2] + sum[6]) + (sum[3] + sum[7]));
+    for (int64_t d = whole; d < dim; d++) dot += q[d] * key[d];
+    scores[t] = dot * factor;
+    top = std::max(top, scores[t]);
+  }
+  float total = 0.f;
+  for (int64_t t = 0; t < length; t++) total += (scores[t] = std::exp(scores[t] - top));
+  std::fill(out, out + dim, 0.f);
+  for (int64_t t = 0; t < length; t++) {
+    const float *value = values + t * value_stride, weight = scores[t] / total;
+    const Lanes weights = Lanes{} + weight;
+    for (int64_t d = 0; d < whole; d += 8)
+      store_lanes(out + d, load_lanes(out + d) + weights * load_lanes(value + d));
+    for (int64_t d = whole; d < dim; d++) out[d] += weight * value[d];
+  }
+}
+
 // one query token per row (a decode step), fp32: for each (row, head), softmax(q . K) . V over
 // the slot's prefix 0..position, read in place from the cache; rows in any slot order, no mask,
 // no gather, each row's work its own length. Accumulates in fp32 as ATen's attention does.
@@ -223,30 +272,12 @@ at::Tensor decode_attention(const at::Tensor &query_in, const at::Tensor &key_ca
   for (int64_t r = 0; r < count; r++) longest = std::max(longest, starts[r] + 1);
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (longest * dim));
   at::parallel_for(0, count * heads, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
+    std::vector<float> scores(longest);
     for (int64_t item = begin; item < end; item++) {
       const int64_t r = item / heads, h = item % heads, kvh = h / group;
-      const int64_t length = starts[r] + 1;
-      const float *qr = q + item * dim;
-      const float *kr = k + rows[r] * ks0 + kvh * ks1;
-      const float *vr = v + rows[r] * vs0 + kvh * vs1;
-      scores.resize(length);
-      float top = -INFINITY;
-      for (int64_t t = 0; t < length; t++) {
-        const float *key = kr + t * ks2;
-        float dot = 0.f;
-        for (int64_t d = 0; d < dim; d++) dot += qr[d] * key[d];
-        scores[t] = dot * factor;
-        top = std::max(top, scores[t]);
-      }
-      float total = 0.f;
-      for (int64_t t = 0; t < length; t++) total += (scores[t] = std::exp(scores[t] - top));
-      float *orow = o + item * dim;
-      std::fill(orow, orow + dim, 0.f);
-      for (int64_t t = 0; t < length; t++) {
-        const float *value = vr + t * vs2, weight = scores[t] / total;
-        for (int64_t d = 0; d < dim; d++) orow[d] += weight * value[d];
-      }
+      attend_row(q + item * dim, k + rows[r] * ks0 + kvh * ks1, ks2,
+                 v + rows[r] * vs0 + kvh * vs1, vs2, starts[r] + 1, dim, factor, scores.data(),
+                 o + item * dim);
     }
   });
   return out;
