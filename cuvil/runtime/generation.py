@@ -181,20 +181,8 @@ class GenerationModel(CompiledModel):
         return self.layout.bytes_per_token
 
     def prefill(self, slot: int, token_ids: torch.Tensor, position: int) -> torch.Tensor:
-        tokens = int(token_ids.numel())
-        if token_ids.dim() != 1 or tokens < 1:
-            raise InputError(f"prefill takes a non-empty 1-D token tensor, not {token_ids.shape}")
-        self._check_slot(slot)
-        self._check_span(position, tokens)
-        inputs = self._step_inputs(
-            token_ids.reshape(1, tokens),
-            torch.tensor([slot], dtype=torch.int64),
-            torch.tensor([position], dtype=torch.int64),
-        )
-        symbols = self._prefill_binder.bind(inputs)
-        with torch.inference_mode():
-            logits = self.prefill_model.runner.run(inputs, symbols)["output"]
-        return logits[0].float()
+        tokens = self._check_chunk("prefill", slot, token_ids, position)
+        return self._run_chunk(slot, token_ids.reshape(tokens), position)[0].float()
 
     def extend(self, slot: int, token_ids: torch.Tensor, position: int) -> None:
         """Write the cache of ``token_ids`` as ``prefill`` does, without logits: the chunk is
@@ -202,24 +190,32 @@ class GenerationModel(CompiledModel):
         chunk length runs one of a few prepared shapes (native schedules, kernel choices made)
         instead of a shape of its own. The pad tokens' keys and values land past the chunk,
         where nothing reads them before the sequence's own later tokens overwrite them."""
-        tokens = int(token_ids.numel())
-        if token_ids.dim() != 1 or tokens < 1:
-            raise InputError(f"extend takes a non-empty 1-D token tensor, not {token_ids.shape}")
-        self._check_slot(slot)
-        self._check_span(position, tokens)
+        tokens = self._check_chunk("extend", slot, token_ids, position)
         room = self.max_seq - position
         padded = next((n for n in self._pad_lengths if tokens <= n <= room), tokens)
         ids = token_ids.to(torch.int64)
         if padded > tokens:
             ids = torch.cat([ids, ids.new_zeros(padded - tokens)])
+        self._run_chunk(slot, ids, position)
+
+    def _check_chunk(self, call: str, slot: int, token_ids: torch.Tensor, position: int) -> int:
+        tokens = int(token_ids.numel())
+        if token_ids.dim() != 1 or tokens < 1:
+            raise InputError(f"{call} takes a non-empty 1-D token tensor, not {token_ids.shape}")
+        self._check_slot(slot)
+        self._check_span(position, tokens)
+        return tokens
+
+    def _run_chunk(self, slot: int, ids: torch.Tensor, position: int) -> torch.Tensor:
+        """The prefill graph on one slot's chunk: its last token's logits [1, vocab]."""
         inputs = self._step_inputs(
-            ids.reshape(1, padded),
+            ids.reshape(1, -1),
             torch.tensor([slot], dtype=torch.int64),
             torch.tensor([position], dtype=torch.int64),
         )
         symbols = self._prefill_binder.bind(inputs)
         with torch.inference_mode():
-            self.prefill_model.runner.run(inputs, symbols)
+            return self.prefill_model.runner.run(inputs, symbols)["output"]
 
     def decode(
         self, slots: Sequence[int], token_ids: torch.Tensor, positions: torch.Tensor
