@@ -94,7 +94,7 @@ class CpuBackend:
         if isinstance(runner, NativePlanRunner):
             symbols = model.bind(inputs)
             for _ in range(SETTLE_RUNS):  # a choice made on the last run: record a later one
-                if runner.has_shape(symbols):
+                if runner.has_shape(symbols) or runner.full:
                     break
                 model.run(inputs)
                 runs += 1

@@ -216,6 +216,11 @@ class NativePlanRunner:
             return run  # any sequence of tensors, straight in
         return lambda tensors: _reordered(run([tensors[i] for i in take]), give)
 
+    @property
+    def full(self) -> bool:
+        """Whether ``MAX_SCHEDULES`` shapes are kept: a new shape runs the Python plan."""
+        return len(self._shapes) >= MAX_SCHEDULES
+
     def has_shape(self, symbols: Mapping[str, int]) -> bool:
         """Whether calls at these symbol values (and this thread count) run as schedules, or
         the library is not there to build them."""
@@ -227,7 +232,7 @@ class NativePlanRunner:
     ) -> dict[str, Any]:
         if _aliased(inputs):  # arguments bind to slots by identity: one tensor, two inputs
             return self.plan.run(inputs, symbols)  # would bind both to one: record a later call
-        if len(self._shapes) >= MAX_SCHEDULES:  # no room for another: run it, record nothing
+        if self.full:  # no room for another: run it, record nothing
             return self.plan.run(inputs, symbols)
         before = self.plan.kernel_trials()
         recording = _Recording(self.plan, self._runtime)
