@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
 import sysconfig
 from collections.abc import Callable, Sequence
@@ -26,7 +25,7 @@ from typing import Any
 import torch
 
 from cuvil.backends.cpu import plan_loop
-from cuvil.runtime.native_build import NativeError, cache_dir, compile_into
+from cuvil.runtime.native_build import NativeError
 
 SOURCE = Path(__file__).parent / "native" / "fast_call.cc"
 Caller = Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]
@@ -41,18 +40,8 @@ def _python_include() -> Path:
 
 def build() -> Path:
     """The library in the native cache, compiled there unless already present."""
-    flags = (*plan_loop.FLAGS, *plan_loop.torch_flags(), f"-I{_python_include()}")
-    parts = [SOURCE.read_bytes(), " ".join(flags).encode(), torch.__version__.encode()]
-    digest = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
-    target = cache_dir() / f"fast_call-{digest}.so"
-    if target.exists():
-        return target
-    compiler = plan_loop.compiler_name()
-    if compiler is None:
-        raise NativeError("no C++ compiler (c++ or g++) on PATH")
-    links = [*plan_loop.link_flags(), "-ltorch_python"]
-    compile_into(target, lambda built: [compiler, *flags, str(SOURCE), "-o", str(built), *links])
-    return target
+    include = f"-I{_python_include()}"
+    return plan_loop.build_against_torch("fast_call", (SOURCE,), (include,), ("-ltorch_python",))
 
 
 @functools.cache

@@ -30,7 +30,6 @@ from typing import Any
 import torch
 
 from cuvil.backends.cpu import fast_call
-from cuvil.backends.cpu.fast_call import Caller, caller
 from cuvil.backends.cpu.native_calls import KeptCall, OpCall, Result
 from cuvil.backends.cpu.plan_loop import load, reason
 from cuvil.runtime.plan import ExecutionPlan, Step, view_as_reshape
@@ -64,7 +63,7 @@ class Segment:
     writes: tuple[int, ...]
     release: tuple[int, ...]
     names: tuple[str, ...]
-    call: Caller  # one foreign call, made with the GIL released (fast_call.py)
+    call: fast_call.Caller  # one foreign call, made with the GIL released (fast_call.py)
 
 
 @dataclass
@@ -344,7 +343,7 @@ class NativePlanRunner:
             writes,
             tuple(sorted(released)),
             tuple(entry.step.name for entry in run),
-            caller(schedule),
+            fast_call.caller(schedule),
         )
 
     def describe(self) -> dict[str, Any]:

@@ -22,6 +22,7 @@ import functools
 import hashlib
 import os
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -61,20 +62,27 @@ def link_flags() -> list[str]:
 
 def build() -> Path:
     """The library in the native cache, compiled there unless already present."""
-    flags = (*FLAGS, *torch_flags())
-    parts = [*(source.read_bytes() for source in SOURCES), " ".join(flags).encode()]
+    return build_against_torch("plan_loop", SOURCES)
+
+
+def build_against_torch(
+    name: str, sources: Sequence[Path], flags: Sequence[str] = (), links: Sequence[str] = ()
+) -> Path:
+    """A C++ library against torch's headers and libraries (``flags`` and ``links`` added), in
+    the native cache under a digest of its sources, flags and torch version; compiled there
+    unless already present."""
+    flags = (*FLAGS, *torch_flags(), *flags)
+    parts = [*(source.read_bytes() for source in sources), " ".join(flags).encode()]
     parts.append(torch.__version__.encode())
     digest = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
-    target = cache_dir() / f"plan_loop-{digest}.so"
+    target = cache_dir() / f"{name}-{digest}.so"
     if target.exists():
         return target
     compiler = compiler_name()
     if compiler is None:
         raise NativeError("no C++ compiler (c++ or g++) on PATH")
-    compile_into(
-        target,
-        lambda built: [compiler, *flags, *map(str, SOURCES), "-o", str(built), *link_flags()],
-    )
+    command = [compiler, *flags, *map(str, sources)]
+    compile_into(target, lambda built: [*command, "-o", str(built), *link_flags(), *links])
     return target
 
 
