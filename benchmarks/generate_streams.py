@@ -23,7 +23,8 @@ padded, in arrival order), each batch generating its longest request's token cou
 ``tokens_per_s`` counts only the tokens requests asked for, over the total time.
 ``matching_streams``: requests whose sidecar tokens equal the static batch's.
 The client shares the machine's cores with the sidecar; ``load_average`` is the host's before
-and after. Both sides run with the sidecar's OpenMP spin (``GOMP_SPINCOUNT``, 3000 unless set):
+and after. ``sidecar_engine_threads``: the compiled engine's intra-op threads, as the sidecar
+chose them at load (``--threads`` or one fewer, leaving a core to its frontend), and why. Both sides run with the sidecar's OpenMP spin (``GOMP_SPINCOUNT``, 3000 unless set):
 with libgomp's default a busy 2-core host slows transformers' batched steps several fold.
 """
 
@@ -251,6 +252,7 @@ def main() -> None:
         finally:
             process.terminate()
             process.wait(30)
+        engine_threads = _engine_threads(Path(folder) / "log")
         static = static_batches(path, requests, args.static_batch)
     matching = sum(
         a == b for a, b in zip(sidecar.pop("outputs"), static.pop("outputs"), strict=True)
@@ -264,6 +266,7 @@ def main() -> None:
         "gomp_spincount": os.environ["GOMP_SPINCOUNT"],
         "cpu": _cpu(),
         "load_average": {"before": load_before, "after": os.getloadavg()},
+        "sidecar_engine_threads": engine_threads,
         "sidecar": sidecar,
         "transformers_static": static,
         "sidecar_over_static": round(sidecar["tokens_per_s"] / static["tokens_per_s"], 3),
@@ -273,6 +276,16 @@ def main() -> None:
     print(text)
     if args.out:
         args.out.write_text(text + "\n")
+
+
+def _engine_threads(log: Path) -> str:
+    """The sidecar's log line on its engine's thread count (compiled engines choose one at
+    load, runtime_sidecar/cuvil_sidecar/generation/engine_threads.py); "" for the eager one."""
+    marker = " runs its engine at "
+    for line in log.read_text(errors="replace").splitlines():
+        if marker in line:
+            return line.split(marker, 1)[1]
+    return ""
 
 
 def _cpu() -> str:

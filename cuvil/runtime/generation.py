@@ -28,6 +28,7 @@ number of tokens. Each call checks slots and positions against the cache before 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -48,8 +49,8 @@ PREFILL_CHOICES = "prefill_kernel_choices"
 PREFILL_CHOICE_TOKENS = 128
 # past the small powers of two, ``extend`` pads chunks to multiples of this many tokens
 PAD_STEP = 16
-# decode row counts a warm-up prepares one by one (the CPU keeps native schedules for 16
-# shapes a model); past them, one per row bucket
+# decode row counts a warm-up prepares one by one (the CPU keeps native schedules for 32
+# shapes a model: room for these at two thread counts); past them, one per row bucket
 WARM_ROW_COUNTS = 16
 
 
@@ -326,6 +327,24 @@ class GenerationModel(CompiledModel):
             steps += self.prefill_model.prepare(self._step_inputs(ids, slot, position))
         self.reset_cache()
         return steps
+
+    def step_seconds(self, rows: int, runs: int = 7) -> float:
+        """The median wall time of a decode step of ``rows`` rows at the calling thread's
+        thread count, the shape prepared first (kernel choices made, native schedule built) so
+        that only the step is timed; what a server weighs when it decides how many threads
+        its engine gets. The cache is zeroed after."""
+        if not 1 <= rows <= self.max_batch:
+            raise InputError(f"a decode step takes 1..{self.max_batch} rows, not {rows}")
+        zeros = torch.zeros(rows, dtype=torch.int64)
+        self.prepare(self._step_inputs(zeros[:, None], torch.arange(rows), zeros))
+        self.decode(list(range(rows)), zeros, zeros)  # keeps the row count's direct call
+        times = []
+        for _ in range(runs):
+            started = time.perf_counter()
+            self.decode(list(range(rows)), zeros, zeros)
+            times.append(time.perf_counter() - started)
+        self.reset_cache()
+        return sorted(times)[len(times) // 2]
 
     def reset_cache(self) -> None:
         for cache in self.caches:

@@ -96,6 +96,10 @@
   (64): requests waiting for room; one more is refused RESOURCE_EXHAUSTED (HTTP 429).
   ``CUVIL_PREFILL_CHUNK`` (128): prompt tokens prefilled per scheduler step (several short
   prompts, or a chunk of a long one), between decode steps of the running streams.
+  ``CUVIL_GENERATION_THREADS`` (0 = chosen at load): intra-op threads of a compiled model's
+  engine thread; 0 times its full decode step at the process's threads and at one fewer, and
+  leaves a core to the frontend that streams the tokens when that costs the step less than
+  the frontend's share (``generation/engine_threads.py``).
 
 - ``CUVIL_MEASURE_RUNS``, ``CUVIL_POD_NAME``, ``CUVIL_POD_NAMESPACE``, ``CUVIL_NODE_NAME``,
   ``CUVIL_KUBE_API``, ``CUVIL_KUBE_TOKEN_FILE``, ``CUVIL_KUBE_CA``: the warm-up measurement of
@@ -166,6 +170,7 @@ class SidecarConfig:
     kv_cache_bytes: int = 0
     generation_max_waiting: int = 64
     prefill_chunk: int = 128
+    generation_threads: int = 0
     measurement: MeasurementSettings = field(default_factory=MeasurementSettings)
 
     @property
@@ -244,6 +249,9 @@ class SidecarConfig:
                 env, "CUVIL_GENERATION_MAX_WAITING", cls.generation_max_waiting, low=0
             ),
             prefill_chunk=_integer(env, "CUVIL_PREFILL_CHUNK", cls.prefill_chunk, low=1),
+            generation_threads=_integer(
+                env, "CUVIL_GENERATION_THREADS", cls.generation_threads, low=0
+            ),
             measurement=_measurement(env),
         )
 

@@ -35,7 +35,10 @@ from cuvil.backends.cpu.plan_loop import load, reason
 from cuvil.runtime.plan import ExecutionPlan, Step, view_as_reshape
 from cuvil.runtime.shape_cache import ShapeCache
 
-MAX_SCHEDULES = 16  # shapes with native schedules kept per model
+# shapes with native schedules kept per model: a generation model's decode graph meets every
+# row count up to its slots, at the thread count it serves with and the one it was timed at.
+# A schedule holds its steps and references to constants, not activations.
+MAX_SCHEDULES = 32
 ENUM_ADDERS = {
     torch.dtype: "arg_dtype",
     torch.memory_format: "arg_memory_format",

@@ -30,6 +30,11 @@ from cuvil.artifact import media_types as mt
 from cuvil.artifact.trust import TrustSettings
 from cuvil.generation.engine import DecoderEngine
 from cuvil_sidecar.config import SidecarConfig
+from cuvil_sidecar.generation.engine_threads import (
+    ThreadChoice,
+    choose_engine_threads,
+    torch_threads,
+)
 from cuvil_sidecar.generation.text import TOKENIZER_FILE, TextCodec, eos_from_files
 from cuvil_sidecar.source import ModelSource
 
@@ -48,17 +53,28 @@ class GenerationModel:
     text: TextCodec | None = None  # None: token ids in and out
     eos_token_ids: tuple[int, ...] = ()
     config: Mapping[str, Any] = field(default_factory=dict)  # the artifact's, for trace links
+    threads: ThreadChoice | None = None  # the engine thread's; None: the process's count
 
 
 class GenerationLoadError(RuntimeError):
     """The source is a generation model that cannot be served here; the message says why."""
 
 
-def _compiled_engine(path: Path, config: Mapping[str, Any], settings: SidecarConfig) -> Any:
+@dataclass(frozen=True)
+class ServedEngine:
+    engine: DecoderEngine
+    threads: ThreadChoice | None = None  # None: the engine runs at the process's thread count
+
+
+def _compiled_engine(
+    path: Path, config: Mapping[str, Any], settings: SidecarConfig
+) -> ServedEngine:
     """The artifact's compiled prefill/decode pair and its KV cache (``max_batch`` slots of
-    ``max_seq`` positions, fixed when it was compiled): cuvil/runtime/generation.py, warmed up
-    at every decode row count and prefill length bucket up to ``CUVIL_PREFILL_CHUNK`` before
-    it serves."""
+    ``max_seq`` positions, fixed when it was compiled): cuvil/runtime/generation.py, its
+    thread count chosen (``engine_threads.py``) and warmed up at it, at every decode row count
+    and prefill length bucket up to ``CUVIL_PREFILL_CHUNK``, before it serves."""
+    import torch
+
     from cuvil.runtime.generation import GenerationModel as CompiledGeneration
     from cuvil.runtime.model import load
 
@@ -69,13 +85,16 @@ def _compiled_engine(path: Path, config: Mapping[str, Any], settings: SidecarCon
     if not isinstance(model, CompiledGeneration):
         raise GenerationLoadError(f"{path} says {TASK} but holds no prefill/decode pair")
     started = time.perf_counter()
-    steps = model.warm_up(settings.prefill_chunk)
+    threads = choose_engine_threads(model, torch.get_num_threads(), settings.generation_threads)
+    log.info("%s runs its engine at %d threads: %s", path.name, threads.threads, threads.reason)
+    with torch_threads(threads.threads):
+        steps = model.warm_up(settings.prefill_chunk)
     log.info("warmed up %s: %d steps in %.2f s", path.name, steps, time.perf_counter() - started)
-    return model
+    return ServedEngine(model, threads)
 
 
-# (artifact folder or tar, its config, the sidecar's settings) -> its DecoderEngine
-EngineForArtifact = Callable[[Path, Mapping[str, Any], SidecarConfig], DecoderEngine]
+# (artifact folder or tar, its config, the sidecar's settings) -> its engine, warmed up
+EngineForArtifact = Callable[[Path, Mapping[str, Any], SidecarConfig], ServedEngine]
 ENGINE_FOR_ARTIFACT: EngineForArtifact = _compiled_engine
 
 
@@ -93,17 +112,18 @@ def load_generation(
     config = artifact_config(path)
     if config.get("task") != TASK:
         return None
-    engine = ENGINE_FOR_ARTIFACT(path, config, settings)
+    served = ENGINE_FOR_ARTIFACT(path, config, settings)
     codec = TextCodec(path / TOKENIZER_FILE) if (path / TOKENIZER_FILE).is_file() else None
     eos = tuple(config.get("eos_token_id") or ()) or eos_from_files(path, codec)
     return GenerationModel(
         name=str(config.get("name") or path.stem),
-        engine=engine,
+        engine=served.engine,
         digest=manifest_digest or source_digest,
         source_digest=source_digest,
         text=codec,
         eos_token_ids=eos,
         config=config,
+        threads=served.threads,
     )
 
 

@@ -102,9 +102,11 @@ class Scheduler:
         kv_budget_bytes: int = 0,
         max_waiting: int = 64,
         prefill_chunk: int = 128,
+        threads: int = 0,
         name: str = "generation",
     ) -> None:
-        """``kv_budget_bytes`` 0: every slot's whole cache."""
+        """``kv_budget_bytes`` 0: every slot's whole cache. ``threads``: the engine thread's
+        intra-op threads (0: the process's count)."""
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be at least 1, not {prefill_chunk}")
         self.engine = engine
@@ -113,6 +115,7 @@ class Scheduler:
         self.budget_positions = min(whole, by_bytes) if kv_budget_bytes else whole
         self.max_waiting = max_waiting
         self.prefill_chunk = prefill_chunk
+        self.threads = threads
         self._free_slots = list(range(engine.max_batch - 1, -1, -1))
         self._waiting: collections.deque[Sequence] = collections.deque()
         self._running: list[Sequence] = []
@@ -189,6 +192,8 @@ class Scheduler:
         )
 
     def _loop(self) -> None:
+        if self.threads:
+            torch.set_num_threads(self.threads)  # this thread's parallel regions only
         while True:
             with self._wake:
                 while not self._closed and not (self._waiting or self._running):

@@ -72,6 +72,7 @@ class GenerationServable:
             kv_budget_bytes=config.kv_cache_bytes,
             max_waiting=config.generation_max_waiting,
             prefill_chunk=config.prefill_chunk,
+            threads=model.threads.threads if model.threads else 0,
             name=self.name,
         )
         self.metrics = metrics
@@ -91,9 +92,11 @@ class GenerationServable:
     @property
     def mode(self) -> str:
         engine = self.model.engine
+        threads = self.model.threads
         return (
             f"continuous batching: {engine.max_batch} slots of {engine.max_seq} positions, "
             f"KV budget {self.scheduler.budget_positions} positions"
+            + (f", engine threads {threads.threads}" if threads else "")
         )
 
     def metadata(self) -> ModelMetadata:

@@ -38,14 +38,18 @@ def test_the_loader_serves_the_artifacts_compiled_engine(artifact: tuple) -> Non
     config = loader.artifact_config(path)
     assert config["task"] == loader.TASK
     assert config["eos_token_id"] == [model.generation_config.eos_token_id]
-    engine = loader.ENGINE_FOR_ARTIFACT(path, config, SidecarConfig(str(path), prefill_chunk=5))
+    served = loader.ENGINE_FOR_ARTIFACT(path, config, SidecarConfig(str(path), prefill_chunk=5))
+    engine = served.engine
     assert isinstance(engine, GenerationModel)
     assert (engine.max_batch, engine.max_seq) == (4, 64)
-    threads = torch.get_num_threads()
+    assert served.threads is not None
+    threads = served.threads.threads
+    assert 1 <= threads <= torch.get_num_threads()
     assert {(rows, threads) for rows in (1, 2, 3, 4)} <= set(engine._decode_calls)  # warmed up
 
     requests = [(_prompt(i), SamplingParams(max_new_tokens=4 + 2 * i)) for i in range(7)]
-    scheduler = Scheduler(engine, prefill_chunk=5)  # 7 streams through 4 slots, chunked prompts
+    # 7 streams through 4 slots, chunked prompts
+    scheduler = Scheduler(engine, prefill_chunk=5, threads=threads)
     try:
         collectors = []
         for prompt, params in requests:

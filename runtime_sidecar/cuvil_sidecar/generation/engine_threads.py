@@ -1,0 +1,87 @@
+"""How many intra-op threads a compiled generation engine runs with.
+
+The engine thread shares the process with the event loop that streams its tokens: one
+server-sent event or gRPC response per token per stream, about ``FRONTEND_TOKEN_S`` of CPU
+each (formatting, the socket write, the loop's wake-ups). When the engine's parallel regions
+take every core, that work preempts one of their threads and the whole step waits for it; with
+one thread fewer, the loop runs on the core left free while the step runs. Which is faster
+depends on the model. A small model's step barely gains from its last thread, so the core is
+worth more to the loop. A large model's step nearly halves with a second thread, and the loop's
+share is small beside it.
+
+So at load, unless ``CUVIL_GENERATION_THREADS`` fixes the count, the decode step at the engine's
+full row count is timed at ``available`` threads and at one fewer. The engine takes one fewer
+when that step costs no more than the full one plus the frontend's work for the step's tokens.
+The choice is made once, on the serving host, from measured steps, not from the model's size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+log = logging.getLogger("cuvil_sidecar.generation")
+
+# CPU the sidecar's frontend spends per streamed token, outside the engine: measured at 90 to 115
+# µs on a 2-core AVX2 EPYC serving 16 REST streams (the event loop thread's CPU time over the
+# tokens it sent); the rule below only needs it roughly
+FRONTEND_TOKEN_S = 100e-6
+
+
+class TimedEngine(Protocol):
+    @property
+    def max_batch(self) -> int: ...
+
+    def step_seconds(self, rows: int) -> float: ...
+
+
+@dataclass(frozen=True)
+class ThreadChoice:
+    threads: int
+    reason: str
+    step_ms: dict[int, float]  # threads -> the timed decode step (ms); empty when not timed
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int) -> Iterator[None]:
+    """The calling thread's intra-op thread count for a scope, restored however it ends."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def choose_engine_threads(engine: TimedEngine, available: int, fixed: int = 0) -> ThreadChoice:
+    """``fixed`` (``CUVIL_GENERATION_THREADS``) when set; else ``available`` or one fewer, by
+    timing the engine's full decode step at both (the module docstring says why)."""
+    if fixed:
+        return ThreadChoice(fixed, "CUVIL_GENERATION_THREADS", {})
+    if available < 2:
+        return ThreadChoice(max(1, available), "one core", {})
+    rows = engine.max_batch
+    timed: dict[int, float] = {}
+    for threads in (available, available - 1):
+        with torch_threads(threads):
+            timed[threads] = engine.step_seconds(rows)
+    step_ms = {threads: round(seconds * 1e3, 3) for threads, seconds in timed.items()}
+    frontend = rows * FRONTEND_TOKEN_S
+    if timed[available - 1] <= timed[available] + frontend:
+        reason = (
+            f"a {rows}-row step at {available - 1} threads ({step_ms[available - 1]} ms) is "
+            f"within the frontend's {frontend * 1e3:.2f} ms of its {rows} tokens of one at "
+            f"{available} ({step_ms[available]} ms): a core left to the frontend"
+        )
+        return ThreadChoice(available - 1, reason, step_ms)
+    reason = (
+        f"a {rows}-row step at {available} threads ({step_ms[available]} ms) beats one at "
+        f"{available - 1} ({step_ms[available - 1]} ms) by more than the frontend's "
+        f"{frontend * 1e3:.2f} ms of its {rows} tokens"
+    )
+    return ThreadChoice(available, reason, step_ms)
