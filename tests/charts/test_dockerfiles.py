@@ -138,4 +138,14 @@ def test_torch_images_carry_portable_native_kernels(path: str) -> None:
     build = next(run for run in runs if "python -m cuvil.backends.cpu.native" in run)
     assert build.index("apt-get install") < build.index("python -m cuvil.backends.cpu.native")
     assert build.index("python -m cuvil.backends.cpu.native") < build.index("apt-get purge -y gcc")
+    # a compiler for every language the native sources are written in, installed then purged
+    native = ROOT / "cuvil" / "backends" / "cpu" / "native"
+    compilers = {".c": "gcc", ".cc": "g++"}
+    needed = {compilers[source.suffix] for source in native.iterdir() if source.suffix in compilers}
+    assert needed == {"gcc", "g++"}
+    before, purge = build.split("apt-get purge -y", 1)
+    installs = before.split("apt-get install")[1:]
+    installed = {word for install in installs for word in install.split("&&", 1)[0].split()}
+    assert needed <= installed
+    assert needed <= set(purge.split("&&", 1)[0].split())
     assert text.index("CUVIL_NATIVE_MARCH") > text.index("cuvil[${EXTRAS}]")
