@@ -24,8 +24,9 @@ padded, in arrival order), each batch generating its longest request's token cou
 ``matching_streams``: requests whose sidecar tokens equal the static batch's.
 The client shares the machine's cores with the sidecar; ``load_average`` is the host's before
 and after. ``sidecar_engine_threads``: the compiled engine's intra-op threads, as the sidecar
-chose them at load (``--threads`` or one fewer, leaving a core to its frontend), and why. Both sides run with the sidecar's OpenMP spin (``GOMP_SPINCOUNT``, 3000 unless set):
-with libgomp's default a busy 2-core host slows transformers' batched steps several fold.
+chose them at load (``--threads`` or one fewer, leaving a core to its frontend), and why.
+Both sides run with the sidecar's OpenMP spin (``GOMP_SPINCOUNT``, 3000 unless set): with
+libgomp's default a busy 2-core host slows transformers' batched steps several fold.
 """
 
 from __future__ import annotations
