@@ -99,7 +99,10 @@
   ``CUVIL_GENERATION_THREADS`` (0 = chosen at load): intra-op threads of a compiled model's
   engine thread; 0 times its full decode step at the process's threads and at one fewer, and
   leaves a core to the frontend that streams the tokens when that costs the step less than
-  the frontend's share (``generation/engine_threads.py``).
+  the frontend's share (``generation/engine_threads.py``). ``CUVIL_PREFILL_ALONGSIDE``
+  (``auto``): when the cores hold two engine threads of that count, prompts are written by a
+  prefill thread of their own while the engine thread runs decode steps; ``off`` keeps both on
+  the engine thread, a prompt chunk per step.
 
 - ``CUVIL_MEASURE_RUNS``, ``CUVIL_POD_NAME``, ``CUVIL_POD_NAMESPACE``, ``CUVIL_NODE_NAME``,
   ``CUVIL_KUBE_API``, ``CUVIL_KUBE_TOKEN_FILE``, ``CUVIL_KUBE_CA``: the warm-up measurement of
@@ -171,6 +174,7 @@ class SidecarConfig:
     generation_max_waiting: int = 64
     prefill_chunk: int = 128
     generation_threads: int = 0
+    prefill_alongside: bool = True  # when the engine's threads leave room (engine_threads.py)
     measurement: MeasurementSettings = field(default_factory=MeasurementSettings)
 
     @property
@@ -252,6 +256,7 @@ class SidecarConfig:
             generation_threads=_integer(
                 env, "CUVIL_GENERATION_THREADS", cls.generation_threads, low=0
             ),
+            prefill_alongside=_choice(env, "CUVIL_PREFILL_ALONGSIDE", {"auto": True, "off": False}),
             measurement=_measurement(env),
         )
 

@@ -43,8 +43,15 @@ class TimedEngine(Protocol):
 @dataclass(frozen=True)
 class ThreadChoice:
     threads: int
+    available: int  # the process's intra-op threads
     reason: str
     step_ms: dict[int, float]  # threads -> the timed decode step (ms); empty when not timed
+
+    @property
+    def room_for_two(self) -> bool:
+        """Whether two engine threads of this count fit the process's: prompts can then be
+        written on a thread of their own beside the decode steps (scheduler.py)."""
+        return 2 * self.threads <= self.available
 
 
 @contextlib.contextmanager
@@ -62,9 +69,9 @@ def choose_engine_threads(engine: TimedEngine, available: int, fixed: int = 0) -
     """``fixed`` (``CUVIL_GENERATION_THREADS``) when set; else ``available`` or one fewer, by
     timing the engine's full decode step at both (the module docstring says why)."""
     if fixed:
-        return ThreadChoice(fixed, "CUVIL_GENERATION_THREADS", {})
+        return ThreadChoice(fixed, available, "CUVIL_GENERATION_THREADS", {})
     if available < 2:
-        return ThreadChoice(max(1, available), "one core", {})
+        return ThreadChoice(max(1, available), available, "one core", {})
     rows = engine.max_batch
     timed: dict[int, float] = {}
     for threads in (available, available - 1):
@@ -78,10 +85,10 @@ def choose_engine_threads(engine: TimedEngine, available: int, fixed: int = 0) -
             f"within the frontend's {frontend * 1e3:.2f} ms of its {rows} tokens of one at "
             f"{available} ({step_ms[available]} ms): a core left to the frontend"
         )
-        return ThreadChoice(available - 1, reason, step_ms)
+        return ThreadChoice(available - 1, available, reason, step_ms)
     reason = (
         f"a {rows}-row step at {available} threads ({step_ms[available]} ms) beats one at "
         f"{available - 1} ({step_ms[available - 1]} ms) by more than the frontend's "
         f"{frontend * 1e3:.2f} ms of its {rows} tokens"
     )
-    return ThreadChoice(available, reason, step_ms)
+    return ThreadChoice(available, available, reason, step_ms)

@@ -13,6 +13,13 @@ pad the chunk to a length it has prepared); its last token goes in with the deco
 iteration that finished the rest, as a row of its own, and that row's logits pick its first
 token. A prompt of one token goes straight to decode.
 
+With ``prefill_alongside`` (a host whose cores hold two engine threads: the sidecar's engine
+runs at one thread on two cores), prompts are written by a prefill thread of their own while
+the engine thread runs decode steps, each at ``threads``: a burst of prompts no longer holds up
+the running streams, and the two kinds of step use both cores. The two threads never touch the
+same slot at once: a sequence decodes only once its prompt is written, and a cancelled one
+keeps its slot until the chunk being written for it is done.
+
 Memory is admitted, never discovered: a sequence reserves its prompt plus the tokens it may
 generate (its ``max_new_tokens``, cut to what ``max_seq`` leaves) against a budget of cache
 positions (``kv_budget_bytes // engine.kv_bytes_per_token``, at most slots times ``max_seq``). A
@@ -82,6 +89,11 @@ class Sequence:
         return len(self.prompt) + self.max_new_tokens
 
 
+def _decode_ready(sequence: Sequence) -> bool:
+    """Its prompt but the last token is in the cache: it joins the next decode step."""
+    return sequence.prefilled == len(sequence.prompt) - 1
+
+
 @dataclass(frozen=True)
 class Usage:
     running: int  # sequences holding a slot
@@ -103,9 +115,10 @@ class Scheduler:
         max_waiting: int = 64,
         prefill_chunk: int = 128,
         threads: int = 0,
+        prefill_alongside: bool = False,
         name: str = "generation",
     ) -> None:
-        """``kv_budget_bytes`` 0: every slot's whole cache. ``threads``: the engine thread's
+        """``kv_budget_bytes`` 0: every slot's whole cache. ``threads``: the engine threads'
         intra-op threads (0: the process's count)."""
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be at least 1, not {prefill_chunk}")
@@ -116,14 +129,23 @@ class Scheduler:
         self.max_waiting = max_waiting
         self.prefill_chunk = prefill_chunk
         self.threads = threads
+        self.prefill_alongside = prefill_alongside
+        self._prefilling: Sequence | None = None  # being written by the prefill thread
         self._free_slots = list(range(engine.max_batch - 1, -1, -1))
         self._waiting: collections.deque[Sequence] = collections.deque()
         self._running: list[Sequence] = []
         self._reserved = 0
         self._closed = False
         self._wake = threading.Condition()
-        self._thread = threading.Thread(target=self._loop, name=f"cuvil-{name}", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._loop, name=f"cuvil-{name}", daemon=True)]
+        if prefill_alongside:
+            self._threads.append(
+                threading.Thread(
+                    target=self._prefill_loop, name=f"cuvil-{name}-prefill", daemon=True
+                )
+            )
+        for thread in self._threads:
+            thread.start()
 
     def submit(self, prompt: list[int], params: SamplingParams, sink: Sink) -> Sequence:
         """Queue a sequence; its events go to ``sink`` on the engine thread. Raises at once
@@ -162,14 +184,14 @@ class Scheduler:
                     f"(the queue holds {self.max_waiting}); try again later"
                 )
             self._waiting.append(sequence)
-            self._wake.notify()
+            self._wake.notify_all()
         return sequence
 
     def cancel(self, sequence: Sequence) -> None:
         """Drop the sequence at the next iteration (any thread); its slot is freed."""
         with self._wake:
             sequence.cancelled = True
-            self._wake.notify()
+            self._wake.notify_all()
 
     def usage(self) -> Usage:
         with self._wake:
@@ -181,8 +203,9 @@ class Scheduler:
         """Stop the engine thread; sequences still there end with ``FINISH_SHUTDOWN``."""
         with self._wake:
             self._closed = True
-            self._wake.notify()
-        self._thread.join(timeout_s)
+            self._wake.notify_all()
+        for thread in self._threads:
+            thread.join(timeout_s)
 
     def _fits_now(self, sequence: Sequence) -> bool:
         return (
@@ -196,31 +219,81 @@ class Scheduler:
             torch.set_num_threads(self.threads)  # this thread's parallel regions only
         while True:
             with self._wake:
-                while not self._closed and not (self._waiting or self._running):
+                while not self._closed and not self._engine_has_work():
                     self._wake.wait()
                 if self._closed:
                     ending = [*self._running, *self._waiting]
                     self._running, self._waiting = [], collections.deque()
+                    self._wake.notify_all()  # the prefill thread stops too
                     break
                 dropped = self._drop_cancelled()
                 self._admit()
-                prefills = self._prefill_plan()
+                if self.prefill_alongside:
+                    prefills: list[tuple[Sequence, int]] = []
+                    self._wake.notify_all()  # the sequences admitted, to the prefill thread
+                else:
+                    prefills = self._prefill_plan()
             for sequence in dropped:
                 self._emit(sequence, None, FINISH_CANCELLED)
             for sequence, tokens in prefills:
                 self._prefill_chunk(sequence, tokens)
-            # only this thread changes _running: the prompts finished above decode now too
-            decoding = [s for s in self._running if s.prefilled == len(s.prompt) - 1]
+            with self._wake:  # the prompts finished above (or alongside) decode now too
+                decoding = [s for s in self._running if _decode_ready(s)]
             if decoding:
                 self._decode(decoding)
         for sequence in ending:
             self._emit(sequence, None, FINISH_SHUTDOWN)
 
+    def _engine_has_work(self) -> bool:
+        """Under the lock: whether the engine thread has a step to run (with the prefill
+        thread alongside, prompts being written are its work, not this thread's)."""
+        if not self.prefill_alongside:
+            return bool(self._waiting or self._running)
+        head = self._waiting[0] if self._waiting else None
+        return (
+            any(s.cancelled and s is not self._prefilling for s in self._running)
+            or any(s.cancelled for s in self._waiting)
+            or any(_decode_ready(s) for s in self._running)
+            or (
+                head is not None
+                and bool(self._free_slots)
+                and self._reserved + head.reserved <= self.budget_positions
+            )
+        )
+
+    def _prefill_loop(self) -> None:
+        """The prefill thread: each running sequence's prompt, in arrival order, in chunks of
+        up to ``prefill_chunk`` tokens."""
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        while True:
+            with self._wake:
+                job = self._next_prefill()
+                while job is None and not self._closed:
+                    self._wake.wait()
+                    job = self._next_prefill()
+                if self._closed or job is None:
+                    return
+                sequence, tokens = job
+                self._prefilling = sequence
+            self._prefill_chunk(sequence, tokens)
+            with self._wake:
+                self._prefilling = None
+                self._wake.notify_all()
+
+    def _next_prefill(self) -> tuple[Sequence, int] | None:
+        for sequence in self._running:
+            remaining = len(sequence.prompt) - 1 - sequence.prefilled
+            if remaining and not sequence.cancelled:
+                return sequence, min(remaining, self.prefill_chunk)
+        return None
+
     def _drop_cancelled(self) -> list[Sequence]:
         dropped = [s for s in self._waiting if s.cancelled]
         if dropped:
             self._waiting = collections.deque(s for s in self._waiting if not s.cancelled)
-        for sequence in [s for s in self._running if s.cancelled]:
+        # a sequence whose chunk the prefill thread is writing keeps its slot until it is done
+        for sequence in [s for s in self._running if s.cancelled and s is not self._prefilling]:
             self._leave(sequence)
             dropped.append(sequence)
         return dropped
@@ -254,6 +327,7 @@ class Scheduler:
         return plan
 
     def _prefill_chunk(self, sequence: Sequence, tokens: int) -> None:
+        """Write ``tokens`` more of the sequence's prompt (outside the lock: the engine call)."""
         start = sequence.prefilled
         chunk = sequence.prompt[start : start + tokens]
         try:

@@ -73,6 +73,9 @@ class GenerationServable:
             max_waiting=config.generation_max_waiting,
             prefill_chunk=config.prefill_chunk,
             threads=model.threads.threads if model.threads else 0,
+            prefill_alongside=bool(
+                config.prefill_alongside and model.threads and model.threads.room_for_two
+            ),
             name=self.name,
         )
         self.metrics = metrics
@@ -97,6 +100,7 @@ class GenerationServable:
             f"continuous batching: {engine.max_batch} slots of {engine.max_seq} positions, "
             f"KV budget {self.scheduler.budget_positions} positions"
             + (f", engine threads {threads.threads}" if threads else "")
+            + (", prefill alongside" if self.scheduler.prefill_alongside else "")
         )
 
     def metadata(self) -> ModelMetadata:

@@ -48,19 +48,23 @@ def test_the_loader_serves_the_artifacts_compiled_engine(artifact: tuple) -> Non
     assert {(rows, threads) for rows in (1, 2, 3, 4)} <= set(engine._decode_calls)  # warmed up
 
     requests = [(_prompt(i), SamplingParams(max_new_tokens=4 + 2 * i)) for i in range(7)]
-    # 7 streams through 4 slots, chunked prompts
-    scheduler = Scheduler(engine, prefill_chunk=5, threads=threads)
-    try:
-        collectors = []
-        for prompt, params in requests:
-            collectors.append(Collector())
-            scheduler.submit(prompt, params, collectors[-1])
-        streamed = [collector.tokens() for collector in collectors]
-    finally:
-        scheduler.close()
-    for (prompt, params), tokens in zip(requests, streamed, strict=True):
-        ids = torch.tensor([prompt])
-        expected = model.generate(
-            ids, max_new_tokens=params.max_new_tokens, do_sample=False, eos_token_id=None
-        )
-        assert tokens == expected[0, len(prompt) :].tolist()
+    expected = [
+        model.generate(
+            torch.tensor([prompt]), max_new_tokens=params.max_new_tokens, do_sample=False,
+            eos_token_id=None,
+        )[0, len(prompt) :].tolist()
+        for prompt, params in requests
+    ]  # fmt: skip
+    # 7 streams through 4 slots, chunked prompts: on the engine thread, then with the prompts
+    # written on a prefill thread while the compiled decode steps run (two native calls at once)
+    for alongside in (False, True):
+        scheduler = Scheduler(engine, prefill_chunk=5, threads=threads, prefill_alongside=alongside)
+        try:
+            collectors = []
+            for prompt, params in requests:
+                collectors.append(Collector())
+                scheduler.submit(prompt, params, collectors[-1])
+            streamed = [collector.tokens() for collector in collectors]
+        finally:
+            scheduler.close()
+        assert streamed == expected, f"prefill_alongside={alongside}"

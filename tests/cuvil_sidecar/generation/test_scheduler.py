@@ -119,9 +119,10 @@ def prompt_of(i: int) -> list[int]:
     return [(i * 13 + k) % VOCAB for k in range(3 + (i * 5) % 23)]
 
 
-def test_staggered_streams_get_the_tokens_they_get_alone() -> None:
+@pytest.mark.parametrize("alongside", [False, True], ids=["one_thread", "prefill_alongside"])
+def test_staggered_streams_get_the_tokens_they_get_alone(alongside: bool) -> None:
     engine = HistoryEngine(max_batch=4, max_seq=64)
-    scheduler = Scheduler(engine, prefill_chunk=8)
+    scheduler = Scheduler(engine, prefill_chunk=8, prefill_alongside=alongside)
     try:
         collectors, requests = [], []
         for i in range(16):
@@ -250,10 +251,11 @@ def test_a_full_cache_queues_then_refuses() -> None:
         scheduler.close()
 
 
-def test_cancelling_frees_the_slot_for_the_next_request() -> None:
+@pytest.mark.parametrize("alongside", [False, True], ids=["one_thread", "prefill_alongside"])
+def test_cancelling_frees_the_slot_for_the_next_request(alongside: bool) -> None:
     gate = threading.Event()
     engine = HistoryEngine(max_batch=1, max_seq=32, gate=gate)
-    scheduler = Scheduler(engine)
+    scheduler = Scheduler(engine, prefill_alongside=alongside)
     try:
         endless, queued = Collector(), Collector()
         sequence = scheduler.submit([1], SamplingParams(max_new_tokens=30), endless)
@@ -270,12 +272,57 @@ def test_cancelling_frees_the_slot_for_the_next_request() -> None:
         scheduler.close()
 
 
-def test_an_engine_failure_ends_only_the_sequences_it_hit() -> None:
+def test_a_cancelled_prompt_keeps_its_slot_until_its_chunk_is_written() -> None:
+    """The prefill thread is writing a chunk of the only slot's prompt when the sequence is
+    cancelled; a one-token prompt waiting for that slot decodes only once the chunk is done
+    (else both threads would write the slot at once, and the engine's history would break)."""
+    gate = threading.Event()
+    engine = HistoryEngine(max_batch=1, max_seq=64, gate=gate)
+    scheduler = Scheduler(engine, prefill_chunk=4, prefill_alongside=True)
+    try:
+        long, short = Collector(), Collector()
+        sequence = scheduler.submit(list(range(1, 21)), SamplingParams(max_new_tokens=3), long)
+        assert engine.entered.wait(WAIT_S)  # its first chunk is being written
+        scheduler.submit([5], SamplingParams(max_new_tokens=3), short)
+        scheduler.cancel(sequence)
+        gate.set()
+        assert long.finish == FINISH_CANCELLED and long.tokens() == []
+        assert short.tokens() == alone([5], SamplingParams(max_new_tokens=3))
+        assert [kind for kind, _, _ in engine.calls] == ["extend", "decode", "decode", "decode"]
+        assert scheduler.usage().reserved_positions == 0
+    finally:
+        gate.set()
+        scheduler.close()
+
+
+def test_prompts_are_written_beside_the_running_decode_steps() -> None:
+    """With the prefill thread, a long prompt arriving while a stream runs is written in chunks
+    on that thread, and each stream still gets the tokens it gets alone."""
+    engine = HistoryEngine(max_batch=2, max_seq=128)
+    scheduler = Scheduler(engine, prefill_chunk=4, prefill_alongside=True)
+    try:
+        running, arriving = Collector(), Collector()
+        scheduler.submit([3, 1], SamplingParams(max_new_tokens=40), running)
+        running_params = SamplingParams(max_new_tokens=40)
+        while len(running.events) < 3:
+            assert not running.done.wait(0.001)
+        long_prompt = [(7 * k) % VOCAB for k in range(41)]
+        scheduler.submit(long_prompt, SamplingParams(max_new_tokens=2), arriving)
+        assert arriving.tokens() == alone(long_prompt, SamplingParams(max_new_tokens=2))
+        assert running.tokens() == alone([3, 1], running_params)
+    finally:
+        scheduler.close()
+    chunks = [tokens for kind, _, tokens in engine.calls if kind == "extend"]
+    assert chunks == [1] + [4] * 10  # the running prompt's first token, then 40 in fours
+
+
+@pytest.mark.parametrize("alongside", [False, True], ids=["one_thread", "prefill_alongside"])
+def test_an_engine_failure_ends_only_the_sequences_it_hit(alongside: bool) -> None:
     engine = HistoryEngine(max_batch=2, max_seq=64)
     params = SamplingParams(max_new_tokens=5)
     first_token = alone([9, 9, 9], params)[0]
     engine.fail_on = first_token
-    scheduler = Scheduler(engine)
+    scheduler = Scheduler(engine, prefill_alongside=alongside)
     try:
         failing = Collector()
         scheduler.submit([9, 9, 9], params, failing)
