@@ -309,7 +309,10 @@ class Scheduler:
             self._running.append(head)
 
     def _leave(self, sequence: Sequence) -> None:
-        """Under the lock: the sequence's slot and reservation go back."""
+        """Under the lock: the sequence's slot and reservation go back (once: a prompt whose
+        chunk fails on the prefill thread after the scheduler closed has already left)."""
+        if sequence not in self._running:
+            return
         self._running.remove(sequence)
         self.engine.release(sequence.slot)
         self._free_slots.append(sequence.slot)
