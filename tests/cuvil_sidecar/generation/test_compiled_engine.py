@@ -1,9 +1,10 @@
 """A compiled generation artifact behind the sidecar's loader and scheduler: the loader hands
 out the artifact's compiled engine, and streams that join, leave and prefill in chunks get the
-tokens transformers' ``generate`` gives each prompt alone."""
+tokens transformers' ``generate`` gives each prompt alone, in process and through a sidecar."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,8 @@ import cuvil
 from cuvil.generation.sampling import SamplingParams
 from cuvil.runtime.generation import GenerationModel
 from tests.cuvil.generation.families import VOCAB, build
+from tests.cuvil_sidecar.conftest import Sidecar, ready_sidecar
+from tests.cuvil_sidecar.generation.test_generate_server import EventStream
 from tests.cuvil_sidecar.generation.test_scheduler import Collector
 
 
@@ -68,3 +71,43 @@ def test_the_loader_serves_the_artifacts_compiled_engine(artifact: tuple) -> Non
         finally:
             scheduler.close()
         assert streamed == expected, f"prefill_alongside={alongside}"
+
+
+def test_a_sidecar_serves_the_artifact_with_prompts_written_beside_the_decode_steps(
+    artifact: tuple, tmp_path: Path
+) -> None:
+    """Served end to end at one engine thread (the sidecar has two): prompts go through the
+    prefill thread, and concurrent REST streams get transformers' greedy tokens."""
+    model, path = artifact
+    name = str(loader.artifact_config(path).get("name") or path.stem)
+    sidecar = Sidecar(
+        path,
+        tmp_path / "sidecar.log",
+        CUVIL_GRPC_FRONTEND="grpcio",
+        CUVIL_GENERATION_THREADS="1",
+        CUVIL_PREFILL_CHUNK="5",
+    )
+    requests = [(_prompt(i), 3 + i) for i in range(6)]
+    streamed: list[list[int] | None] = [None] * len(requests)
+
+    def run(index: int) -> None:
+        prompt, tokens = requests[index]
+        body = {"input_ids": prompt, "parameters": {"max_tokens": tokens}}
+        stream = EventStream(sidecar, name, body)
+        try:
+            streamed[index] = [token for event in stream for token in event["output_ids"]]
+        finally:
+            stream.close()
+
+    with ready_sidecar(sidecar):
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(requests))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+    assert "engine threads 1, prefill alongside" in sidecar.log()
+    for (prompt, tokens), got in zip(requests, streamed, strict=True):
+        expected = model.generate(
+            torch.tensor([prompt]), max_new_tokens=tokens, do_sample=False, eos_token_id=None
+        )
+        assert got == expected[0, len(prompt) :].tolist()
