@@ -316,10 +316,7 @@ class GenerationModel(CompiledModel):
         steps = 0
         every = range(1, min(self.max_batch, WARM_ROW_COUNTS) + 1)
         for rows in sorted({*every, *row_buckets(self.max_batch)}):
-            zeros = torch.zeros(rows, dtype=torch.int64)
-            steps += self.prepare(self._step_inputs(zeros[:, None], torch.arange(rows), zeros))
-            self.decode(list(range(rows)), zeros, zeros)  # keeps the row count's direct call
-            steps += 1
+            steps += self._prepare_decode(rows)
         self._pad_lengths = padded_lengths(self.max_seq, prefill_tokens)
         for tokens in self._pad_lengths:
             ids = torch.zeros(1, tokens, dtype=torch.int64)
@@ -335,9 +332,8 @@ class GenerationModel(CompiledModel):
         its engine gets. The cache is zeroed after."""
         if not 1 <= rows <= self.max_batch:
             raise InputError(f"a decode step takes 1..{self.max_batch} rows, not {rows}")
+        self._prepare_decode(rows)
         zeros = torch.zeros(rows, dtype=torch.int64)
-        self.prepare(self._step_inputs(zeros[:, None], torch.arange(rows), zeros))
-        self.decode(list(range(rows)), zeros, zeros)  # keeps the row count's direct call
         times = []
         for _ in range(runs):
             started = time.perf_counter()
@@ -345,6 +341,15 @@ class GenerationModel(CompiledModel):
             times.append(time.perf_counter() - started)
         self.reset_cache()
         return sorted(times)[len(times) // 2]
+
+    def _prepare_decode(self, rows: int) -> int:
+        """Prepare a decode step of ``rows`` rows (slots 0.., position 0) at the calling
+        thread's thread count and run it once, which keeps the row count's direct call;
+        returns the steps run. The cache is left written."""
+        zeros = torch.zeros(rows, dtype=torch.int64)
+        steps = self.prepare(self._step_inputs(zeros[:, None], torch.arange(rows), zeros))
+        self.decode(list(range(rows)), zeros, zeros)
+        return steps + 1
 
     def reset_cache(self) -> None:
         for cache in self.caches:
