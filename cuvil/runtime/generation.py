@@ -8,7 +8,9 @@ owns the KV cache both read and write. Kernel choices made at compile time (``ch
 every decode row bucket and the example prompt's prefill) are carried in the config, the
 prefill's under ``PREFILL_CHOICES``, and taken on load. A decode step whose row count has a
 whole-plan native schedule calls it directly, without the signature check (the row count
-decides its outcome).
+decides its outcome). Past 16 rows a step is padded up to one of a few row counts
+(``decode_row_counts``), each pad row writing a position of a real row's slot that nothing has
+read yet, so that many slots do not mean many shapes.
 
 The cache is static per slot: per layer, a key and a value tensor of
 [max_batch, kv_heads, max_seq, head_dim], allocated once when the model loads. A sequence owns
@@ -28,6 +30,7 @@ number of tokens. Each call checks slots and positions against the cache before 
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -50,7 +53,7 @@ PREFILL_CHOICE_TOKENS = 128
 # past the small powers of two, ``extend`` pads chunks to multiples of this many tokens
 PAD_STEP = 16
 # decode row counts a warm-up prepares one by one (the CPU keeps native schedules for 32
-# shapes a model: room for these at two thread counts); past them, one per row bucket
+# shapes a model); past them, steps are padded to a few counts (``decode_row_counts``)
 WARM_ROW_COUNTS = 16
 
 
@@ -58,6 +61,20 @@ def row_buckets(max_batch: int) -> list[int]:
     """Decode row counts whose kernel choices stand for all: powers of two, then max_batch."""
     buckets = [1 << power for power in range(max_batch.bit_length()) if 1 << power < max_batch]
     return [*buckets, max_batch]
+
+
+def decode_row_counts(max_batch: int) -> list[int]:
+    """The row counts a decode step runs at: every count up to ``WARM_ROW_COUNTS``, then 24,
+    32, 48, 64, 96, … (each 1.5 or 1.33 times the one before) and ``max_batch``. A step with
+    a count between them is padded up to the next, so a model with hundreds of slots runs a
+    few prepared shapes (native schedules) rather than one shape per count, and pays for at
+    most half its rows again in pad rows."""
+    counts = set(range(1, min(max_batch, WARM_ROW_COUNTS) + 1))
+    size = WARM_ROW_COUNTS
+    while size < max_batch:
+        counts |= {size, size * 3 // 2}
+        size *= 2
+    return sorted({count for count in counts if count < max_batch} | {max_batch})
 
 
 def prefill_buckets(max_seq: int, longest: int) -> list[int]:
@@ -162,6 +179,7 @@ class GenerationModel(CompiledModel):
         self.caches = self.layout.allocate(self.device)
         self._vocab_size = int(self.generation_config["vocab_size"])
         self._pad_lengths = padded_lengths(self.max_seq, PREFILL_CHOICE_TOKENS)
+        self._row_counts = decode_row_counts(self.max_batch)
 
     # -- the DecoderEngine contract
 
@@ -232,18 +250,40 @@ class GenerationModel(CompiledModel):
         for start in starts:
             self._check_span(start, 1)
         ids = token_ids.reshape(rows, 1).to(torch.int64)
-        rows_in = torch.tensor(list(slots), dtype=torch.int64)
+        slots = list(slots)
+        pads = self._pad_rows(slots, starts)
+        if pads:
+            ids = torch.cat([ids, ids.new_zeros(len(pads), 1)])
+            slots += [slot for slot, _ in pads]
+            starts += [position for _, position in pads]
+        rows_in = torch.tensor(slots, dtype=torch.int64)
         starts_in = torch.tensor(starts, dtype=torch.int64)
-        key = (rows, torch.get_num_threads())
+        key = (len(slots), torch.get_num_threads())
         direct = self._decode_calls.get(key)
         with torch.inference_mode():
             if direct is not None:  # this row count's whole plan as one native schedule
-                return direct([ids, rows_in, starts_in, *self.caches])[0].float()
-            inputs = self._step_inputs(ids, rows_in, starts_in)
-            symbols = self._binder.bind(inputs)
-            logits = self.runner.run(inputs, symbols)["output"]
-            self._remember_decode(key, symbols)
-        return logits.float()
+                logits = direct([ids, rows_in, starts_in, *self.caches])[0]
+            else:
+                inputs = self._step_inputs(ids, rows_in, starts_in)
+                symbols = self._binder.bind(inputs)
+                logits = self.runner.run(inputs, symbols)["output"]
+                self._remember_decode(key, symbols)
+        return (logits[:rows] if pads else logits).float()
+
+    def _pad_rows(self, slots: list[int], starts: list[int]) -> list[tuple[int, int]]:
+        """The (slot, position) of each pad row that brings a step up to the next of
+        ``decode_row_counts``: the position after a real row's, in that row's slot. A pad row
+        writes its keys and values there, which no token reads before the row's own next
+        step overwrites them (the contract ``extend``'s pad tokens keep), and attends only
+        within that slot, so the real rows' logits and caches are those of the step unpadded.
+        None (an empty list) when the count is one of them, or when too few real rows have a
+        position after theirs (all at ``max_seq - 1``): that step runs its own count."""
+        wanted = self._run_count(len(slots)) - len(slots)
+        if not wanted:
+            return []
+        room = [(slot, start + 1) for slot, start in zip(slots, starts, strict=True)]
+        pads = [(slot, after) for slot, after in room if after < self.max_seq]
+        return pads[:wanted] if len(pads) >= wanted else []
 
     def _remember_decode(self, key: tuple[int, int], symbols: dict[str, int]) -> None:
         """Keep the runner's direct call for this row count once it has one: later steps skip
@@ -306,16 +346,15 @@ class GenerationModel(CompiledModel):
         return entries
 
     def warm_up(self, prefill_tokens: int = PREFILL_CHOICE_TOKENS) -> int:
-        """Prepare a decode step at every row count up to ``WARM_ROW_COUNTS`` and at every row
-        bucket past it (1, 2, …, 16, 32, …, ``max_batch``), and a prefill at every length
+        """Prepare a decode step at every row count a step runs at (``decode_row_counts``:
+        1, 2, …, 16, 24, 32, …, ``max_batch``), and a prefill at every length
         ``extend`` pads to up to ``prefill_tokens`` (``padded_lengths``) to run as it will
         serve (kernel choices made, native schedule built and checked), as a server does before
         it reports ready: a scheduler meets every row count as streams join and leave, and its
         first requests should not pay for building them. Returns the steps run; the cache is
         zeroed after."""
         steps = 0
-        every = range(1, min(self.max_batch, WARM_ROW_COUNTS) + 1)
-        for rows in sorted({*every, *row_buckets(self.max_batch)}):
+        for rows in self._row_counts:
             steps += self._prepare_decode(rows)
         self._pad_lengths = padded_lengths(self.max_seq, prefill_tokens)
         for tokens in self._pad_lengths:
@@ -342,13 +381,18 @@ class GenerationModel(CompiledModel):
         self.reset_cache()
         return sorted(times)[len(times) // 2]
 
+    def _run_count(self, rows: int) -> int:
+        """The row count a decode step of ``rows`` rows runs at (``decode_row_counts``)."""
+        return self._row_counts[bisect.bisect_left(self._row_counts, rows)]
+
     def _prepare_decode(self, rows: int) -> int:
-        """Prepare a decode step of ``rows`` rows (slots 0.., position 0) at the calling
-        thread's thread count and run it once, which keeps the row count's direct call;
-        returns the steps run. The cache is left written."""
-        zeros = torch.zeros(rows, dtype=torch.int64)
-        steps = self.prepare(self._step_inputs(zeros[:, None], torch.arange(rows), zeros))
-        self.decode(list(range(rows)), zeros, zeros)
+        """Prepare a decode step of ``rows`` rows (slots 0.., position 0), at the count it
+        runs at, at the calling thread's thread count, and run it once, which keeps that
+        count's direct call; returns the steps run. The cache is left written."""
+        count = self._run_count(rows)
+        zeros = torch.zeros(count, dtype=torch.int64)
+        steps = self.prepare(self._step_inputs(zeros[:, None], torch.arange(count), zeros))
+        self.decode(list(range(rows)), zeros[:rows], zeros[:rows])
         return steps + 1
 
     def reset_cache(self) -> None:

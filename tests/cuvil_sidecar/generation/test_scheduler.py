@@ -43,6 +43,10 @@ class HistoryEngine:
             self.gate.set()
         self.entered = threading.Event()
         self.fail_on: int | None = None  # a token id whose decode raises
+        self.pause_at: int | None = None  # a decode step (counted from 1) that waits for…
+        self.resume = threading.Event()  # …this, after setting ``paused``
+        self.paused = threading.Event()
+        self.decodes = 0
 
     def _logits(self, slot: int) -> torch.Tensor:
         history = self.history[slot]
@@ -68,6 +72,10 @@ class HistoryEngine:
     ) -> torch.Tensor:
         self.entered.set()
         self.gate.wait(WAIT_S)
+        self.decodes += 1
+        if self.decodes == self.pause_at:
+            self.paused.set()
+            self.resume.wait(WAIT_S)
         if self.fail_on is not None and self.fail_on in token_ids.tolist():
             raise RuntimeError("decode failed")
         rows = []
@@ -299,15 +307,16 @@ def test_prompts_are_written_beside_the_running_decode_steps() -> None:
     """With the prefill thread, a long prompt arriving while a stream runs is written in chunks
     on that thread, and each stream still gets the tokens it gets alone."""
     engine = HistoryEngine(max_batch=2, max_seq=128)
+    engine.pause_at = 4  # the running stream holds at its fourth step until the prompt arrives
     scheduler = Scheduler(engine, prefill_chunk=4, prefill_alongside=True)
     try:
         running, arriving = Collector(), Collector()
         scheduler.submit([3, 1], SamplingParams(max_new_tokens=40), running)
         running_params = SamplingParams(max_new_tokens=40)
-        while len(running.events) < 3:
-            assert not running.done.wait(0.001)
+        assert engine.paused.wait(WAIT_S)
         long_prompt = [(7 * k) % VOCAB for k in range(41)]
         scheduler.submit(long_prompt, SamplingParams(max_new_tokens=2), arriving)
+        engine.resume.set()
         assert arriving.tokens() == alone(long_prompt, SamplingParams(max_new_tokens=2))
         assert running.tokens() == alone([3, 1], running_params)
     finally:
