@@ -19,7 +19,8 @@ once over REST ``generate_stream`` (server-sent events), from threads of this pr
 ``tokens_per_s`` = tokens received / seconds from the first request to the last token;
 ``time_to_first_token_ms`` and ``inter_token_ms`` percentiles are measured by the client.
 ``transformers_static``: the same requests in static batches of ``--static-batch`` (left
-padded, in arrival order), each batch generating its longest request's token count;
+padded, in arrival order), each batch generating its longest request's token count with no
+stop token (as ``ignore_eos``: an eos token is picked like any other, not suppressed);
 ``tokens_per_s`` counts only the tokens requests asked for, over the total time.
 ``matching_streams``: requests whose sidecar tokens equal the static batch's.
 The client shares the machine's cores with the sidecar; ``load_average`` is the host's before
@@ -210,8 +211,8 @@ def static_batches(model_path: Path, requests: list[dict[str, Any]], batch: int)
         new = max(r["parameters"]["max_tokens"] for r in group)
         with torch.inference_mode():
             generated = model.generate(
-                ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                do_sample=False, pad_token_id=0,
+                ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
+                eos_token_id=None, pad_token_id=0,
             )  # fmt: skip
         for row, request in enumerate(group):
             outputs.append(generated[row, longest:][: request["parameters"]["max_tokens"]].tolist())

@@ -55,6 +55,9 @@ PAD_STEP = 16
 # decode row counts a warm-up prepares one by one (the CPU keeps native schedules for 32
 # shapes a model); past them, steps are padded to a few counts (``decode_row_counts``)
 WARM_ROW_COUNTS = 16
+# row counts a decode step runs at, at most: within the native schedules a model keeps, with
+# room for the thread-count probe's
+DECODE_SHAPES = 30
 
 
 def row_buckets(max_batch: int) -> list[int]:
@@ -64,16 +67,19 @@ def row_buckets(max_batch: int) -> list[int]:
 
 
 def decode_row_counts(max_batch: int) -> list[int]:
-    """The row counts a decode step runs at: every count up to ``WARM_ROW_COUNTS``, then 24,
-    32, 48, 64, 96, … (each 1.5 or 1.33 times the one before) and ``max_batch``. A step with
-    a count between them is padded up to the next, so a model with hundreds of slots runs a
-    few prepared shapes (native schedules) rather than one shape per count, and pays for at
-    most half its rows again in pad rows."""
+    """The row counts a decode step runs at: every count up to ``WARM_ROW_COUNTS``, then a few
+    evenly spaced in each doubling past it (20, 24, 28, 32, 40, 48, …: four while that keeps
+    the counts within ``DECODE_SHAPES``, fewer for hundreds of slots) and ``max_batch``. A step
+    with a count between them is padded up to the next, so a model with many slots runs a few
+    prepared shapes (native schedules) rather than one per count; a pad row costs what a
+    real row does (a step's time grows with its rows), so the counts stay close together."""
     counts = set(range(1, min(max_batch, WARM_ROW_COUNTS) + 1))
-    size = WARM_ROW_COUNTS
-    while size < max_batch:
-        counts |= {size, size * 3 // 2}
-        size *= 2
+    doublings = max(0, (max_batch - 1) // WARM_ROW_COUNTS).bit_length()
+    if doublings:
+        per_doubling = max(1, min(4, (DECODE_SHAPES - WARM_ROW_COUNTS) // doublings))
+        for doubling in range(doublings):
+            size = WARM_ROW_COUNTS << doubling
+            counts |= {size + size * k // per_doubling for k in range(1, per_doubling + 1)}
     return sorted({count for count in counts if count < max_batch} | {max_batch})
 
 

@@ -4,11 +4,13 @@ and cache writes of the step unpadded."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
 import cuvil
-from cuvil.runtime.generation import GenerationModel, decode_row_counts
+from cuvil.runtime.generation import DECODE_SHAPES, GenerationModel, decode_row_counts
 from tests.cuvil.generation.families import VOCAB, build
 
 MAX_BATCH, MAX_SEQ = 20, 24
@@ -36,13 +38,17 @@ def _prompt(length: int, seed: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (length,), generator=torch.Generator().manual_seed(seed))
 
 
-def test_row_counts_are_every_count_to_16_then_about_root_two_apart() -> None:
+def test_row_counts_are_every_count_to_16_then_a_few_per_doubling() -> None:
     assert decode_row_counts(1) == [1]
     assert decode_row_counts(16) == list(range(1, 17))
     assert decode_row_counts(20) == [*range(1, 17), 20]
-    assert decode_row_counts(64) == [*range(1, 17), 24, 32, 48, 64]
-    assert decode_row_counts(100) == [*range(1, 17), 24, 32, 48, 64, 96, 100]
-    assert len(decode_row_counts(4096)) <= 32  # the native schedules a model keeps
+    assert decode_row_counts(64) == [*range(1, 17), 20, 24, 28, 32, 40, 48, 56, 64]
+    assert decode_row_counts(100)[-4:] == [64, 80, 96, 100]
+    for max_batch in (256, 512, 4096):
+        counts = decode_row_counts(max_batch)
+        assert len(counts) <= DECODE_SHAPES and counts[-1] == max_batch
+        gaps = [b / a for a, b in itertools.pairwise(counts[15:])]
+        assert max(gaps) <= 2
 
 
 def test_a_padded_step_gives_each_row_its_own_logits_and_writes_only_past_it(
