@@ -2,7 +2,7 @@
 continuous batching against the same requests through transformers' ``generate`` in static
 batches. Prints one JSON document.
 
-    .venv/bin/python benchmarks/generate_streams.py --model tiny --streams 16
+    .venv/bin/python -m benchmarks.generate_streams --model tiny --streams 16
 
 The model is a Llama from a config with random weights (``--model tiny``: hidden 256, 2
 layers, the catalog's tiny Llama; ``llama100m``: hidden 768, 12 layers, ~100M parameters),
@@ -15,7 +15,8 @@ fp32 static batch's after some steps, so ``matching_streams`` counts fewer).
 Every request is greedy with ``ignore_eos`` (so each generates exactly its ``max_tokens``),
 prompts of ``--prompt-min``..``--prompt-max`` tokens and ``--tokens-min``..``--tokens-max`` new
 tokens, spread evenly. ``sidecar``: all streams sent at
-once over REST ``generate_stream`` (server-sent events), from threads of this process;
+once over REST ``generate_stream`` (server-sent events) and read by one thread of this process
+(``sse_streams.py``: a selector over the sockets; ``client_cpu_s`` is what it spent);
 ``tokens_per_s`` = tokens received / seconds from the first request to the last token;
 ``time_to_first_token_ms`` and ``inter_token_ms`` percentiles are measured by the client.
 ``transformers_static``: the same requests in static batches of ``--static-batch`` (left
@@ -40,7 +41,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -48,6 +48,8 @@ from typing import Any
 os.environ.setdefault("GOMP_SPINCOUNT", "3000")  # before torch loads libgomp: as the sidecar
 
 import torch
+
+from benchmarks.sse_streams import read_streams
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS: dict[str, dict[str, Any]] = {
@@ -139,25 +141,6 @@ def start_sidecar(model: Path, streams: int, threads: int, log: Path) -> tuple[A
     raise RuntimeError("the sidecar was not ready within 300 s")
 
 
-def stream(port: int, model: str, body: dict[str, Any]) -> tuple[list[int], list[float]]:
-    """One request's tokens and the perf_counter time each arrived."""
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-    connection.request("POST", f"/v2/models/{model}/generate_stream", json.dumps(body))
-    response = connection.getresponse()
-    if response.status != 200:
-        raise RuntimeError(response.read().decode())
-    tokens, times = [], []
-    for line in response:
-        if line.startswith(b"data: "):
-            event = json.loads(line[6:])
-            if "error" in event:
-                raise RuntimeError(event["error"])
-            tokens += event["output_ids"]
-            times.append(time.perf_counter())
-    connection.close()
-    return tokens, times
-
-
 def percentiles(values: list[float]) -> dict[str, float]:
     ordered = torch.tensor(sorted(values), dtype=torch.float64)
     if not len(ordered):
@@ -166,18 +149,12 @@ def percentiles(values: list[float]) -> dict[str, float]:
 
 
 def through_sidecar(port: int, model: str, requests: list[dict[str, Any]]) -> dict[str, Any]:
-    stream(port, model, {"input_ids": [5, 6, 7], "parameters": {"max_tokens": 4}})  # warm up
-    results: list[Any] = [None] * len(requests)
-
-    def run(i: int) -> None:
-        results[i] = stream(port, model, requests[i])
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(requests))]
+    path = f"/v2/models/{model}/generate_stream"
+    read_streams(port, path, [{"input_ids": [5, 6, 7], "parameters": {"max_tokens": 4}}])
+    cpu_before = time.process_time()
     started = time.perf_counter()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    results = read_streams(port, path, requests)
+    client_cpu = time.process_time() - cpu_before
     seconds = max(times[-1] for _, times in results) - started
     first = [times[0] - started for _, times in results]
     gaps = [b - a for _, times in results for a, b in itertools.pairwise(times)]
@@ -188,6 +165,7 @@ def through_sidecar(port: int, model: str, requests: list[dict[str, Any]]) -> di
         "tokens_per_s": round(total / seconds, 1),
         "time_to_first_token_ms": percentiles(first),
         "inter_token_ms": percentiles(gaps),
+        "client_cpu_s": round(client_cpu, 3),
         "outputs": [tokens for tokens, _ in results],
     }
 

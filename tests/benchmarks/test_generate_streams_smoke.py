@@ -1,0 +1,22 @@
+"""The concurrent-streams benchmark end to end on the tiny Llama: compiled for generation, served
+by a sidecar subprocess, four streams read by the one-thread SSE client, the same requests
+through transformers' static batch, one JSON document."""
+
+from __future__ import annotations
+
+from tests.benchmarks.scripts import run_report
+
+
+def test_four_compiled_streams_match_the_static_batch() -> None:
+    report = run_report(
+        "benchmarks.generate_streams",
+        *("--model", "tiny", "--engine", "compiled", "--streams", "4", "--static-batch", "2"),
+        *("--prompt-min", "4", "--prompt-max", "20", "--tokens-min", "3", "--tokens-max", "9"),
+        *("--threads", "1"),
+    )
+    sidecar, static = report["sidecar"], report["transformers_static"]
+    assert sidecar["tokens"] == static["tokens"] == 9 + 7 + 5 + 3  # tokens-max down to -min
+    assert report["matching_streams"] == 4  # greedy: every stream's tokens as transformers'
+    assert sidecar["tokens_per_s"] > 0 and static["tokens_per_s"] > 0
+    assert sidecar["inter_token_ms"]["p50"] > 0 and sidecar["client_cpu_s"] >= 0
+    assert report["sidecar_engine_threads"].startswith("1 thread")
