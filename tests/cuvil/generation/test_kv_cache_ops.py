@@ -100,10 +100,10 @@ def test_native_decode_attention_over_long_prefixes_splits_across_threads() -> N
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("dim", [4, 20, 64])
+@pytest.mark.parametrize("dim", [4, 20, 40, 64, 96, 128])
 def test_native_decode_attention_takes_any_head_dim(dim: int) -> None:
     """Eight lanes at a time, the rest one by one: head dims below, across and at a multiple of
-    eight."""
+    eight, and value columns summed 64, 32 and 8 at a time."""
     assert plan_loop.load(), plan_loop.reason()
     generator = torch.Generator().manual_seed(2)
     keys = torch.randn(4, 2, 40, dim, generator=generator)
@@ -113,6 +113,22 @@ def test_native_decode_attention_takes_any_head_dim(dim: int) -> None:
     attend = torch.ops.cuvil_native.cached_attention.default
     got = attend(query, keys, values, torch.tensor(slots), torch.tensor(starts), None)
     expected = _reference_attention(query, keys, values, slots, starts, dim**-0.5)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("sharpness", [30.0, 1e3])
+def test_native_decode_attention_of_peaked_scores(sharpness: float) -> None:
+    """Scores far apart: most weights' exponents fall below fp32's range (the vector exp's
+    clamp), and the softmax still matches ATen's; lengths past a value tile (128 rows)."""
+    assert plan_loop.load(), plan_loop.reason()
+    generator = torch.Generator().manual_seed(3)
+    keys = torch.randn(2, 1, 300, 32, generator=generator)
+    values = torch.randn(2, 1, 300, 32, generator=generator)
+    query = sharpness * torch.randn(2, 3, 1, 32, generator=generator)
+    slots, starts = [1, 0], [299, 140]
+    attend = torch.ops.cuvil_native.cached_attention.default
+    got = attend(query, keys, values, torch.tensor(slots), torch.tensor(starts), None)
+    expected = _reference_attention(query, keys, values, slots, starts, 32**-0.5)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 

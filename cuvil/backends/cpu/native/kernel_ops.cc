@@ -220,38 +220,158 @@ __attribute__((always_inline)) inline void store_lanes(float *to, Lanes lanes) {
 #define CUVIL_CLONES
 #endif
 
-// one query row's attention over ``length`` cached positions: scores (scaled q . k), softmax,
-// the weighted sum of values into ``out``, eight lanes at a time. Built twice (AVX2 with FMA,
-// and the baseline), the loader picking the one this CPU runs, so one build serves every x86 CPU.
-CUVIL_CLONES void attend_row(const float *q, const float *keys, int64_t key_stride,
-                             const float *values, int64_t value_stride, int64_t length,
-                             int64_t dim, float factor, float *scores, float *out) {
-  const int64_t whole = dim - dim % 8;
-  float top = -INFINITY;
-  for (int64_t t = 0; t < length; t++) {
-    const float *key = keys + t * key_stride;
-    Lanes sum = {};
-    for (int64_t d = 0; d < whole; d += 8) sum += load_lanes(q + d) * load_lanes(key + d);
-    float dot = ((sum[0] + sum[4]) + (sum[1] + sum[5])) + ((sum[2] + sum[6]) + (sum[3] + sum[7]));
-    for (int64_t d = whole; d < dim; d++) dot += q[d] * key[d];
-    scores[t] = dot * factor;
-    top = std::max(top, scores[t]);
+typedef int32_t IntLanes __attribute__((vector_size(32)));
+
+// exp of eight lanes at or below zero (scores less their maximum): Cephes' expf, 2^n times a
+// degree-6 polynomial on [-ln2/2, ln2/2], within 2 ulp of std::exp; below -87.3 it gives
+// 2^-126 times a fraction, where std::exp underflows to about the same nothing
+__attribute__((always_inline)) inline Lanes exp_lanes(Lanes x) {
+  const Lanes lowest = Lanes{} - 87.3f;
+  x = x < lowest ? lowest : x;
+  const Lanes scaled = x * 1.44269504088896341f + 0.5f;
+  Lanes whole = __builtin_convertvector(__builtin_convertvector(scaled, IntLanes), Lanes);
+  whole = whole > scaled ? whole - 1.0f : whole;  // floor: conversion truncates toward zero
+  x = x - whole * 0.693359375f + whole * 2.12194440e-4f;
+  Lanes poly = 1.9875691500e-4f * x + 1.3981999507e-3f;
+  poly = poly * x + 8.3334519073e-3f;
+  poly = poly * x + 4.1665795894e-2f;
+  poly = poly * x + 1.6666665459e-1f;
+  poly = poly * x + 5.0000001201e-1f;
+  const Lanes fraction = poly * (x * x) + x + 1.0f;
+  const IntLanes exponent = (__builtin_convertvector(whole, IntLanes) + 127) << 23;
+  Lanes power;
+  std::memcpy(&power, &exponent, sizeof power);
+  return fraction * power;
+}
+
+// value rows weighed per pass over a KV head's values (a tile of 128 rows of 64 floats: 32 KB)
+constexpr int64_t VALUE_TILE = 128;
+
+// the sums of eight lanes' vectors, as one vector: lane j holds the sum of ``lanes[j]``'s lanes
+__attribute__((always_inline)) inline Lanes sum_each(const Lanes lanes[8]) {
+  const IntLanes low_pairs = {0, 1, 8, 9, 4, 5, 12, 13}, high_pairs = {2, 3, 10, 11, 6, 7, 14, 15};
+  const IntLanes evens = {0, 8, 2, 10, 4, 12, 6, 14}, odds = {1, 9, 3, 11, 5, 13, 7, 15};
+  const IntLanes lows = {0, 1, 2, 3, 8, 9, 10, 11}, highs = {4, 5, 6, 7, 12, 13, 14, 15};
+  Lanes pairs[4], quads[2];
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; i++)
+    pairs[i] = __builtin_shuffle(lanes[2 * i], lanes[2 * i + 1], low_pairs) +
+               __builtin_shuffle(lanes[2 * i], lanes[2 * i + 1], high_pairs);
+#pragma GCC unroll 2
+  for (int i = 0; i < 2; i++)
+    quads[i] = __builtin_shuffle(pairs[2 * i], pairs[2 * i + 1], evens) +
+               __builtin_shuffle(pairs[2 * i], pairs[2 * i + 1], odds);
+  const Lanes sums = __builtin_shuffle(quads[0], quads[1], lows) +
+                     __builtin_shuffle(quads[0], quads[1], highs);  // lanes 0 2 1 3 4 6 5 7
+  return __builtin_shuffle(sums, IntLanes{0, 2, 1, 3, 4, 6, 5, 7});
+}
+
+// ``scores[t] = factor * (query . keys[t])`` for eight keys from ``keys`` (``dim`` a multiple
+// of eight): eight dot products summed across lanes together, not one by one
+__attribute__((always_inline)) inline Lanes eight_scores(const float *query, const float *keys,
+                                                         int64_t key_stride, int64_t dim,
+                                                         float factor) {
+  Lanes sums[8] = {};
+  for (int64_t d = 0; d < dim; d += 8) {
+    const Lanes q = load_lanes(query + d);
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++) sums[j] += q * load_lanes(keys + j * key_stride + d);
   }
-  float total = 0.f;
-  for (int64_t t = 0; t < length; t++) total += (scores[t] = std::exp(scores[t] - top));
-  std::fill(out, out + dim, 0.f);
+  return sum_each(sums) * factor;
+}
+
+// ``out += sum over t of weights[t] * values[t]`` for ``Blocks`` * 8 columns from ``column``,
+// the columns held in registers across the ``length`` rows
+template <int Blocks>
+__attribute__((always_inline)) inline void weigh_columns(const float *weights, float scale,
+                                                         const float *values, int64_t stride,
+                                                         int64_t length, int64_t column,
+                                                         float *out) {
+  Lanes sums[Blocks] = {};
   for (int64_t t = 0; t < length; t++) {
-    const float *value = values + t * value_stride, weight = scores[t] / total;
-    const Lanes weights = Lanes{} + weight;
-    for (int64_t d = 0; d < whole; d += 8)
-      store_lanes(out + d, load_lanes(out + d) + weights * load_lanes(value + d));
-    for (int64_t d = whole; d < dim; d++) out[d] += weight * value[d];
+    const Lanes weight = Lanes{} + weights[t] * scale;
+    const float *row = values + t * stride + column;
+#pragma GCC unroll 8
+    for (int b = 0; b < Blocks; b++) sums[b] += weight * load_lanes(row + 8 * b);
+  }
+#pragma GCC unroll 8
+  for (int b = 0; b < Blocks; b++)
+    store_lanes(out + column + 8 * b, load_lanes(out + column + 8 * b) + sums[b]);
+}
+
+// the attention of ``group`` query heads that share one KV head (GQA; 1 without it) over
+// ``length`` cached positions: scores (scaled q . k), softmax, the weighted sum of values into
+// ``out`` (``group`` rows of ``dim``), eight lanes at a time. The scores are computed key row
+// by key row for the whole group, so each key is read from memory once however many query
+// heads share it (at long lengths a head's keys outgrow the L2 cache); each query head's
+// output columns then sum in registers over the value rows. Built twice (AVX2 with FMA, and
+// the baseline), the loader picking the one this CPU runs, so one build serves every x86 CPU.
+// ``scores`` holds ``group * length`` floats.
+CUVIL_CLONES void attend_group(const float *q, int64_t group, const float *keys,
+                               int64_t key_stride, const float *values, int64_t value_stride,
+                               int64_t length, int64_t dim, float factor, float *scores,
+                               float *out) {
+  const int64_t whole = dim - dim % 8, blocks = length - length % 8;
+  const int64_t by_eight = dim % 8 == 0 ? blocks : 0;  // keys scored eight at a time
+  std::vector<float> tops(group, -INFINITY);
+  for (int64_t t = 0; t < by_eight; t += 8)
+    for (int64_t g = 0; g < group; g++) {
+      const Lanes eight = eight_scores(q + g * dim, keys + t * key_stride, key_stride, dim, factor);
+      store_lanes(scores + g * length + t, eight);
+      for (int j = 0; j < 8; j++) tops[g] = std::max(tops[g], eight[j]);
+    }
+  for (int64_t t = by_eight; t < length; t++) {
+    const float *key = keys + t * key_stride;
+    for (int64_t g = 0; g < group; g++) {
+      const float *query = q + g * dim;
+      Lanes sum = {};
+      for (int64_t d = 0; d < whole; d += 8) sum += load_lanes(query + d) * load_lanes(key + d);
+      float dot =
+          ((sum[0] + sum[4]) + (sum[1] + sum[5])) + ((sum[2] + sum[6]) + (sum[3] + sum[7]));
+      for (int64_t d = whole; d < dim; d++) dot += query[d] * key[d];
+      scores[g * length + t] = dot * factor;
+      tops[g] = std::max(tops[g], dot * factor);
+    }
+  }
+  for (int64_t g = 0; g < group; g++) {
+    float *row = scores + g * length;
+    const Lanes top = Lanes{} + tops[g];
+    Lanes sum = {};
+    for (int64_t t = 0; t < blocks; t += 8) {
+      const Lanes weights = exp_lanes(load_lanes(row + t) - top);
+      store_lanes(row + t, weights);
+      sum += weights;
+    }
+    float total = ((sum[0] + sum[4]) + (sum[1] + sum[5])) + ((sum[2] + sum[6]) + (sum[3] + sum[7]));
+    for (int64_t t = blocks; t < length; t++) total += (row[t] = std::exp(row[t] - tops[g]));
+    tops[g] = 1.f / total;  // now each head's normaliser
+  }
+  // the value rows a tile at a time, each tile read from memory once and from the L1/L2 cache
+  // by the group's other query heads
+  std::fill(out, out + group * dim, 0.f);
+  for (int64_t start = 0; start < length; start += VALUE_TILE) {
+    const int64_t rows = std::min(VALUE_TILE, length - start);
+    const float *tile = values + start * value_stride;
+    for (int64_t g = 0; g < group; g++) {
+      const float *weights = scores + g * length + start, scale = tops[g];
+      float *into = out + g * dim;
+      int64_t column = 0;
+      for (; column + 64 <= whole; column += 64)
+        weigh_columns<8>(weights, scale, tile, value_stride, rows, column, into);
+      for (; column + 32 <= whole; column += 32)
+        weigh_columns<4>(weights, scale, tile, value_stride, rows, column, into);
+      for (; column < whole; column += 8)
+        weigh_columns<1>(weights, scale, tile, value_stride, rows, column, into);
+      for (; column < dim; column++)
+        for (int64_t t = 0; t < rows; t++) into[column] += weights[t] * scale * tile[t * value_stride + column];
+    }
   }
 }
 
-// one query token per row (a decode step), fp32: for each (row, head), softmax(q . K) . V over
-// the slot's prefix 0..position, read in place from the cache; rows in any slot order, no mask,
-// no gather, each row's work its own length. Accumulates in fp32 as ATen's attention does.
+// one query token per row (a decode step), fp32: for each (row, KV head), softmax(q . K) . V of
+// the query heads sharing it, over the slot's prefix 0..position, read in place from the cache;
+// rows in any slot order, no mask, no gather, each row's work its own length. Accumulates in
+// fp32 as ATen's attention does.
 at::Tensor decode_attention(const at::Tensor &query_in, const at::Tensor &key_cache,
                             const at::Tensor &value_cache, const int64_t *rows,
                             const int64_t *starts, double scale) {
@@ -266,18 +386,19 @@ at::Tensor decode_attention(const at::Tensor &query_in, const at::Tensor &key_ca
   const int64_t vs0 = value_cache.stride(0), vs1 = value_cache.stride(1),
                 vs2 = value_cache.stride(2);
   const float factor = static_cast<float>(scale);
-  // (row, head) items per thread: a step whose attention is a few microseconds of work runs
+  // (row, KV head) items per thread: a step whose attention is a few microseconds of work runs
   // on the calling thread, without a parallel region to wait for
   int64_t longest = 1;
   for (int64_t r = 0; r < count; r++) longest = std::max(longest, starts[r] + 1);
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (longest * dim));
-  at::parallel_for(0, count * heads, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(longest);
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (longest * dim * group));
+  at::parallel_for(0, count * kv_heads, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(group * longest);
     for (int64_t item = begin; item < end; item++) {
-      const int64_t r = item / heads, h = item % heads, kvh = h / group;
-      attend_row(q + item * dim, k + rows[r] * ks0 + kvh * ks1, ks2,
-                 v + rows[r] * vs0 + kvh * vs1, vs2, starts[r] + 1, dim, factor, scores.data(),
-                 o + item * dim);
+      const int64_t r = item / kv_heads, kvh = item % kv_heads;
+      const int64_t first = (r * heads + kvh * group) * dim;  // the group's query heads
+      attend_group(q + first, group, k + rows[r] * ks0 + kvh * ks1, ks2,
+                   v + rows[r] * vs0 + kvh * vs1, vs2, starts[r] + 1, dim, factor,
+                   scores.data(), o + first);
     }
   });
   return out;
