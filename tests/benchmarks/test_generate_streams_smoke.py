@@ -18,5 +18,6 @@ def test_four_compiled_streams_match_the_static_batch() -> None:
     assert sidecar["tokens"] == static["tokens"] == 9 + 7 + 5 + 3  # tokens-max down to -min
     assert report["matching_streams"] == 4  # greedy: every stream's tokens as transformers'
     assert sidecar["tokens_per_s"] > 0 and static["tokens_per_s"] > 0
-    assert sidecar["inter_token_ms"]["p50"] > 0 and sidecar["client_cpu_s"] >= 0
+    # events read in one receive share its time: gaps may be 0, not all of them
+    assert sidecar["inter_token_ms"]["p99"] > 0 and sidecar["client_cpu_s"] >= 0
     assert report["sidecar_engine_threads"].startswith("1 thread")
