@@ -6,7 +6,10 @@ Python binding code, so it builds in seconds of compiler time), compiled once pe
 and source into the native cache (runtime/native_build.py) and loaded with
 ``torch.ops.load_library``. It is built without ``-march``: its one vector kernel (decode
 attention) is cloned per level (``target_clones``: x86-64-v3 and the baseline, one picked when
-the library loads), so one build serves every x86 CPU. Where no C++ compiler exists, the build
+the library loads), so one build serves every x86 CPU. It is built with ``-fopenmp``: ATen's
+``at::parallel_for`` is a header template whose OpenMP region compiles to a serial loop
+without it; the library binds to the ``libgomp.so.1`` torch has already loaded, so
+``torch.set_num_threads`` sizes its regions as it does torch's. Where no C++ compiler exists, the build
 fails, or ``CUVIL_NATIVE_PLAN=off``, ``load()`` returns None and ``reason()`` says why; models
 then run the Python plan.
 
@@ -62,7 +65,7 @@ def link_flags() -> list[str]:
 
 def build() -> Path:
     """The library in the native cache, compiled there unless already present."""
-    return build_against_torch("plan_loop", SOURCES)
+    return build_against_torch("plan_loop", SOURCES, ("-fopenmp",))
 
 
 def build_against_torch(
