@@ -33,6 +33,7 @@ import torch
 if __package__ in (None, ""):  # run as a file: make the `benchmarks` package importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.host import cpu_name
 from benchmarks.peers import FP32_PEERS, PEERS, Case, Prepared, first_tensor, scratch_dir
 from cuvil.models import catalog
 from cuvil.models.catalog import ModelSpec
@@ -260,7 +261,7 @@ def environment(options: argparse.Namespace) -> dict[str, Any]:
     return {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": platform.machine(),
-        "cpu": _cpu_name(),
+        "cpu": cpu_name(),
         "cpu_count": os.cpu_count(),
         "load_average": [round(x, 2) for x in os.getloadavg()],
         "threads": options.threads,
@@ -270,16 +271,6 @@ def environment(options: argparse.Namespace) -> dict[str, Any]:
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "versions": versions,
     }
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

@@ -49,6 +49,7 @@ os.environ.setdefault("GOMP_SPINCOUNT", "3000")  # before torch loads libgomp: a
 
 import torch
 
+from benchmarks.host import cpu_name
 from benchmarks.sse_streams import read_streams
 
 REPO = Path(__file__).resolve().parents[1]
@@ -244,7 +245,7 @@ def main() -> None:
         "engine": "EagerDecoderEngine" if args.engine == "eager" else "compiled (cuvil.jit)",
         "precision": "fp32" if args.engine == "eager" else args.precision,
         "gomp_spincount": os.environ["GOMP_SPINCOUNT"],
-        "cpu": _cpu(),
+        "cpu": f"{cpu_name()} x{os.cpu_count()}",
         "load_average": {"before": load_before, "after": os.getloadavg()},
         "sidecar_engine_threads": engine_threads,
         "sidecar": sidecar,
@@ -266,16 +267,6 @@ def _engine_threads(log: Path) -> str:
         if marker in line:
             return line.split(marker, 1)[1]
     return ""
-
-
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip() + f" x{os.cpu_count()}"
-    except OSError:
-        pass
-    return f"unknown x{os.cpu_count()}"
 
 
 if __name__ == "__main__":

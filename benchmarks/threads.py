@@ -33,6 +33,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import cuvil
+from benchmarks.host import cpu_name
 from cuvil.models import catalog
 
 # model -> inputs at the benchmark shape
@@ -139,24 +140,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     results = {
-        "cpu": _cpu(),
+        "cpu": cpu_name(),
         "load_average_before": os.getloadavg(),
         "models": {name: run_model(name, args.calls, args.rounds) for name in args.models},
         "call_overhead": call_overhead(args.calls * 50, args.rounds * 3),
         "load_average_after": os.getloadavg(),
     }
     print(json.dumps(results, indent=2))
-
-
-def _cpu() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "unknown"
-    return next(
-        (line.split(":", 1)[1].strip() for line in text.splitlines() if "model name" in line),
-        "unknown",
-    )
 
 
 if __name__ == "__main__":
