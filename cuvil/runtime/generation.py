@@ -282,8 +282,8 @@ class GenerationModel(CompiledModel):
         writes its keys and values there, which no token reads before the row's own next
         step overwrites them (the contract ``extend``'s pad tokens keep), and attends only
         within that slot, so the real rows' logits and caches are those of the step unpadded.
-        None (an empty list) when the count is one of them, or when too few real rows have a
-        position after theirs (all at ``max_seq - 1``): that step runs its own count."""
+        No pad rows when the count is one of them, or when too few real rows have a position
+        after theirs (all at ``max_seq - 1``): that step runs its own count."""
         wanted = self._run_count(len(slots)) - len(slots)
         if not wanted:
             return []
@@ -353,7 +353,7 @@ class GenerationModel(CompiledModel):
 
     def warm_up(self, prefill_tokens: int = PREFILL_CHOICE_TOKENS) -> int:
         """Prepare a decode step at every row count a step runs at (``decode_row_counts``:
-        1, 2, …, 16, 24, 32, …, ``max_batch``), and a prefill at every length
+        1, 2, …, 16, 20, 24, …, ``max_batch``), and a prefill at every length
         ``extend`` pads to up to ``prefill_tokens`` (``padded_lengths``) to run as it will
         serve (kernel choices made, native schedule built and checked), as a server does before
         it reports ready: a scheduler meets every row count as streams join and leave, and its
