@@ -9,9 +9,9 @@ attention) is cloned per level (``target_clones``: x86-64-v3 and the baseline, o
 the library loads), so one build serves every x86 CPU. It is built with ``-fopenmp``: ATen's
 ``at::parallel_for`` is a header template whose OpenMP region compiles to a serial loop
 without it; the library binds to the ``libgomp.so.1`` torch has already loaded, so
-``torch.set_num_threads`` sizes its regions as it does torch's. Where no C++ compiler exists, the build
-fails, or ``CUVIL_NATIVE_PLAN=off``, ``load()`` returns None and ``reason()`` says why; models
-then run the Python plan.
+``torch.set_num_threads`` sizes its regions as it does torch's. Where no C++ compiler exists,
+the build fails, or ``CUVIL_NATIVE_PLAN=off``, ``load()`` returns None and ``reason()`` says
+why; models then run the Python plan.
 
 The kept oneDNN primitives are executed through libdnnl's C functions, whose addresses are
 handed to the library once (libdnnl is loaded by ctypes, local to it); each primitive step
