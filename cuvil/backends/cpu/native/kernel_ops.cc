@@ -244,6 +244,12 @@ __attribute__((always_inline)) inline Lanes exp_lanes(Lanes x) {
   return fraction * power;
 }
 
+// the sum of eight lanes, pairwise
+__attribute__((always_inline)) inline float lane_sum(Lanes lanes) {
+  return ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) +
+         ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+}
+
 // value rows weighed per pass over a KV head's values (a tile of 128 rows of 64 floats: 32 KB)
 constexpr int64_t VALUE_TILE = 128;
 
@@ -313,7 +319,7 @@ CUVIL_CLONES void attend_group(const float *q, int64_t group, const float *keys,
                                float *out) {
   const int64_t whole = dim - dim % 8, blocks = length - length % 8;
   const int64_t by_eight = dim % 8 == 0 ? blocks : 0;  // keys scored eight at a time
-  std::vector<float> tops(group, -INFINITY);
+  std::vector<float> tops(group, -INFINITY), scales(group);  // each head's max, 1 / its sum
   for (int64_t t = 0; t < by_eight; t += 8)
     for (int64_t g = 0; g < group; g++) {
       const Lanes eight = eight_scores(q + g * dim, keys + t * key_stride, key_stride, dim, factor);
@@ -326,8 +332,7 @@ CUVIL_CLONES void attend_group(const float *q, int64_t group, const float *keys,
       const float *query = q + g * dim;
       Lanes sum = {};
       for (int64_t d = 0; d < whole; d += 8) sum += load_lanes(query + d) * load_lanes(key + d);
-      float dot =
-          ((sum[0] + sum[4]) + (sum[1] + sum[5])) + ((sum[2] + sum[6]) + (sum[3] + sum[7]));
+      float dot = lane_sum(sum);
       for (int64_t d = whole; d < dim; d++) dot += query[d] * key[d];
       scores[g * length + t] = dot * factor;
       tops[g] = std::max(tops[g], dot * factor);
@@ -342,9 +347,9 @@ CUVIL_CLONES void attend_group(const float *q, int64_t group, const float *keys,
       store_lanes(row + t, weights);
       sum += weights;
     }
-    float total = ((sum[0] + sum[4]) + (sum[1] + sum[5])) + ((sum[2] + sum[6]) + (sum[3] + sum[7]));
+    float total = lane_sum(sum);
     for (int64_t t = blocks; t < length; t++) total += (row[t] = std::exp(row[t] - tops[g]));
-    tops[g] = 1.f / total;  // now each head's normaliser
+    scales[g] = 1.f / total;
   }
   // the value rows a tile at a time, each tile read from memory once and from the L1/L2 cache
   // by the group's other query heads
@@ -353,7 +358,7 @@ CUVIL_CLONES void attend_group(const float *q, int64_t group, const float *keys,
     const int64_t rows = std::min(VALUE_TILE, length - start);
     const float *tile = values + start * value_stride;
     for (int64_t g = 0; g < group; g++) {
-      const float *weights = scores + g * length + start, scale = tops[g];
+      const float *weights = scores + g * length + start, scale = scales[g];
       float *into = out + g * dim;
       int64_t column = 0;
       for (; column + 64 <= whole; column += 64)
@@ -363,7 +368,8 @@ CUVIL_CLONES void attend_group(const float *q, int64_t group, const float *keys,
       for (; column < whole; column += 8)
         weigh_columns<1>(weights, scale, tile, value_stride, rows, column, into);
       for (; column < dim; column++)
-        for (int64_t t = 0; t < rows; t++) into[column] += weights[t] * scale * tile[t * value_stride + column];
+        for (int64_t t = 0; t < rows; t++)
+          into[column] += weights[t] * scale * tile[t * value_stride + column];
     }
   }
 }
