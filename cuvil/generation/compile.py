@@ -4,7 +4,9 @@
 
 Both steps are the model's own forward wrapped in ``DecoderStep`` (step.py) and exported with
 torch.export: decode with a symbolic batch (the slots stepping together, one token each),
-prefill with one row and a symbolic number of tokens (a prompt or a chunk of one). Positions are
+prefill with one row and a symbolic number of tokens, each with its own slot and position (a
+prompt, a chunk of one, or chunks of several prompts packed together; the config says
+``prefill_positions: per_token``). Positions are
 inputs, so one graph serves every offset (RoPE angles and learned position embeddings are
 computed from them in the graph). Each graph goes through the same passes as any forward
 (``pipeline.lower``: RMSNorm, SwiGLU, RoPE, sibling linears, epilogues) and the op allowlist;
@@ -44,7 +46,7 @@ from cuvil.ir import Graph
 from cuvil.ir_verify import verify_graph
 from cuvil.passes.program import Program
 from cuvil.pipeline import CompileOptions, VerificationError, _Run, check_options, lower
-from cuvil.runtime.generation import STEP_INPUTS, GenerationModel, KVCacheLayout
+from cuvil.runtime.generation import PER_ROW, PER_TOKEN, STEP_INPUTS, GenerationModel, KVCacheLayout
 
 VERIFY_DECODE_STEPS = 4
 
@@ -72,11 +74,11 @@ def compile_generation(
     model = model.eval()
     run = _Run(options)
     layout = probe_layout(model, max_batch, max_seq)
-    step = DecoderStep(model)
     name = options.name or type(model).__name__
     with run.stage("export"):
-        decode_ep = _export(step, layout, rows=max_batch, tokens=1)
-        prefill_ep = _export(step, layout, rows=1, tokens=max_seq)
+        decode_ep = _export(DecoderStep(model), layout, rows=max_batch, tokens=1)
+        prefill_step = DecoderStep(model, per_token=True)
+        prefill_ep = _export(prefill_step, layout, rows=1, tokens=max_seq)
     with run.stage("passes"):
         decode, decode_passes = _lowered(decode_ep, f"{name}.decode", run)
         prefill, prefill_passes = _lowered(prefill_ep, f"{name}.prefill", run)
@@ -90,6 +92,7 @@ def compile_generation(
         "eos_token_id": eos,
         "pad_token_id": _token_ids(model, "pad_token_id"),
         "kv_bytes_per_token": layout.bytes_per_token,
+        "prefill_positions": PER_TOKEN if prefill_step.per_token else PER_ROW,
     }
     artifact_config: dict[str, Any] = {
         "name": name,
@@ -168,7 +171,8 @@ def _check_positions(config: Any, max_seq: int) -> None:
 
 
 def _export(step: DecoderStep, layout: KVCacheLayout, rows: int, tokens: int) -> ExportedModel:
-    """One step exported: ``rows`` > 1 makes the batch symbolic, ``tokens`` > 1 the length."""
+    """One step exported: ``rows`` > 1 makes the batch symbolic, ``tokens`` > 1 the length
+    (a ``per_token`` step: slots and positions one per token, of that length)."""
     caches = tuple(layout.allocate())
     example_rows = min(rows, 2)
     example_tokens = min(tokens, 4)
@@ -179,6 +183,10 @@ def _export(step: DecoderStep, layout: KVCacheLayout, rows: int, tokens: int) ->
     seq = torch.export.Dim("seq", min=1, max=tokens) if tokens > 1 else None
     ids_dims = {index: dim for index, dim in ((0, batch), (1, seq)) if dim is not None}
     row_dims = {0: batch} if batch is not None else None
+    if step.per_token:  # the example's tokens: slot 0, positions 0, 1, ...
+        slots = torch.zeros(example_tokens, dtype=torch.int64)
+        positions = torch.arange(example_tokens, dtype=torch.int64)
+        row_dims = {0: seq} if seq is not None else None
     shapes = (ids_dims or None, row_dims, row_dims, (None,) * len(caches))
     return export_model(step, (ids, slots, positions, *caches), shapes)
 

@@ -10,8 +10,9 @@ new columns as the longest row ran (all rows stop at once when every one has end
 
 Each row's real tokens go into a slot of their own at positions 0, 1, …, the positions
 transformers derives from a left-padded mask, so a padded batch gives every row the tokens it
-gets alone. A prompt's tokens but its last are written with the engine's ``extend``; the last
-tokens of all rows go in with one decode step, whose logits pick each row's first token. A
+gets alone. A prompt's tokens but its last are written with the engine's ``extend`` (all rows'
+in one ``extend_many`` where the engine has it: packed into few calls); the last tokens of all
+rows go in with one decode step, whose logits pick each row's first token. A
 ``streamer`` (transformers' protocol: ``put``, ``end``) gets the prompt, then each step's new
 tokens, one per running row. With ``seed``, every row draws from its own generator seeded with
 it (the sidecar does the same per request). A batch larger than the engine's slots runs in
@@ -113,9 +114,8 @@ def _generate_group(
     lengths = [len(prompt) for prompt in prompts]
     slots = list(range(len(prompts)))
     try:
-        for slot, prompt in zip(slots, prompts, strict=True):  # all but each prompt's last token
-            if len(prompt) > 1:
-                engine.extend(slot, prompt[:-1], 0)
+        prompt_chunks = [(slot, prompt[:-1], 0) for slot, prompt in enumerate(prompts)]
+        _write_prompts(engine, [chunk for chunk in prompt_chunks if len(chunk[1])])
         last = torch.stack([prompt[-1] for prompt in prompts]).to(torch.int64)
         logits = engine.decode(slots, last, torch.tensor([n - 1 for n in lengths]))
         tokens = next_tokens(logits, [params] * len(slots), generators)
@@ -194,3 +194,14 @@ def _refuse_others(others: dict[str, Any]) -> None:
             f"generate does not support {sorted(refused)}: it does greedy and sampled decoding "
             f"(no beam search, penalties or streamers); options: {list(TAKEN)}"
         )
+
+
+def _write_prompts(engine: DecoderEngine, chunks: list[tuple[int, torch.Tensor, int]]) -> None:
+    """(slot, tokens, position) chunks into the cache: one ``extend_many`` where the engine
+    packs chunks together, one ``extend`` each otherwise."""
+    pack = getattr(engine, "extend_many", None)
+    if pack is not None:
+        pack(chunks)
+        return
+    for chunk in chunks:
+        engine.extend(*chunk)

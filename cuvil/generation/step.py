@@ -1,11 +1,16 @@
 """A causal LM as one step over an explicit KV cache: the module the generation compile exports.
 
-``DecoderStep(model, layout)(input_ids, slots, positions, *caches)`` runs the model's own
-forward (transformers' code: embeddings, RoPE or learned positions, norms, MLPs) on ``input_ids``
+``DecoderStep(model)(input_ids, slots, positions, *caches)`` runs the model's own forward
+(transformers' code: embeddings, RoPE or learned positions, norms, MLPs) on ``input_ids``
 [batch, tokens] at positions ``positions[b] + 0 .. tokens-1`` and returns the last token's logits
-[batch, vocab]. Its attention goes through an attention implementation registered with
-transformers (``cuvil_kv_cache``) that writes each layer's keys and values into that layer's
-caches and attends over the slot (cuvil/frontend/kv_cache_ops.py): the caches are inputs, one
+[batch, vocab]. ``DecoderStep(model, per_token=True)`` takes one row of tokens, each with its own
+slot and position (``slots`` and ``positions`` [tokens]): tokens of several sequences packed into
+one call, each attending over its own slot up to its own position, as the rows of a decode step
+do, so that a few short prompts are written with one pass over the weights.
+
+Attention goes through an attention implementation registered with transformers
+(``cuvil_kv_cache``) that writes each layer's keys and values into that layer's caches and
+attends over the slot (cuvil/frontend/kv_cache_ops.py): the caches are inputs, one
 key and one value tensor per layer, so the exported graph reads and writes them explicitly.
 
 ``probe_layout`` finds what the cache must hold (layers, KV heads, head size, dtype) by running
@@ -35,6 +40,7 @@ class _StepState:
     caches: tuple[torch.Tensor, ...]
     slots: torch.Tensor
     positions: torch.Tensor
+    per_token: bool  # slots and positions give each token's, not each row's first
 
 
 _current: list[_StepState] = []  # the step being traced or run (a stack of one)
@@ -62,9 +68,13 @@ def _cached_attention(
     attention over the slot; returns [batch, tokens, heads, head] like its sdpa function."""
     state = _current[-1]
     layer = _layer_of(module)
+    if state.per_token:  # [1, heads, tokens, head] -> [tokens, heads, 1, head]: a row a token
+        query, key, value = (t.transpose(0, 2) for t in (query, key, value))
     key_cache = kv_cache_write(state.caches[2 * layer], key, state.slots, state.positions)
     value_cache = kv_cache_write(state.caches[2 * layer + 1], value, state.slots, state.positions)
     out = cached_attention(query, key_cache, value_cache, state.slots, state.positions, scaling)
+    if state.per_token:
+        return out.permute(2, 0, 1, 3).contiguous(), None  # [1, tokens, heads, head]
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -121,11 +131,13 @@ def probe_layout(model: torch.nn.Module, max_batch: int, max_seq: int) -> KVCach
 
 
 class DecoderStep(torch.nn.Module):
-    """One prefill or decode step of ``model`` over the caches given as inputs."""
+    """One prefill or decode step of ``model`` over the caches given as inputs; ``per_token``:
+    one row of tokens with a slot and a position each."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, *, per_token: bool = False) -> None:
         super().__init__()
         self.model = model
+        self.per_token = per_token
 
     def forward(
         self,
@@ -134,9 +146,12 @@ class DecoderStep(torch.nn.Module):
         positions: torch.Tensor,
         *caches: torch.Tensor,
     ) -> torch.Tensor:
-        tokens = input_ids.shape[1]
-        position_ids = positions[:, None] + torch.arange(tokens, device=input_ids.device)
-        _current.append(_StepState(caches, slots, positions))
+        if self.per_token:
+            position_ids = positions[None, :]
+        else:
+            tokens = input_ids.shape[1]
+            position_ids = positions[:, None] + torch.arange(tokens, device=input_ids.device)
+        _current.append(_StepState(caches, slots, positions, self.per_token))
         try:
             with attention_implementation(self.model, ATTENTION_NAME):
                 out = self.model(

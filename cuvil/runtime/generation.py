@@ -22,10 +22,14 @@ slot's prefix is one strided view that attention reads without gathering, and th
 bookkeeping to save memory that a CPU's small ``max_batch`` does not spend. A scheduler admits
 against ``kv_bytes_per_token`` times tokens just the same.
 
-Inputs of both graphs, in order: ``input_ids`` [batch, tokens], ``slots`` [batch], ``positions``
-[batch] (each row's first position), then the caches (keys of layer 0, values of layer 0, …).
-The decode graph has a symbolic batch and one token; the prefill graph one row and a symbolic
-number of tokens. Each call checks slots and positions against the cache before it runs.
+Inputs of both graphs, in order: ``input_ids`` [batch, tokens], ``slots``, ``positions``, then
+the caches (keys of layer 0, values of layer 0, …). The decode graph has a symbolic batch and
+one token, ``slots`` and ``positions`` [batch]. The prefill graph has one row and a symbolic
+number of tokens, ``slots`` and ``positions`` [tokens], one per token (``prefill_positions:
+per_token`` in the config; an artifact without it has one per row, [1]): ``extend_many`` packs
+chunks of several prompts into one call, so a burst of short prompts is written in one pass over
+the weights rather than one pass each. Each call checks slots and positions against the cache
+before it runs.
 """
 
 from __future__ import annotations
@@ -44,6 +48,10 @@ from cuvil.runtime.model import CompiledModel, Direct
 from cuvil.runtime.signature import InputBinder, InputError, Signature
 
 STEP_INPUTS = ("input_ids", "slots", "positions")
+# the generation config's ``prefill_positions``: the prefill graph's slots and positions are
+# one per token (chunks of several prompts packed together), or one per row (an artifact
+# without the entry is so)
+PER_TOKEN, PER_ROW = "per_token", "per_row"
 # the config entry holding the prefill plan's own backend entries (its kernel choices)
 PREFILL_CHOICES = "prefill_kernel_choices"
 
@@ -186,6 +194,7 @@ class GenerationModel(CompiledModel):
         self._vocab_size = int(self.generation_config["vocab_size"])
         self._pad_lengths = padded_lengths(self.max_seq, PREFILL_CHOICE_TOKENS)
         self._row_counts = decode_row_counts(self.max_batch)
+        self.packs_prompts = self.generation_config.get("prefill_positions") == PER_TOKEN
 
     # -- the DecoderEngine contract
 
@@ -207,7 +216,8 @@ class GenerationModel(CompiledModel):
 
     def prefill(self, slot: int, token_ids: torch.Tensor, position: int) -> torch.Tensor:
         tokens = self._check_chunk("prefill", slot, token_ids, position)
-        return self._run_chunk(slot, token_ids.reshape(tokens), position)[0].float()
+        rows = self._chunk_rows(slot, tokens, position)
+        return self._run_chunk(*rows, token_ids.reshape(tokens))[0].float()
 
     def extend(self, slot: int, token_ids: torch.Tensor, position: int) -> None:
         """Write the cache of ``token_ids`` as ``prefill`` does, without logits: the chunk is
@@ -215,13 +225,59 @@ class GenerationModel(CompiledModel):
         chunk length runs one of a few prepared shapes (native schedules, kernel choices made)
         instead of a shape of its own. The pad tokens' keys and values land past the chunk,
         where nothing reads them before the sequence's own later tokens overwrite them."""
+        if self.packs_prompts:
+            self.extend_many([(slot, token_ids, position)])
+            return
         tokens = self._check_chunk("extend", slot, token_ids, position)
         room = self.max_seq - position
         padded = next((n for n in self._pad_lengths if tokens <= n <= room), tokens)
         ids = token_ids.to(torch.int64)
         if padded > tokens:
             ids = torch.cat([ids, ids.new_zeros(padded - tokens)])
-        self._run_chunk(slot, ids, position)
+        self._run_chunk(*self._chunk_rows(slot, padded, position), ids)
+
+    def extend_many(self, chunks: Sequence[tuple[int, torch.Tensor, int]]) -> None:
+        """``extend`` of (slot, token_ids, position) chunks, one per slot, their tokens packed
+        together where the artifact's prefill takes a slot and position per token (one call
+        each otherwise): calls of up to the longest of ``padded_lengths`` tokens, each padded
+        to the next of them by tokens written after a chunk's end in its slot, as ``extend``
+        pads one chunk, where nothing reads them before that sequence's own later tokens
+        overwrite them."""
+        if len({slot for slot, _, _ in chunks}) != len(chunks):
+            raise InputError(f"extend_many takes one chunk per slot, not {[c[0] for c in chunks]}")
+        if not self.packs_prompts:
+            for slot, token_ids, position in chunks:
+                self.extend(slot, token_ids, position)
+            return
+        ids, slots, positions = [], [], []
+        for slot, token_ids, position in chunks:
+            tokens = self._check_chunk("extend_many", slot, token_ids, position)
+            ids.append(token_ids.reshape(tokens).to(torch.int64))
+            slots.append(torch.full((tokens,), slot, dtype=torch.int64))
+            positions.append(torch.arange(position, position + tokens, dtype=torch.int64))
+        flat = torch.stack([torch.cat(ids), torch.cat(slots), torch.cat(positions)])
+        longest = self._pad_lengths[-1]
+        pads = self._pad_tokens(chunks, longest)
+        for begin in range(0, flat.shape[1], longest):
+            call = flat[:, begin : begin + longest]
+            tokens = call.shape[1]
+            padded = next(n for n in self._pad_lengths if n >= tokens)
+            if padded > tokens and pads.shape[1] >= padded - tokens:
+                call = torch.cat([call, pads[:, : padded - tokens]], dim=1)
+            self._run_chunk(call[1], call[2], call[0])
+
+    def _pad_tokens(
+        self, chunks: Sequence[tuple[int, torch.Tensor, int]], wanted: int
+    ) -> torch.Tensor:
+        """Up to ``wanted`` pad tokens as [3, pads] (token 0, slot, position): the positions
+        after each chunk's end in its slot, the last chunk's first, within ``max_seq``."""
+        room: list[tuple[int, int, int]] = []
+        for slot, token_ids, position in reversed(chunks):
+            end = position + int(token_ids.numel())
+            room += [(0, slot, after) for after in range(end, min(end + wanted, self.max_seq))]
+            if len(room) >= wanted:
+                break
+        return torch.tensor(room[:wanted], dtype=torch.int64).reshape(-1, 3).T
 
     def _check_chunk(self, call: str, slot: int, token_ids: torch.Tensor, position: int) -> int:
         tokens = int(token_ids.numel())
@@ -231,13 +287,20 @@ class GenerationModel(CompiledModel):
         self._check_span(position, tokens)
         return tokens
 
-    def _run_chunk(self, slot: int, ids: torch.Tensor, position: int) -> torch.Tensor:
-        """The prefill graph on one slot's chunk: its last token's logits [1, vocab]."""
-        inputs = self._step_inputs(
-            ids.reshape(1, -1),
-            torch.tensor([slot], dtype=torch.int64),
-            torch.tensor([position], dtype=torch.int64),
-        )
+    def _chunk_rows(
+        self, slot: int, tokens: int, position: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prefill graph's ``slots`` and ``positions`` for one slot's chunk."""
+        if self.packs_prompts:
+            slots = torch.full((tokens,), slot, dtype=torch.int64)
+            return slots, torch.arange(position, position + tokens, dtype=torch.int64)
+        return torch.tensor([slot], dtype=torch.int64), torch.tensor([position], dtype=torch.int64)
+
+    def _run_chunk(
+        self, slots: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor
+    ) -> torch.Tensor:
+        """The prefill graph on a chunk: its last token's logits [1, vocab]."""
+        inputs = self._step_inputs(ids.reshape(1, -1), slots, positions)
         symbols = self._prefill_binder.bind(inputs)
         with torch.inference_mode():
             return self.prefill_model.runner.run(inputs, symbols)["output"]
@@ -340,9 +403,7 @@ class GenerationModel(CompiledModel):
         lengths = set(prefill_buckets(self.max_seq, PREFILL_CHOICE_TOKENS))
         for tokens in sorted(lengths | {max(1, min(prompt_tokens, self.max_seq))}):
             prefill_inputs = self._step_inputs(
-                torch.zeros(1, tokens, dtype=torch.int64),
-                torch.zeros(1, dtype=torch.int64),
-                torch.zeros(1, dtype=torch.int64),
+                torch.zeros(1, tokens, dtype=torch.int64), *self._chunk_rows(0, tokens, 0)
             )
             prefill = dict(self.backend.choose_kernels(self.prefill_model, prefill_inputs))
             self.prefill_model.config.update(prefill)  # the next length's entry merges
@@ -365,8 +426,8 @@ class GenerationModel(CompiledModel):
         self._pad_lengths = padded_lengths(self.max_seq, prefill_tokens)
         for tokens in self._pad_lengths:
             ids = torch.zeros(1, tokens, dtype=torch.int64)
-            slot, position = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
-            steps += self.prefill_model.prepare(self._step_inputs(ids, slot, position))
+            slots, positions = self._chunk_rows(0, tokens, 0)
+            steps += self.prefill_model.prepare(self._step_inputs(ids, slots, positions))
         self.reset_cache()
         return steps
 

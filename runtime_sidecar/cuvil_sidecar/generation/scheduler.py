@@ -3,10 +3,11 @@
 Scheduling is per iteration, as in Orca and vLLM: a request that arrives joins the running
 batch at the next step, and a sequence that finishes leaves it at once, its slot free for the
 next one. Each iteration prefills at most ``prefill_chunk`` prompt tokens, first come first
-served (several short prompts together, or one chunk of a long one), then runs one decode step
-for every sequence past its prompt: a long prompt is prefilled over several iterations while the
-running streams keep getting a token per iteration, and a burst of short prompts reaches its
-first tokens in a few iterations rather than one iteration per prompt.
+served (several short prompts together, or one chunk of a long one; an engine with
+``extend_many`` writes them in one call), then runs one decode step for every sequence past its
+prompt: a long prompt is prefilled over several iterations while the running streams keep
+getting a token per iteration, and a burst of short prompts reaches its first tokens in a few
+iterations rather than one iteration per prompt.
 
 A prompt's tokens but its last are written with ``engine.extend`` (no logits: the engine may
 pad the chunk to a length it has prepared); its last token goes in with the decode step of the
@@ -130,7 +131,7 @@ class Scheduler:
         self.prefill_chunk = prefill_chunk
         self.threads = threads
         self.prefill_alongside = prefill_alongside
-        self._prefilling: Sequence | None = None  # being written by the prefill thread
+        self._prefilling: list[Sequence] = []  # being written by the prefill thread
         self._free_slots = list(range(engine.max_batch - 1, -1, -1))
         self._waiting: collections.deque[Sequence] = collections.deque()
         self._running: list[Sequence] = []
@@ -235,8 +236,8 @@ class Scheduler:
                     prefills = self._prefill_plan()
             for sequence in dropped:
                 self._emit(sequence, None, FINISH_CANCELLED)
-            for sequence, tokens in prefills:
-                self._prefill_chunk(sequence, tokens)
+            if prefills:
+                self._prefill_chunks(prefills)
             with self._wake:  # the prompts finished above (or alongside) decode now too
                 decoding = [s for s in self._running if _decode_ready(s)]
             if decoding:
@@ -251,7 +252,7 @@ class Scheduler:
             return bool(self._waiting or self._running)
         head = self._waiting[0] if self._waiting else None
         return (
-            any(s.cancelled and s is not self._prefilling for s in self._running)
+            any(s.cancelled and s not in self._prefilling for s in self._running)
             or any(s.cancelled for s in self._waiting)
             or any(_decode_ready(s) for s in self._running)
             or (
@@ -262,38 +263,30 @@ class Scheduler:
         )
 
     def _prefill_loop(self) -> None:
-        """The prefill thread: each running sequence's prompt, in arrival order, in chunks of
-        up to ``prefill_chunk`` tokens."""
+        """The prefill thread: the running sequences' prompts, in arrival order, in chunks of
+        up to ``prefill_chunk`` tokens in all (``_prefill_plan``)."""
         if self.threads:
             torch.set_num_threads(self.threads)
         while True:
             with self._wake:
-                job = self._next_prefill()
-                while job is None and not self._closed:
+                job = self._prefill_plan()
+                while not job and not self._closed:
                     self._wake.wait()
-                    job = self._next_prefill()
-                if self._closed or job is None:
+                    job = self._prefill_plan()
+                if self._closed or not job:
                     return
-                sequence, tokens = job
-                self._prefilling = sequence
-            self._prefill_chunk(sequence, tokens)
+                self._prefilling = [sequence for sequence, _ in job]
+            self._prefill_chunks(job)
             with self._wake:
-                self._prefilling = None
+                self._prefilling = []
                 self._wake.notify_all()
-
-    def _next_prefill(self) -> tuple[Sequence, int] | None:
-        for sequence in self._running:
-            remaining = len(sequence.prompt) - 1 - sequence.prefilled
-            if remaining and not sequence.cancelled:
-                return sequence, min(remaining, self.prefill_chunk)
-        return None
 
     def _drop_cancelled(self) -> list[Sequence]:
         dropped = [s for s in self._waiting if s.cancelled]
         if dropped:
             self._waiting = collections.deque(s for s in self._waiting if not s.cancelled)
         # a sequence whose chunk the prefill thread is writing keeps its slot until it is done
-        for sequence in [s for s in self._running if s.cancelled and s is not self._prefilling]:
+        for sequence in [s for s in self._running if s.cancelled and s not in self._prefilling]:
             self._leave(sequence)
             dropped.append(sequence)
         return dropped
@@ -319,26 +312,46 @@ class Scheduler:
         self._reserved -= sequence.reserved
 
     def _prefill_plan(self) -> list[tuple[Sequence, int]]:
-        """Under the lock: this iteration's prompt chunks, in arrival order, ``prefill_chunk``
-        tokens in all."""
+        """Under the lock: the next prompt chunks, in arrival order, ``prefill_chunk`` tokens
+        in all, of sequences not cancelled."""
         plan, left = [], self.prefill_chunk
         for sequence in self._running:
             remaining = len(sequence.prompt) - 1 - sequence.prefilled
-            if remaining and left:
+            if remaining and left and not sequence.cancelled:
                 plan.append((sequence, min(remaining, left)))
                 left -= plan[-1][1]
         return plan
 
-    def _prefill_chunk(self, sequence: Sequence, tokens: int) -> None:
-        """Write ``tokens`` more of the sequence's prompt (outside the lock: the engine call)."""
-        start = sequence.prefilled
-        chunk = sequence.prompt[start : start + tokens]
+    def _prefill_chunks(self, plan: list[tuple[Sequence, int]]) -> None:
+        """Write the planned chunks (outside the lock: the engine calls): packed into one
+        call where the engine has ``extend_many`` (a failure there fails every sequence in
+        it), one ``extend`` each otherwise."""
+        pack = getattr(self.engine, "extend_many", None)
+        if pack is None or len(plan) == 1:
+            for sequence, tokens in plan:
+                self._prefill_chunk(sequence, tokens)
+            return
         try:
-            self.engine.extend(sequence.slot, torch.tensor(chunk), start)
+            pack([self._chunk(sequence, tokens) for sequence, tokens in plan])
+        except Exception as error:
+            self._fail([sequence for sequence, _ in plan], error)
+            return
+        for sequence, tokens in plan:
+            sequence.prefilled += tokens
+
+    def _prefill_chunk(self, sequence: Sequence, tokens: int) -> None:
+        try:
+            self.engine.extend(*self._chunk(sequence, tokens))
         except Exception as error:
             self._fail([sequence], error)
             return
-        sequence.prefilled += len(chunk)
+        sequence.prefilled += tokens
+
+    @staticmethod
+    def _chunk(sequence: Sequence, tokens: int) -> tuple[int, torch.Tensor, int]:
+        """(slot, the next ``tokens`` of its prompt, their first position)."""
+        start = sequence.prefilled
+        return sequence.slot, torch.tensor(sequence.prompt[start : start + tokens]), start
 
     def _decode(self, sequences: list[Sequence]) -> None:
         """One step: each sequence's newest token (a prompt's last, before its first)."""

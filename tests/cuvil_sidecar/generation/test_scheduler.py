@@ -54,18 +54,19 @@ class HistoryEngine:
         logits[(sum(t * (i + 3) for i, t in enumerate(history)) + 7) % VOCAB] = 1.0
         return logits
 
-    def prefill(self, slot: int, token_ids: torch.Tensor, position: int) -> torch.Tensor:
+    def prefill(
+        self, slot: int, token_ids: torch.Tensor, position: int, kind: str = "prefill"
+    ) -> torch.Tensor:
         self.entered.set()
         self.gate.wait(WAIT_S)
         assert position == len(self.history[slot]), "a chunk must start where the slot ends"
         self.history[slot] += token_ids.tolist()
         assert len(self.history[slot]) <= self.max_seq
-        self.calls.append(("prefill", (slot,), token_ids.numel()))
+        self.calls.append((kind, (slot,), token_ids.numel()))  # one append: threads share it
         return self._logits(slot)
 
     def extend(self, slot: int, token_ids: torch.Tensor, position: int) -> None:
-        self.prefill(slot, token_ids, position)
-        self.calls[-1] = ("extend", (slot,), token_ids.numel())
+        self.prefill(slot, token_ids, position, "extend")
 
     def decode(
         self, slots: Seq[int], token_ids: torch.Tensor, positions: torch.Tensor
@@ -91,6 +92,25 @@ class HistoryEngine:
 
     def release(self, slot: int) -> None:
         self.history[slot] = []
+
+
+class PackingEngine(HistoryEngine):
+    """A HistoryEngine that also writes several prompts' chunks in one ``extend_many`` call,
+    as a compiled model does; ``fail_packs`` makes that call raise."""
+
+    fail_packs = False
+
+    def extend_many(self, chunks: list[tuple[int, torch.Tensor, int]]) -> None:
+        if self.fail_packs:
+            raise RuntimeError("packed prefill failed")
+        self.entered.set()
+        self.gate.wait(WAIT_S)
+        for slot, token_ids, position in chunks:
+            assert position == len(self.history[slot]), "a chunk must start where the slot ends"
+            self.history[slot] += token_ids.tolist()
+            assert len(self.history[slot]) <= self.max_seq
+        slots = tuple(slot for slot, _, _ in chunks)
+        self.calls.append(("extend_many", slots, sum(int(c[1].numel()) for c in chunks)))
 
 
 class Collector:
@@ -375,3 +395,57 @@ def test_real_engine_streams_in_a_batch_match_each_alone() -> None:
             scheduler.close()
 
     assert run(4, together=True) == run(1, together=False)
+
+
+@pytest.mark.parametrize("alongside", [False, True], ids=["one_thread", "prefill_alongside"])
+def test_an_engine_that_packs_prompts_writes_each_iterations_chunks_in_one_call(
+    alongside: bool,
+) -> None:
+    engine = PackingEngine(max_batch=8, max_seq=64)
+    engine.gate.clear()  # the burst queues before the first iteration
+    scheduler = Scheduler(engine, prefill_chunk=16, prefill_alongside=alongside)
+    prompts = [[(i * 11 + k) % VOCAB for k in range(5 + i)] for i in range(6)]
+    params = SamplingParams(max_new_tokens=3)
+    try:
+        collectors = [Collector() for _ in prompts]
+        for prompt, collector in zip(prompts, collectors, strict=True):
+            scheduler.submit(prompt, params, collector)
+        engine.gate.set()
+        results = [c.tokens() for c in collectors]
+    finally:
+        scheduler.close()
+    assert results == [alone(prompt, params) for prompt in prompts]
+    writes = [(kind, len(slots), tokens) for kind, slots, tokens in engine.calls]
+    writes = [write for write in writes if write[0] != "decode"]
+    # 39 prompt tokens (each prompt's last goes in with a decode step) in calls of up to 16:
+    # the first prompt may be written alone (the engine thread can take it before the rest
+    # arrive), the rest three or more to a call
+    assert sum(tokens for _, _, tokens in writes) == sum(len(p) - 1 for p in prompts)
+    assert max(tokens for _, _, tokens in writes) <= 16
+    assert len(writes) <= 4, writes
+    assert any(kind == "extend_many" and slots >= 3 for kind, slots, _ in writes), writes
+
+
+def test_a_failed_packed_write_ends_the_prompts_in_it_and_nothing_else() -> None:
+    engine = PackingEngine(max_batch=4, max_seq=64)
+    scheduler = Scheduler(engine, prefill_chunk=32)
+    params = SamplingParams(max_new_tokens=30)
+    try:
+        running = Collector()
+        scheduler.submit([1, 2], params, running)
+        while len(running.events) < 2:  # the first stream decodes
+            threading.Event().wait(0.001)
+        engine.gate.clear()
+        failing = [Collector(), Collector()]
+        for index, collector in enumerate(failing):
+            scheduler.submit([5 + index] * 6, params, collector)
+        engine.fail_packs = True
+        engine.gate.set()
+        for collector in failing:
+            assert collector.finish == FINISH_ERROR
+            assert "packed prefill failed" in collector.events[-1].error
+        engine.fail_packs = False
+        assert running.tokens() == alone([1, 2], params)
+        assert scheduler.usage().running == 0
+    finally:
+        scheduler.close()
