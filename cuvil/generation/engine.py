@@ -7,6 +7,10 @@ which tokens go in; the engine writes their keys and values into the slot's cach
 positions and returns the logits of the next token. Positions are per slot, so a left-padded
 batch and the same prompts run one by one see the same positions (transformers derives
 ``position_ids`` from the attention mask the same way).
+
+An engine may also offer ``extend_many(chunks)``: ``extend`` of several ``(slot, token_ids,
+position)`` chunks, one per slot, written together (a compiled model packs them into one call
+over its weights). Drivers use it where it is there and call ``extend`` per chunk where not.
 """
 
 from __future__ import annotations

@@ -259,30 +259,34 @@ class HttpServer:
         ]
         try:
             writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
-            parts = stream.__aiter__()
-            while True:
-                coming = asyncio.ensure_future(parts.__anext__())
-                await asyncio.wait((coming, hung_up), return_when=asyncio.FIRST_COMPLETED)
-                if not coming.done():
-                    coming.cancel()
-                    await asyncio.gather(coming, return_exceptions=True)
-                    return False
-                try:
-                    part = coming.result()
-                except StopAsyncIteration:
-                    break
-                if part:
-                    writer.write(b"%x\r\n%s\r\n" % (len(part), part))
-                    async with asyncio.timeout(self._limits.timeout_s):
-                        await writer.drain()
-            writer.write(b"0\r\n\r\n")
-            async with asyncio.timeout(self._limits.timeout_s):
-                await writer.drain()
+            pumping = asyncio.ensure_future(self._pump(writer, stream))
+            await asyncio.wait((pumping, hung_up), return_when=asyncio.FIRST_COMPLETED)
+            if not pumping.done():  # the client hung up: the stream is cancelled where it waits
+                pumping.cancel()
+                await asyncio.gather(pumping, return_exceptions=True)
+                return False
+            pumping.result()
             return True
         finally:
             aclose = getattr(stream, "aclose", None)
             if aclose is not None:
                 await aclose()
+
+    async def _pump(self, writer: asyncio.StreamWriter, stream: AsyncIterator[bytes]) -> None:
+        """Each part of the stream as a chunk, then the last chunk. One task for the whole
+        stream, raced once against the hang-up, rather than a task and a race per part (a
+        generation stream sends a part per token); a part waits for the socket only when
+        the transport still holds unsent bytes (the peer reads slower than it is written)."""
+        transport = writer.transport
+        async for part in stream:
+            if part:
+                writer.write(b"%x\r\n%s\r\n" % (len(part), part))
+                if transport.get_write_buffer_size():
+                    async with asyncio.timeout(self._limits.timeout_s):
+                        await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        async with asyncio.timeout(self._limits.timeout_s):
+            await writer.drain()
 
 
 class _Connection(asyncio.StreamReaderProtocol):
