@@ -15,7 +15,8 @@ call over a view of those slots up to the longest row, each row masked to its ow
 in another order, as a continuous-batching scheduler's, are gathered for that one call).
 Grouped-query attention (fewer KV heads than query heads) is ATen's ``enable_gqa``. The CPU's
 native form runs a decode step (one token per row, fp32) as its own loop over rows and heads,
-reading each slot's prefix in place in any slot order.
+reading each slot's prefix in place in any slot order. Rows that share a slot (a packed
+prefill's tokens) attend in runs of consecutive positions, each as one chunk.
 
 The CPU and CUDA backends both take these factories (``KV_CACHE_KERNELS``; the CPU adds native
 forms, the same computation in C++ for its native plan loop: cpu/native/kernel_ops.cc); the
@@ -63,6 +64,8 @@ def attend(
     if longest > key_cache.shape[2]:
         raise IndexError(f"a row reaches position {longest} of a cache of {key_cache.shape[2]}")
     first = rows[0]
+    if tokens == 1 and len(set(rows)) < len(rows):
+        return _attend_runs(query, key_cache, value_cache, rows, starts, scale)
     if tokens == 1 and len(rows) > 1:
         # one token per row: one call over the rows' slots up to the longest, each row masked to
         # its own length; consecutive slots (generate's batches) are a view, others a gather
@@ -97,6 +100,29 @@ def attend(
             )
         )
     return out[0] if len(out) == 1 else torch.cat(out)
+
+
+def _attend_runs(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    rows: list[int],
+    starts: list[int],
+    scale: float | None,
+) -> torch.Tensor:
+    """One token per row where rows share slots (a packed prefill: a prompt's tokens are rows
+    of one slot at consecutive positions): each run of such rows attends as one chunk of
+    tokens, over its slot's prefix without a gather."""
+    out, begin = [], 0
+    while begin < len(rows):
+        end = begin + 1
+        while end < len(rows) and rows[end] == rows[begin] and starts[end] == starts[end - 1] + 1:
+            end += 1
+        chunk = query[begin:end].transpose(0, 2)  # [1, heads, tokens, head]
+        where = torch.tensor([rows[begin]]), torch.tensor([starts[begin]])
+        out.append(attend(chunk, key_cache, value_cache, *where, scale).transpose(0, 2))
+        begin = end
+    return torch.cat(out)
 
 
 def kv_cache_write_kernel(call: FusedCall) -> PreparedKernel:

@@ -6,12 +6,11 @@ Both steps are the model's own forward wrapped in ``DecoderStep`` (step.py) and 
 torch.export: decode with a symbolic batch (the slots stepping together, one token each),
 prefill with one row and a symbolic number of tokens, each with its own slot and position (a
 prompt, a chunk of one, or chunks of several prompts packed together; the config says
-``prefill_positions: per_token``). Positions are
-inputs, so one graph serves every offset (RoPE angles and learned position embeddings are
-computed from them in the graph). Each graph goes through the same passes as any forward
-(``pipeline.lower``: RMSNorm, SwiGLU, RoPE, sibling linears, epilogues) and the op allowlist;
-the KV cache ops are Cuvil ops from the start (``cuvil.kv_cache_write`` and
-``cuvil.cached_attention``, GQA inside). The two graphs share one weights file: a weight a pass
+``prefill_positions: per_token``). Positions are inputs, so one graph serves every offset (RoPE
+angles and learned position embeddings are computed from them in the graph). Each graph goes
+through the same passes as any forward (``pipeline.lower``: RMSNorm, SwiGLU, RoPE, sibling
+linears, epilogues) and the op allowlist; the KV cache ops are Cuvil ops from the start
+(``cuvil.kv_cache_write`` and ``cuvil.cached_attention``, GQA inside). The two graphs share one weights file: a weight a pass
 derived in both (a packed SwiGLU or QKV weight) is stored once. With ``precision="bf16"`` the
 lowering's precision pass gives the GEMMs bf16 weights, as in a forward compile; the KV cache
 keeps the model's dtype (fp32), so the cache adds no rounding of its own.

@@ -66,6 +66,8 @@ def _reference_attention(
         (1, [0, 5, 11], [2, 0, 3]),  # slots out of order
         (1, [4, 0, 12], [1, 2, 3]),  # consecutive slots: one masked call
         (4, [0, 3, 9], [2, 0, 3]),  # chunks of a prompt, from 0 and from later positions
+        # a packed prefill: tokens of three prompts as rows, several rows a slot
+        (1, [0, 1, 2, 5, 6, 0, 9], [2, 2, 2, 0, 0, 3, 1]),
     ],
 )
 @pytest.mark.parametrize("form", ["aten", "native"])
@@ -73,7 +75,7 @@ def test_cached_attention_equals_attention_over_the_gathered_prefix(
     tokens: int, starts: list[int], slots: list[int], form: str
 ) -> None:
     keys, values = _cache(), _cache().flip(0)
-    query = torch.randn(3, 2 * KV_HEADS, tokens, HEAD)  # grouped-query: 2 heads per KV head
+    query = torch.randn(len(slots), 2 * KV_HEADS, tokens, HEAD)  # 2 query heads per KV head
     rows, positions = torch.tensor(slots), torch.tensor(starts)
     if form == "native":  # the CPU native plan's op (cpu/native/kernel_ops.cc)
         assert plan_loop.load(), plan_loop.reason()
