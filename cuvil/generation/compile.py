@@ -10,10 +10,11 @@ prompt, a chunk of one, or chunks of several prompts packed together; the config
 angles and learned position embeddings are computed from them in the graph). Each graph goes
 through the same passes as any forward (``pipeline.lower``: RMSNorm, SwiGLU, RoPE, sibling
 linears, epilogues) and the op allowlist; the KV cache ops are Cuvil ops from the start
-(``cuvil.kv_cache_write`` and ``cuvil.cached_attention``, GQA inside). The two graphs share one weights file: a weight a pass
-derived in both (a packed SwiGLU or QKV weight) is stored once. With ``precision="bf16"`` the
-lowering's precision pass gives the GEMMs bf16 weights, as in a forward compile; the KV cache
-keeps the model's dtype (fp32), so the cache adds no rounding of its own.
+(``cuvil.kv_cache_write`` and ``cuvil.cached_attention``, GQA inside). The two graphs share
+one weights file: a weight a pass derived in both (a packed SwiGLU or QKV weight) is stored
+once. With ``precision="bf16"`` the lowering's precision pass gives the GEMMs bf16 weights, as
+in a forward compile; the KV cache keeps the model's dtype (fp32), so the cache adds no
+rounding of its own.
 
 Verification runs the compiled steps the way ``generate`` does — the example prompt as a
 prefill, then decode steps on the model's greedy tokens — against the model's own full forward
