@@ -6,6 +6,9 @@ from collections.abc import Callable
 
 import torch
 
+import cuvil
+from cuvil.runtime.generation import GenerationModel
+
 VOCAB = 256
 
 
@@ -88,3 +91,14 @@ def build(family: str, seed: int = 0) -> torch.nn.Module:
             if parameter.dim() == 2:
                 parameter.normal_(0.0, 0.15)
     return model.eval()
+
+
+def warmed_generation(model: torch.nn.Module, max_batch: int, max_seq: int) -> GenerationModel:
+    """``model`` compiled for generation and warmed up for prefill chunks of up to 16 tokens."""
+    example = {"input_ids": torch.randint(0, VOCAB, (1, 6))}
+    compiled = cuvil.jit(
+        model, example, task="text-generation", max_batch=max_batch, max_seq=max_seq
+    )
+    assert isinstance(compiled, GenerationModel)
+    compiled.warm_up(prefill_tokens=16)
+    return compiled

@@ -7,23 +7,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-import cuvil
 from cuvil.generation import compile as generation_compile
 from cuvil.generation.step import DecoderStep
 from cuvil.runtime.generation import PER_ROW, PER_TOKEN, GenerationModel
-from tests.cuvil.generation.families import VOCAB, build
+from tests.cuvil.generation.families import VOCAB, build, warmed_generation
 
 MAX_BATCH, MAX_SEQ = 4, 48
 
 
 def _compiled(model: torch.nn.Module) -> GenerationModel:
-    example = {"input_ids": torch.randint(0, VOCAB, (1, 6))}
-    compiled = cuvil.jit(
-        model, example, task="text-generation", max_batch=MAX_BATCH, max_seq=MAX_SEQ
-    )
-    assert isinstance(compiled, GenerationModel)
-    compiled.warm_up(prefill_tokens=16)
-    return compiled
+    return warmed_generation(model, MAX_BATCH, MAX_SEQ)
 
 
 @pytest.fixture(scope="module", params=["llama", "gpt2"])

@@ -9,9 +9,8 @@ import itertools
 import pytest
 import torch
 
-import cuvil
 from cuvil.runtime.generation import DECODE_SHAPES, GenerationModel, decode_row_counts
-from tests.cuvil.generation.families import VOCAB, build
+from tests.cuvil.generation.families import VOCAB, build, warmed_generation
 
 MAX_BATCH, MAX_SEQ = 20, 24
 ROWS = 17  # between the prepared counts 16 and 20
@@ -25,13 +24,7 @@ def model() -> torch.nn.Module:
 
 @pytest.fixture(scope="module")
 def generation(model: torch.nn.Module) -> GenerationModel:
-    example = {"input_ids": torch.randint(0, VOCAB, (1, 6))}
-    compiled = cuvil.jit(
-        model, example, task="text-generation", max_batch=MAX_BATCH, max_seq=MAX_SEQ
-    )
-    assert isinstance(compiled, GenerationModel)
-    compiled.warm_up(prefill_tokens=16)
-    return compiled
+    return warmed_generation(model, MAX_BATCH, MAX_SEQ)
 
 
 def _prompt(length: int, seed: int) -> torch.Tensor:
