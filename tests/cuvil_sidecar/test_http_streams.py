@@ -5,12 +5,13 @@ stream closed while the server goes on serving."""
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import AsyncIterator
 
 from cuvil_sidecar.http_server import HttpLimits, HttpRequest, HttpResponse, HttpServer
 
 PART_BYTES = 64 * 1024
-PARTS = 160  # 10 MB: more than loopback's socket buffers hold, so the transport buffers
+PARTS = 160  # 10 MB: more than the sockets' buffers hold, so the transport buffers
 
 
 def _part(index: int) -> bytes:
@@ -30,7 +31,11 @@ async def _read_chunks(reader: asyncio.StreamReader) -> list[bytes]:
 
 
 async def _request(port: int, path: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=2**20)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)  # a window that fills
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+    reader, writer = await asyncio.open_connection(sock=sock, limit=2**20)
     writer.write(f"GET {path} HTTP/1.1\r\nHost: test\r\n\r\n".encode())
     await writer.drain()
     return reader, writer
