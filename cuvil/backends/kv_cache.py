@@ -16,7 +16,8 @@ in another order, as a continuous-batching scheduler's, are gathered for that on
 Grouped-query attention (fewer KV heads than query heads) is ATen's ``enable_gqa``. The CPU's
 native form runs a decode step (one token per row, fp32) as its own loop over rows and heads,
 reading each slot's prefix in place in any slot order. Rows that share a slot (a packed
-prefill's tokens) attend in runs of consecutive positions, each as one chunk.
+prefill's tokens) attend in runs of consecutive positions, each as one chunk (the native form:
+runs of 16 rows or more, the rest through its decode loop).
 
 The CPU and CUDA backends both take these factories (``KV_CACHE_KERNELS``; the CPU adds native
 forms, the same computation in C++ for its native plan loop: cpu/native/kernel_ops.cc); the

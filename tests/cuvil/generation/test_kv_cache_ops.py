@@ -68,6 +68,8 @@ def _reference_attention(
         (4, [0, 3, 9], [2, 0, 3]),  # chunks of a prompt, from 0 and from later positions
         # a packed prefill: tokens of three prompts as rows, several rows a slot
         (1, [0, 1, 2, 5, 6, 0, 9], [2, 2, 2, 0, 0, 3, 1]),
+        # a run long enough to attend as a chunk, beside a short run and a lone row
+        (1, [*range(16), 7, *range(3, 13)], [2] * 16 + [0] + [3] * 10),
     ],
 )
 @pytest.mark.parametrize("form", ["aten", "native"])
@@ -85,6 +87,21 @@ def test_cached_attention_equals_attention_over_the_gathered_prefix(
     else:
         got = kv_cache.attend(query, keys, values, rows, positions, 0.3)
     expected = _reference_attention(query, keys, values, slots, starts, 0.3)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_native_packed_prefill_runs_from_later_positions_attend_as_chunks() -> None:
+    """A prompt's second chunk packed beside another prompt: runs of 20 and 17 rows, each
+    attending over its slot's earlier positions too (a bottom-right causal mask)."""
+    assert plan_loop.load(), plan_loop.reason()
+    generator = torch.Generator().manual_seed(2)
+    keys = torch.randn(3, 2, 48, 32, generator=generator)
+    values = torch.randn(3, 2, 48, 32, generator=generator)
+    slots, starts = [1] * 20 + [2] + [0] * 17, [*range(9, 29), 40, *range(0, 17)]
+    query = torch.randn(len(slots), 6, 1, 32, generator=generator)
+    attend = torch.ops.cuvil_native.cached_attention.default
+    got = attend(query, keys, values, torch.tensor(slots), torch.tensor(starts), None)
+    expected = _reference_attention(query, keys, values, slots, starts, 32**-0.5)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 

@@ -410,6 +410,63 @@ at::Tensor decode_attention(const at::Tensor &query_in, const at::Tensor &key_ca
   return out;
 }
 
+// a run of packed prefill rows at least this long (a long prompt's chunk) attends as one chunk,
+// ATen's attention over the slot's prefix with a bottom-right causal mask, which beats the
+// decode kernel a row at a time there (benchmarks/README.md, generate_streams.py's section);
+// shorter runs (a burst of short prompts' tail ends) stay in the decode kernel
+constexpr int64_t CHUNK_RUN = 16;
+
+// rows [begin, end) of one slot at consecutive positions, as one chunk of queries
+at::Tensor run_attention(const at::Tensor &query, const at::Tensor &key_cache,
+                         const at::Tensor &value_cache, int64_t slot, int64_t start,
+                         int64_t begin, int64_t end, std::optional<double> scale, bool gqa) {
+  const int64_t tokens = end - begin, length = start + tokens;
+  at::Tensor chunk = query.slice(0, begin, end).transpose(0, 2);  // [1, heads, tokens, head]
+  at::Tensor keys = key_cache.slice(0, slot, slot + 1).slice(2, 0, length);
+  at::Tensor values = value_cache.slice(0, slot, slot + 1).slice(2, 0, length);
+  std::optional<at::Tensor> mask;
+  if (start > 0) {
+    at::Tensor seen = at::arange(length, key_cache.options().dtype(at::kLong));
+    at::Tensor last = start + at::arange(tokens, seen.options());
+    mask = seen.unsqueeze(0) <= last.unsqueeze(1);
+  }
+  return at::scaled_dot_product_attention(chunk, keys, values, mask, 0.0, start == 0, scale, gqa)
+      .transpose(0, 2);
+}
+
+// one token per row where runs of rows share a slot at consecutive positions (a packed
+// prefill): runs of CHUNK_RUN rows or more as chunks, the other rows through the decode kernel
+at::Tensor packed_attention(const at::Tensor &query, const at::Tensor &key_cache,
+                            const at::Tensor &value_cache, const int64_t *rows,
+                            const int64_t *starts, int64_t count, std::optional<double> scale,
+                            bool gqa) {
+  at::Tensor out = at::empty(query.sizes(), query.options());
+  std::vector<int64_t> single;  // rows outside long runs
+  for (int64_t begin = 0; begin < count;) {
+    int64_t end = begin + 1;
+    while (end < count && rows[end] == rows[begin] && starts[end] == starts[end - 1] + 1) end++;
+    if (end - begin >= CHUNK_RUN)
+      out.slice(0, begin, end)
+          .copy_(run_attention(query, key_cache, value_cache, rows[begin], starts[begin], begin,
+                               end, scale, gqa));
+    else
+      for (int64_t r = begin; r < end; r++) single.push_back(r);
+    begin = end;
+  }
+  if (single.empty()) return out;
+  at::Tensor picked = at::tensor(single, at::kLong);
+  std::vector<int64_t> picked_rows, picked_starts;
+  for (int64_t r : single) {
+    picked_rows.push_back(rows[r]);
+    picked_starts.push_back(starts[r]);
+  }
+  const double factor = scale.has_value() ? *scale : 1.0 / std::sqrt(double(query.size(3)));
+  out.index_copy_(0, picked,
+                  decode_attention(query.index_select(0, picked), key_cache, value_cache,
+                                   picked_rows.data(), picked_starts.data(), factor));
+  return out;
+}
+
 // kv_cache.py's attend(): causal attention of each row's queries over its slot's cache prefix
 at::Tensor cached_attention(const at::Tensor &query, const at::Tensor &key_cache,
                             const at::Tensor &value_cache, const at::Tensor &slots,
@@ -426,6 +483,11 @@ at::Tensor cached_attention(const at::Tensor &query, const at::Tensor &key_cache
   const bool plain = query.scalar_type() == at::kFloat && key_cache.scalar_type() == at::kFloat &&
                      value_cache.scalar_type() == at::kFloat && key_cache.stride(3) == 1 &&
                      value_cache.stride(3) == 1 && query.size(1) % key_cache.size(1) == 0;
+  bool packed = false;  // rows sharing a slot at consecutive positions: a packed prefill
+  for (int64_t r = 1; r < count && !packed; r++)
+    packed = rows[r] == rows[r - 1] && starts[r] == starts[r - 1] + 1;
+  if (tokens == 1 && plain && packed)
+    return packed_attention(query, key_cache, value_cache, rows, starts, count, scale, gqa);
   if (tokens == 1 && plain)
     return decode_attention(query, key_cache, value_cache, rows, starts,
                             scale.has_value() ? *scale : 1.0 / std::sqrt(double(query.size(3))));
