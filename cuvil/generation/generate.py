@@ -12,9 +12,9 @@ Each row's real tokens go into a slot of their own at positions 0, 1, …, the p
 transformers derives from a left-padded mask, so a padded batch gives every row the tokens it
 gets alone. A prompt's tokens but its last are written with the engine's ``extend`` (all rows'
 in one ``extend_many`` where the engine has it: packed into few calls); the last tokens of all
-rows go in with one decode step, whose logits pick each row's first token. A
-``streamer`` (transformers' protocol: ``put``, ``end``) gets the prompt, then each step's new
-tokens, one per running row. With ``seed``, every row draws from its own generator seeded with
+rows go in with one decode step, whose logits pick each row's first token. A ``streamer``
+(transformers' protocol: ``put``, ``end``) gets the prompt, then each step's new tokens, one per
+running row. With ``seed``, every row draws from its own generator seeded with
 it (the sidecar does the same per request). A batch larger than the engine's slots runs in
 groups of ``max_batch`` rows. Beam search, right padding, penalties and the other options of
 transformers' ``generate`` are refused by name (``UnsupportedGenerationError``).

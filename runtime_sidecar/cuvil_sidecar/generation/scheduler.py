@@ -9,8 +9,9 @@ prompt: a long prompt is prefilled over several iterations while the running str
 getting a token per iteration, and a burst of short prompts reaches its first tokens in a few
 iterations rather than one iteration per prompt.
 
-A prompt's tokens but its last are written with ``engine.extend`` (no logits: the engine may
-pad the chunk to a length it has prepared); its last token goes in with the decode step of the
+A prompt's tokens but its last are written with ``engine.extend``, or with the other chunks of
+the iteration in one ``engine.extend_many`` (no logits: the engine may pad the chunks to a
+length it has prepared); its last token goes in with the decode step of the
 iteration that finished the rest, as a row of its own, and that row's logits pick its first
 token. A prompt of one token goes straight to decode.
 
