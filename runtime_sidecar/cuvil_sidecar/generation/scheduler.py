@@ -11,9 +11,9 @@ iterations rather than one iteration per prompt.
 
 A prompt's tokens but its last are written with ``engine.extend``, or with the other chunks of
 the iteration in one ``engine.extend_many`` (no logits: the engine may pad the chunks to a
-length it has prepared); its last token goes in with the decode step of the
-iteration that finished the rest, as a row of its own, and that row's logits pick its first
-token. A prompt of one token goes straight to decode.
+length it has prepared); its last token goes in with the decode step of the iteration that
+finished the rest, as a row of its own, and that row's logits pick its first token. A prompt of
+one token goes straight to decode.
 
 With ``prefill_alongside`` (a host whose cores hold two engine threads: the sidecar's engine
 runs at one thread on two cores), prompts are written by a prefill thread of their own while
