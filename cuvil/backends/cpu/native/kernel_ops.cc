@@ -416,22 +416,22 @@ at::Tensor decode_attention(const at::Tensor &query_in, const at::Tensor &key_ca
 // shorter runs (a burst of short prompts' tail ends) stay in the decode kernel
 constexpr int64_t CHUNK_RUN = 16;
 
-// rows [begin, end) of one slot at consecutive positions, as one chunk of queries
-at::Tensor run_attention(const at::Tensor &query, const at::Tensor &key_cache,
-                         const at::Tensor &value_cache, int64_t slot, int64_t start,
-                         int64_t begin, int64_t end, std::optional<double> scale, bool gqa) {
-  const int64_t tokens = end - begin, length = start + tokens;
-  at::Tensor chunk = query.slice(0, begin, end).transpose(0, 2);  // [1, heads, tokens, head]
+// queries [1, heads, tokens, head] of one slot from position ``start``: causal attention over
+// the slot's prefix read in place (bottom-right causal past position 0), through ATen's kernel
+at::Tensor slot_attention(const at::Tensor &queries, const at::Tensor &key_cache,
+                          const at::Tensor &value_cache, int64_t slot, int64_t start,
+                          std::optional<double> scale, bool gqa) {
+  const int64_t tokens = queries.size(2), length = start + tokens;
   at::Tensor keys = key_cache.slice(0, slot, slot + 1).slice(2, 0, length);
   at::Tensor values = value_cache.slice(0, slot, slot + 1).slice(2, 0, length);
   std::optional<at::Tensor> mask;
-  if (start > 0) {
+  if (tokens > 1 && start > 0) {
     at::Tensor seen = at::arange(length, key_cache.options().dtype(at::kLong));
     at::Tensor last = start + at::arange(tokens, seen.options());
     mask = seen.unsqueeze(0) <= last.unsqueeze(1);
   }
-  return at::scaled_dot_product_attention(chunk, keys, values, mask, 0.0, start == 0, scale, gqa)
-      .transpose(0, 2);
+  return at::scaled_dot_product_attention(queries, keys, values, mask, 0.0,
+                                          tokens > 1 && start == 0, scale, gqa);
 }
 
 // one token per row where runs of rows share a slot at consecutive positions (a packed
@@ -446,9 +446,10 @@ at::Tensor packed_attention(const at::Tensor &query, const at::Tensor &key_cache
     int64_t end = begin + 1;
     while (end < count && rows[end] == rows[begin] && starts[end] == starts[end - 1] + 1) end++;
     if (end - begin >= CHUNK_RUN)
-      out.slice(0, begin, end)
-          .copy_(run_attention(query, key_cache, value_cache, rows[begin], starts[begin], begin,
-                               end, scale, gqa));
+      out.slice(0, begin, end)  // the run's rows as one chunk: [1, heads, tokens, head]
+          .copy_(slot_attention(query.slice(0, begin, end).transpose(0, 2), key_cache,
+                                value_cache, rows[begin], starts[begin], scale, gqa)
+                     .transpose(0, 2));
     else
       for (int64_t r = begin; r < end; r++) single.push_back(r);
     begin = end;
@@ -501,18 +502,9 @@ at::Tensor cached_attention(const at::Tensor &query, const at::Tensor &key_cache
                                             0.0, false, scale, gqa);
   }
   std::vector<at::Tensor> out;
-  for (int64_t r = 0; r < count; r++) {
-    const int64_t start = starts[r], length = start + tokens;
-    at::Tensor keys = key_cache.slice(0, rows[r], rows[r] + 1).slice(2, 0, length);
-    at::Tensor values = value_cache.slice(0, rows[r], rows[r] + 1).slice(2, 0, length);
-    std::optional<at::Tensor> mask;
-    if (tokens > 1 && start > 0) {
-      at::Tensor seen = at::arange(length, positions.options());
-      mask = seen.unsqueeze(0) <= (start + at::arange(tokens, positions.options())).unsqueeze(1);
-    }
-    out.push_back(at::scaled_dot_product_attention(query.slice(0, r, r + 1), keys, values, mask,
-                                                   0.0, tokens > 1 && start == 0, scale, gqa));
-  }
+  for (int64_t r = 0; r < count; r++)
+    out.push_back(slot_attention(query.slice(0, r, r + 1), key_cache, value_cache, rows[r],
+                                 starts[r], scale, gqa));
   return out.size() == 1 ? out[0] : at::cat(out);
 }
 
