@@ -49,8 +49,8 @@ os.environ.setdefault("GOMP_SPINCOUNT", "3000")  # before torch loads libgomp: a
 
 import torch
 
+from benchmarks import grpc_streams, sse_streams
 from benchmarks.host import cpu_name
-from benchmarks.sse_streams import read_streams
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS: dict[str, dict[str, Any]] = {
@@ -106,18 +106,20 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def start_sidecar(model: Path, streams: int, threads: int, log: Path) -> tuple[Any, int]:
-    port = free_port()
+def start_sidecar(model: Path, args: argparse.Namespace, log: Path) -> tuple[Any, dict[str, int]]:
+    """The sidecar serving ``model``, ready; and its ports (``http``, ``grpc``)."""
+    port, grpc_port = free_port(), free_port()
     env = {key: value for key, value in os.environ.items() if not key.startswith("CUVIL_")}
     env |= {
         "CUVIL_MODEL": str(model),
         "CUVIL_GRPC_HOST": "127.0.0.1",
-        "CUVIL_GRPC_PORT": str(free_port()),
+        "CUVIL_GRPC_PORT": str(grpc_port),
+        "CUVIL_GRPC_FRONTEND": args.grpc_frontend,
         "CUVIL_METRICS_PORT": "0",
         "CUVIL_HTTP_PORT": str(port),
-        "CUVIL_GENERATION_SLOTS": str(streams),
-        "CUVIL_TORCH_THREADS": str(threads),
-        "OMP_NUM_THREADS": str(threads),
+        "CUVIL_GENERATION_SLOTS": str(args.streams),
+        "CUVIL_TORCH_THREADS": str(args.threads),
+        "OMP_NUM_THREADS": str(args.threads),
         "PYTHONPATH": os.pathsep.join([str(REPO / "runtime_sidecar"), str(REPO)]),
     }
     process = subprocess.Popen(
@@ -134,7 +136,7 @@ def start_sidecar(model: Path, streams: int, threads: int, log: Path) -> tuple[A
             connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
             connection.request("GET", "/v2/health/ready")
             if connection.getresponse().status == 200:
-                return process, port
+                return process, {"http": port, "grpc": grpc_port}
         except OSError:
             pass
         time.sleep(0.2)
@@ -149,18 +151,28 @@ def percentiles(values: list[float]) -> dict[str, float]:
     return {f"p{q}": round(float(torch.quantile(ordered, q / 100)) * 1e3, 3) for q in (50, 90, 99)}
 
 
-def through_sidecar(port: int, model: str, requests: list[dict[str, Any]]) -> dict[str, Any]:
-    path = f"/v2/models/{model}/generate_stream"
-    read_streams(port, path, [{"input_ids": [5, 6, 7], "parameters": {"max_tokens": 4}}])
+def through_sidecar(
+    ports: dict[str, int], protocol: str, model: str, requests: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The requests sent at once over ``protocol``: REST server-sent events (a connection per
+    request) or gRPC ``ModelStreamInfer`` (one stream carrying every request)."""
+
+    def read(batch: list[dict[str, Any]]) -> list[tuple[list[int], list[float]]]:
+        if protocol == "grpc":
+            return grpc_streams.read_streams(f"127.0.0.1:{ports['grpc']}", model, batch)
+        return sse_streams.read_streams(ports["http"], f"/v2/models/{model}/generate_stream", batch)
+
+    read([{"input_ids": [5, 6, 7], "parameters": {"max_tokens": 4}}])
     cpu_before = time.process_time()
     started = time.perf_counter()
-    results = read_streams(port, path, requests)
+    results = read(requests)
     client_cpu = time.process_time() - cpu_before
     seconds = max(times[-1] for _, times in results) - started
     first = [times[0] - started for _, times in results]
     gaps = [b - a for _, times in results for a, b in itertools.pairwise(times)]
     total = sum(len(tokens) for tokens, _ in results)
     return {
+        "protocol": protocol,
         "tokens": total,
         "seconds": round(seconds, 3),
         "tokens_per_s": round(total / seconds, 1),
@@ -216,6 +228,14 @@ def main() -> None:
     parser.add_argument("--static-batch", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path)
+    parser.add_argument(
+        "--protocol", choices=("rest", "grpc"), default="rest",
+        help="rest: generate_stream, server-sent events; grpc: ModelStreamInfer",
+    )  # fmt: skip
+    parser.add_argument(
+        "--grpc-frontend", choices=("auto", "native", "grpcio"), default="auto",
+        help="the sidecar's CUVIL_GRPC_FRONTEND (auto: native where it builds)",
+    )  # fmt: skip
     parser.add_argument("--engine", choices=("eager", "compiled"), default="eager")
     parser.add_argument(
         "--precision", choices=("fp32", "bf16"), default="fp32", help="the compiled engine's"
@@ -227,9 +247,9 @@ def main() -> None:
         path = checkpoint(args.model, Path(folder))
         requests = requests_for(args, int(MODELS[args.model]["vocab_size"]))
         served = path if args.engine == "eager" else compiled_artifact(path, args)
-        process, port = start_sidecar(served, args.streams, args.threads, Path(folder) / "log")
+        process, ports = start_sidecar(served, args, Path(folder) / "log")
         try:
-            sidecar = through_sidecar(port, path.name, requests)
+            sidecar = through_sidecar(ports, args.protocol, path.name, requests)
         finally:
             process.terminate()
             process.wait(30)

@@ -19,11 +19,16 @@ twice more.
 
 A method marked ``streaming`` (ModelStreamInfer) is a bidirectional stream on the native side;
 each message read from it comes here as a call of its own, answered by ``handler`` like a unary
-call, and the answer is written to the stream (an abort status ends the stream). Whether a call's
-client is gone (a unary call cancelled, a stream cancelled, a hang-up, a deadline past) is asked
-of the native side through the call's context (``NativeContext.client_gone``): the data plane
-drops a request unrun whose client is gone when its turn comes, so a cancelled stream stops
-instead of running the messages it had already handed over.
+call, and the answer is written to the stream (an abort status ends the stream). A handler may
+answer a message with an async generator instead (a generation model's answers, one per token:
+Triton's decoupled mode): each answer is written to the stream as it comes
+(``cuvil_frontend_write``), and the message is finished with nothing more once the generator
+ends; the generator is closed as soon as a write finds the stream cancelled or failed, which
+frees what it holds (a generation's KV slot). Whether a call's client is gone (a unary call
+cancelled, a stream cancelled, a hang-up, a deadline past) is asked of the native side through
+the call's context (``NativeContext.client_gone``): the data plane drops a request unrun whose
+client is gone when its turn comes, so a cancelled stream stops instead of running the
+messages it had already handed over.
 
 Every call is finished exactly once: with the method's answer, with its abort status, INTERNAL
 for a bug, INVALID_ARGUMENT for bytes that do not parse, or UNAVAILABLE when the server stops
@@ -40,7 +45,7 @@ import struct
 import threading
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -109,13 +114,27 @@ class NativeCall:
         with self._lock:
             return self._finished or bool(self._library.cuvil_frontend_cancelled(self._call))
 
-    def finish(self, code: grpc.StatusCode, details: str, response: bytes) -> None:
+    def write(self, answer: bytes) -> bool:
+        """One answer to a stream's message, more to follow; False when nothing more can be
+        written (its stream failed or was cancelled, or the call is finished)."""
+        with self._lock:
+            return not self._finished and bool(
+                self._library.cuvil_frontend_write(self._call, answer, len(answer))
+            )
+
+    def finish(self, code: grpc.StatusCode, details: str, response: bytes | None) -> None:
+        """Ends the call: with ``response`` (None: a stream's message that wrote its answers
+        already), or with the status ``code`` and ``details``."""
         with self._lock:
             if self._finished:
                 return
             self._finished = True
             self._library.cuvil_frontend_finish(
-                self._call, code.value[0], details.encode(errors="replace"), response, len(response)
+                self._call,
+                code.value[0],
+                details.encode(errors="replace"),
+                response,
+                0 if response is None else len(response),
             )
 
 
@@ -129,6 +148,7 @@ class NativeContext:
         self._deadline_ns = deadline_ns
         self._metadata = metadata
         self.client_gone = call.client_gone if call is not None else None
+        self.write = call.write if call is not None else None
 
     def invocation_metadata(self) -> tuple[tuple[str, str | bytes], ...]:
         return tuple(pair for pair in parse_metadata(self._metadata) if pair[0] != PEER)
@@ -349,7 +369,8 @@ class NativeFrontend:
         self, call: int, method: Method, request: Any, metadata: bytes, deadline_ns: int
     ) -> None:
         """The whole call, on the loop or (after a handoff) on a worker thread."""
-        code, details, response = grpc.StatusCode.UNAVAILABLE, "the server is stopping", b""
+        code, details = grpc.StatusCode.UNAVAILABLE, "the server is stopping"
+        response: bytes | None = b""
         handle = NativeCall(self._library, call)
         try:
             with tracing.server_span(method.path, lambda: parse_metadata(metadata)) as span:
@@ -364,7 +385,7 @@ class NativeFrontend:
 
     async def _answer(
         self, method: Method, request: Any, context: NativeContext
-    ) -> tuple[grpc.StatusCode, str, bytes]:
+    ) -> tuple[grpc.StatusCode, str, bytes | None]:
         if isinstance(request, Unparsed):
             if isinstance(request.error, DecodeError):
                 name = method.request_type.DESCRIPTOR.name
@@ -373,6 +394,9 @@ class NativeFrontend:
             return grpc.StatusCode.INTERNAL, f"internal error in {method.path}: parsing failed", b""
         try:
             response = await method.handler(request, context)
+            if isinstance(response, AsyncGenerator):
+                await _write_answers(response, context)
+                return grpc.StatusCode.OK, "", None
         except Aborted as aborted:
             return aborted.code, aborted.details, b""
         except Exception as error:
@@ -384,3 +408,15 @@ class NativeFrontend:
         self._library.cuvil_frontend_finish(
             call, code.value[0], details.encode(errors="replace"), response, len(response)
         )
+
+
+async def _write_answers(answers: AsyncGenerator[Any, None], context: NativeContext) -> None:
+    """A stream's message answered by ``answers``, each written as it comes; closed (its
+    ``finally`` run) once a write finds the stream gone, or if the call is cancelled."""
+    assert context.write is not None
+    try:
+        async for answer in answers:
+            if not context.write(answer.SerializeToString()):
+                return
+    finally:
+        await answers.aclose()

@@ -9,7 +9,6 @@ stops taking calls, in-flight calls get a grace period, then the model is retire
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import signal
 from typing import Any
@@ -18,7 +17,6 @@ from cuvil_sidecar import tracing
 from cuvil_sidecar.config import SidecarConfig
 from cuvil_sidecar.dataplane import DataPlane
 from cuvil_sidecar.frontend import open_frontend
-from cuvil_sidecar.generation.loader import is_local_generation
 from cuvil_sidecar.http_server import HttpLimits, HttpServer
 from cuvil_sidecar.manager import ModelManager
 from cuvil_sidecar.metrics import Metrics, metrics_handler
@@ -34,10 +32,6 @@ GRACE_S = 5.0
 
 async def serve(config: SidecarConfig) -> None:
     provider = tracing.configure()
-    if config.grpc_frontend == "auto" and is_local_generation(config.model):
-        # a generation model streams a response per token, which only grpcio's server does
-        log.info("serving a generation model: the gRPC front end is grpcio")
-        config = dataclasses.replace(config, grpc_frontend="grpcio")
     metrics = Metrics()
 
     async def on_ready(ready: bool) -> None:

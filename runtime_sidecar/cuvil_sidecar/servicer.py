@@ -6,9 +6,9 @@ answered INTERNAL, so no request can take the server down. Before the method run
 configured ``policy.Policies`` see the call (its metadata and peer) and may refuse it.
 ModelStreamInfer's messages are answered by ``stream_message``, which never aborts: errors go
 into the stream, one per request. A generation model's requests are answered with one
-response per token instead (``generation/grpc_generate.py``, Triton's decoupled mode), on
-grpcio's front end; the native one answers one response per message, so it answers those
-requests with an error that says to use grpcio.
+response per token instead (``generation/grpc_generate.py``, Triton's decoupled mode):
+``stream_message`` returns them as an async generator, which both front ends write to the
+stream as its answers come.
 A client's gRPC deadline goes with its request to the data plane, which drops the request unrun
 once the deadline has passed, and so does, on the native front end, the call's ``client_gone``
 (grpcio cancels the call's task instead, which drops the request as well).
@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
@@ -140,9 +140,14 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             yield answer
 
     async def _stream_answers(self, request: Any, context: Any) -> AsyncIterator[Any]:
-        if not self.dataplane.is_generation(request.model_name):
-            yield await self.stream_message(request, context)
+        answer = await self.stream_message(request, context)
+        if isinstance(answer, EncodedStreamResponse):
+            yield answer
             return
+        async for token in answer:
+            yield token
+
+    async def _generation_answers(self, request: Any, context: Any) -> AsyncGenerator[Any, None]:
         if self.policies.active:
             try:
                 self.policies.check(_call_of(context, "ModelStreamInfer"))
@@ -152,14 +157,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         async for answer in grpc_generate.stream_answers(self.dataplane, request):
             yield answer
 
-    async def stream_message(self, request: Any, context: Any) -> EncodedStreamResponse:
-        """One message of ModelStreamInfer: its response, or its error in the stream."""
+    async def stream_message(
+        self, request: Any, context: Any
+    ) -> EncodedStreamResponse | AsyncGenerator[Any, None]:
+        """One message of ModelStreamInfer: its response, or its error in the stream; for a
+        generation model, its answers (one per token) as an async generator."""
         if self.dataplane.is_generation(request.model_name):
-            return _stream_error(
-                request,
-                f"model {request.model_name!r} streams a response per token, which this gRPC "
-                "front end does not: serve it with CUVIL_GRPC_FRONTEND=grpcio",
-            )
+            return self._generation_answers(request, context)
         try:
             return EncodedStreamResponse("", await self.ModelInfer(request, _InStream(context)))
         except _StreamAbort as abort:

@@ -127,14 +127,6 @@ def load_generation(
     )
 
 
-def is_local_generation(reference: str) -> bool:
-    """Whether ``reference`` is a local path to a generation model (known before loading)."""
-    path = Path(reference)
-    if not path.exists():
-        return False
-    return is_transformers_checkpoint(path) or artifact_config(path).get("task") == TASK
-
-
 def is_transformers_checkpoint(path: Path) -> bool:
     if not path.is_dir() or (path / mt.GRAPH_FILE).exists():
         return False

@@ -8,9 +8,11 @@
 // streaming method (ModelStreamInfer) hands each message it reads to dispatch the same way, as
 // a call of its own; each answer is written to the stream in the order answers come, and the
 // stream ends once the client has stopped sending and every message is answered (or at once,
-// with the status, when Python answers a message with an error code). Python asks whether a
-// call, or a message's stream, was cancelled (cuvil_frontend_cancelled) before it runs it. A large request of a
-// method with a tensor field (ModelInfer's raw_input_contents) is split here first, off the
+// with the status, when Python answers a message with an error code). A message may have
+// several answers (a generation model's, one per token: Triton's decoupled mode): Python writes
+// each with cuvil_frontend_write and then finishes the message with no data. Python asks
+// whether a call, or a message's stream, was cancelled (cuvil_frontend_cancelled) before it
+// runs it. A large request of a method with a tensor field (ModelInfer's raw_input_contents) is split here first, off the
 // GIL: the tensors' bytes go straight from gRPC's slices into one buffer that Python takes
 // over, each at a 64-byte boundary, and Python parses only the rest (see wire.py). Health
 // (grpc.health.v1, Check and Watch) and reflection come from gRPC C++ itself; the service
@@ -202,8 +204,12 @@ bool SplitMessage(Slices& bytes, int number, Split* split) {
 class Call {
  public:
   virtual ~Call() = default;
-  // code 0 sends data as the response message; any other code fails the call with message.
+  // code 0 sends data as the response message (for a stream's message, data null sends
+  // nothing more); any other code fails the call with message.
   virtual void Finish(int code, const char* message, const char* data, size_t size) = 0;
+  // One more answer to a stream's message, written before it is finished; false when nothing
+  // more can be written (the stream failed or was cancelled, or the call is unary).
+  virtual bool Write(const char* data, size_t size) { return false; }
   // Whether the call (for a stream's message: its stream) was cancelled: by the client, by its
   // hanging up, or by its deadline. Any thread may ask, until the call is finished.
   virtual bool Cancelled() = 0;
@@ -249,12 +255,7 @@ class Stream : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer
     std::unique_lock<std::recursive_mutex> guard(lock_);
     --pending_;
     if (code == 0 && !failed_) {
-      grpc::Slice slice(data, size);
-      writes_.emplace_back(&slice, 1);
-      if (!writing_) {
-        writing_ = true;
-        StartWrite(&writes_.front());
-      }
+      if (data != nullptr) Enqueue(data, size);
     } else if (!failed_) {
       failed_ = true;
       status_ = grpc::Status(static_cast<grpc::StatusCode>(code), message);
@@ -263,6 +264,14 @@ class Stream : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer
     bool last = done_ && pending_ == 0;
     guard.unlock();
     if (last) delete this;
+  }
+
+  // An answer to a message that stays unfinished (it has more to come).
+  bool Write(const char* data, size_t size) {
+    std::lock_guard<std::recursive_mutex> guard(lock_);
+    if (failed_ || cancelled_.load(std::memory_order_acquire)) return false;
+    Enqueue(data, size);
+    return true;
   }
 
   void OnReadDone(bool ok) override {
@@ -294,7 +303,7 @@ class Stream : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer
       failed_ = true;
     }
     if (!writes_.empty()) {
-      StartWrite(&writes_.front());
+      StartNextWrite();
     } else {
       writing_ = false;
       MaybeFinish();
@@ -320,12 +329,32 @@ class Stream : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer
     void Finish(int code, const char* message, const char* data, size_t size) override {
       stream_->Answer(code, message, data, size);
     }
+    bool Write(const char* data, size_t size) override { return stream_->Write(data, size); }
     // The stream lives while this message is unanswered (pending_ counts it).
     bool Cancelled() override { return stream_->cancelled_.load(std::memory_order_acquire); }
 
    private:
     Stream* stream_;
   };
+
+  // Queues one answer, and starts writing it unless a write is under way; lock_ held.
+  void Enqueue(const char* data, size_t size) {
+    grpc::Slice slice(data, size);
+    writes_.emplace_back(&slice, 1);
+    if (!writing_) {
+      writing_ = true;
+      StartNextWrite();
+    }
+  }
+
+  // Writes the front answer; while more wait behind it, gRPC may hold it back to send with
+  // them (a burst of answers, one per stream request at a decode step, leaves in a few socket
+  // writes instead of one each); the last one queued is sent at once. lock_ held.
+  void StartNextWrite() {
+    grpc::WriteOptions options;
+    if (writes_.size() > 1) options.set_buffer_hint();
+    StartWrite(&writes_.front(), options);
+  }
 
   // Ends the stream once nothing more will be written: every message read and answered, or a
   // failure; called with lock_ held.
@@ -525,6 +554,13 @@ void cuvil_frontend_finish(void* handle, int code, const char* message, const ch
   auto* call = static_cast<Call*>(handle);
   call->Finish(code, message, data, size);
   delete call;
+}
+
+// Writes one answer to a stream's message without finishing it (more answers follow, then
+// cuvil_frontend_finish with code 0 and no data): 1 if queued, 0 if nothing more can be written
+// to its stream (failed or cancelled) or the call is unary. Only for a call not yet finished.
+int cuvil_frontend_write(void* handle, const char* data, size_t size) {
+  return static_cast<Call*>(handle)->Write(data, size) ? 1 : 0;
 }
 
 // 1 if the call (or the stream whose message it is) was cancelled, else 0; only for a call not

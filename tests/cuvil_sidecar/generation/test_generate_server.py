@@ -5,10 +5,13 @@ through NVIDIA's tritonclient.
 - 16 staggered streams (different prompt lengths and token limits, HTTP and gRPC, one seeded
   sampling stream) through 4 cache slots get exactly the tokens each gets alone, and the
   greedy ones what transformers' ``generate`` gives;
-- a client that disconnects mid-stream frees its KV slot (``cuvil_generation_running``);
+- a client that disconnects mid-stream frees its KV slot (``cuvil_generation_running``),
+  over REST and over a gRPC stream;
 - a request larger than the KV budget is refused at once (413 / RESOURCE_EXHAUSTED), one that
   finds the cache and the queue full is refused 429 / RESOURCE_EXHAUSTED;
 - malformed generate requests get clean 4xx answers; a request has a ``cuvil.generate`` span.
+
+Each sidecar runs once on each gRPC front end: gRPC C++ (``native``) and grpcio.
 """
 
 from __future__ import annotations
@@ -48,14 +51,18 @@ def ids_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_llama_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-ids", tokenizer=False)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=["native", "grpcio"])
 def batching(
-    checkpoint: Path, tmp_path_factory: pytest.TempPathFactory, otlp_receiver: OtlpReceiver
+    request: pytest.FixtureRequest,
+    checkpoint: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    otlp_receiver: OtlpReceiver,
 ) -> Iterator[Sidecar]:
+    """Four slots, prompts in chunks of 8; once on each gRPC front end."""
     sidecar = Sidecar(
         checkpoint,
         tmp_path_factory.mktemp("gen") / "sidecar.log",
-        CUVIL_GRPC_FRONTEND="grpcio",
+        CUVIL_GRPC_FRONTEND=request.param,
         CUVIL_GENERATION_SLOTS="4",
         CUVIL_PREFILL_CHUNK="8",
         OTEL_EXPORTER_OTLP_ENDPOINT=otlp_receiver.endpoint,
@@ -66,9 +73,12 @@ def batching(
         yield sidecar
 
 
-@pytest.fixture(scope="module")
-def one_slot(ids_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sidecar]:
-    """One slot of 4096 positions, a budget of 4050, no waiting room; no tokenizer."""
+@pytest.fixture(scope="module", params=["native", "grpcio"])
+def one_slot(
+    request: pytest.FixtureRequest, ids_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Sidecar]:
+    """One slot of 4096 positions, a budget of 4050, no waiting room; no tokenizer; once on
+    each gRPC front end."""
     sidecar = Sidecar(
         ids_checkpoint,
         tmp_path_factory.mktemp("gen-budget") / "sidecar.log",
@@ -76,7 +86,7 @@ def one_slot(ids_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         CUVIL_GENERATION_MAX_SEQ="4096",
         CUVIL_KV_CACHE_BYTES=str(4050 * KV_BYTES_PER_TOKEN),
         CUVIL_GENERATION_MAX_WAITING="0",
-        CUVIL_GRPC_FRONTEND="auto",  # a local generation model is then served on grpcio
+        CUVIL_GRPC_FRONTEND=request.param,
     )
     with ready_sidecar(sidecar):
         yield sidecar
