@@ -154,7 +154,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             except SidecarError as refused:
                 yield _stream_error(request, str(refused))
                 return
-        async for answer in grpc_generate.stream_answers(self.dataplane, request):
+        gone = getattr(context, "client_gone", None)  # the native front end's; grpcio cancels
+        async for answer in grpc_generate.stream_answers(self.dataplane, request, gone):
             yield answer
 
     async def stream_message(

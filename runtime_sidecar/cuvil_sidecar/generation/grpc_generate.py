@@ -17,9 +17,10 @@ messages carry no status code), and the stream goes on.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -42,8 +43,12 @@ FINAL = "triton_final_response"
 EMPTY_FINAL = "triton_enable_empty_final_response"
 
 
-async def stream_answers(dataplane: DataPlane, request: Any) -> AsyncIterator[Any]:
-    """The responses (ModelStreamInferResponse messages) to one request of the stream."""
+async def stream_answers(
+    dataplane: DataPlane, request: Any, client_gone: Callable[[], bool] | None = None
+) -> AsyncIterator[Any]:
+    """The responses (ModelStreamInferResponse messages) to one request of the stream;
+    ``client_gone``: the call's check, for a front end that cannot cancel this generator when
+    the client goes (asked by the scheduler before it runs the request's prompt)."""
     from cuvil_sidecar._generated import grpc_service_pb2 as pb
 
     def error(message: str) -> Any:
@@ -56,7 +61,9 @@ async def stream_answers(dataplane: DataPlane, request: Any) -> AsyncIterator[An
         neutral = InferRequest.from_pb(request)
         streaming = _stream_flag(neutral)
         stream = dataplane.open_generation(
-            neutral.model_name, neutral.model_version, lambda model: _read(model, neutral)
+            neutral.model_name,
+            neutral.model_version,
+            lambda model: dataclasses.replace(_read(model, neutral), client_gone=client_gone),
         )
     except SidecarError as refused:  # the status code leads the message: streams carry none
         yield error(f"{grpc_status(refused).name}: {refused}")

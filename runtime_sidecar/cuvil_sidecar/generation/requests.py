@@ -13,7 +13,7 @@ back to a default.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +38,10 @@ class GenerateRequest:
     params: SamplingParams
     stop: tuple[str, ...] = ()
     id: str = ""
+    # whether the client has gone (any thread): asked when the request's turn comes and while
+    # its prompt is written, by transports that cannot cancel the stream when it goes (the
+    # native gRPC front end learns it only from the call)
+    client_gone: Callable[[], bool] | None = None
 
 
 def read_parameters(

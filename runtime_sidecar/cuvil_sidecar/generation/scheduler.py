@@ -32,7 +32,12 @@ never fit the budget (``KvBudgetExceeded``). Nothing past the budget is ever all
 A sequence's tokens depend only on its own cache slot, its own sampling parameters and its own
 ``torch.Generator``, so a stream gets the same tokens whoever else runs beside it. Events go to
 each sequence's ``sink`` from the engine thread; a cancelled sequence (its client went away) is
-dropped at the start of the next iteration and its slot and reservation freed.
+dropped at the start of the next iteration and its slot and reservation freed. A transport that
+cannot cancel a sequence when its client goes (the native gRPC front end learns it only by
+asking the call) gives ``submit`` a ``client_gone`` check instead: waiting sequences are asked
+every ``CLIENT_SWEEP_S`` and when their turn comes, and a prompt before each of its chunks, so
+none is run, or holds a place in the queue, for nobody; a decoding one learns it when its next
+token cannot be written.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ log = logging.getLogger("cuvil_sidecar.generation")
 # went away, the engine failed, or the sidecar stopped
 FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED, FINISH_ERROR = "stop", "length", "cancelled", "error"
 FINISH_SHUTDOWN = "shutdown"
+CLIENT_SWEEP_S = 0.05  # how often waiting sequences' clients are asked whether they are gone
 
 
 @dataclass(frozen=True)
@@ -85,6 +91,13 @@ class Sequence:
     prefilled: int = 0  # prompt positions in the cache before its decode steps (all but one)
     tokens: list[int] = field(default_factory=list)
     cancelled: bool = False
+    client_gone: Callable[[], bool] | None = None
+
+    def abandoned(self) -> bool:
+        """Cancelled, or its client gone (asked of the transport, for one that can tell)."""
+        if not self.cancelled and self.client_gone is not None and self.client_gone():
+            self.cancelled = True
+        return self.cancelled
 
     @property
     def reserved(self) -> int:
@@ -137,6 +150,7 @@ class Scheduler:
         self._waiting: collections.deque[Sequence] = collections.deque()
         self._running: list[Sequence] = []
         self._reserved = 0
+        self._next_sweep = 0.0  # when the waiting sequences' clients are next asked (monotonic)
         self._closed = False
         self._wake = threading.Condition()
         self._threads = [threading.Thread(target=self._loop, name=f"cuvil-{name}", daemon=True)]
@@ -149,9 +163,17 @@ class Scheduler:
         for thread in self._threads:
             thread.start()
 
-    def submit(self, prompt: list[int], params: SamplingParams, sink: Sink) -> Sequence:
+    def submit(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        sink: Sink,
+        client_gone: Callable[[], bool] | None = None,
+    ) -> Sequence:
         """Queue a sequence; its events go to ``sink`` on the engine thread. Raises at once
-        when it can never run, or when the waiting queue is full."""
+        when it can never run, or when the waiting queue is full. ``client_gone`` (any
+        thread, cheap): whether the client went away without cancelling; asked while the
+        sequence waits and before each of its prompt chunks, so that it is dropped unrun."""
         max_seq = self.engine.max_seq
         if not prompt:
             raise InvalidInput("the prompt holds no tokens")
@@ -170,6 +192,7 @@ class Scheduler:
             max_new_tokens=min(params.max_new_tokens, max_seq - len(prompt)),
             generator=params.generator(),
             submitted_ns=time.perf_counter_ns(),
+            client_gone=client_gone,
         )
         if sequence.reserved > self.budget_positions:
             raise KvBudgetExceeded(
@@ -229,7 +252,7 @@ class Scheduler:
                     self._wake.notify_all()  # the prefill thread stops too
                     break
                 dropped = self._drop_cancelled()
-                self._admit()
+                dropped += self._admit()
                 if self.prefill_alongside:
                     prefills: list[tuple[Sequence, int]] = []
                     self._wake.notify_all()  # the sequences admitted, to the prefill thread
@@ -283,6 +306,11 @@ class Scheduler:
                 self._wake.notify_all()
 
     def _drop_cancelled(self) -> list[Sequence]:
+        now = time.monotonic()
+        if self._waiting and now >= self._next_sweep:  # a gone client keeps no place in line
+            self._next_sweep = now + CLIENT_SWEEP_S
+            for sequence in self._waiting:
+                sequence.abandoned()
         dropped = [s for s in self._waiting if s.cancelled]
         if dropped:
             self._waiting = collections.deque(s for s in self._waiting if not s.cancelled)
@@ -292,15 +320,22 @@ class Scheduler:
             dropped.append(sequence)
         return dropped
 
-    def _admit(self) -> None:
+    def _admit(self) -> list[Sequence]:
+        """Under the lock: waiting sequences take free slots in arrival order; returns those
+        found abandoned when their turn came (dropped unrun)."""
+        gone = []
         while self._waiting and self._free_slots:
             head = self._waiting[0]
+            if head.abandoned():
+                gone.append(self._waiting.popleft())
+                continue
             if self._reserved + head.reserved > self.budget_positions:
-                return  # first come first served: later ones wait behind it
+                break  # first come first served: later ones wait behind it
             self._waiting.popleft()
             head.slot = self._free_slots.pop()
             self._reserved += head.reserved
             self._running.append(head)
+        return gone
 
     def _leave(self, sequence: Sequence) -> None:
         """Under the lock: the sequence's slot and reservation go back (once: a prompt whose
@@ -314,13 +349,19 @@ class Scheduler:
 
     def _prefill_plan(self) -> list[tuple[Sequence, int]]:
         """Under the lock: the next prompt chunks, in arrival order, ``prefill_chunk`` tokens
-        in all, of sequences not cancelled."""
+        in all, of sequences not cancelled and whose client is still there."""
         plan, left = [], self.prefill_chunk
         for sequence in self._running:
             remaining = len(sequence.prompt) - 1 - sequence.prefilled
-            if remaining and left and not sequence.cancelled:
-                plan.append((sequence, min(remaining, left)))
-                left -= plan[-1][1]
+            if not remaining or not left:
+                continue
+            known = sequence.cancelled
+            if sequence.abandoned():
+                if not known:
+                    self._wake.notify_all()  # the engine thread drops it
+                continue
+            plan.append((sequence, min(remaining, left)))
+            left -= plan[-1][1]
         return plan
 
     def _prefill_chunks(self, plan: list[tuple[Sequence, int]]) -> None:

@@ -176,7 +176,7 @@ class GenerationStream:
         self._span = tracing.start_generate_span(servable.name, servable.digest, servable.links)
         try:
             self._sequence: Sequence = servable.scheduler.submit(
-                list(prompt), request.params, self._sink
+                list(prompt), request.params, self._sink, request.client_gone
             )
         except Exception as error:
             tracing.end_generate_span(self._span, error=str(error))

@@ -92,6 +92,24 @@ def one_slot(
         yield sidecar
 
 
+@pytest.fixture(scope="module", params=["native", "grpcio"])
+def queue_of_one(
+    request: pytest.FixtureRequest, ids_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Sidecar]:
+    """One slot of 16384 positions and room for one request to wait; once on each gRPC front
+    end."""
+    sidecar = Sidecar(
+        ids_checkpoint,
+        tmp_path_factory.mktemp("gen-queue") / "sidecar.log",
+        CUVIL_GENERATION_SLOTS="1",
+        CUVIL_GENERATION_MAX_SEQ="16384",
+        CUVIL_GENERATION_MAX_WAITING="1",
+        CUVIL_GRPC_FRONTEND=request.param,
+    )
+    with ready_sidecar(sidecar):
+        yield sidecar
+
+
 def post(sidecar: Sidecar, path: str, body: Any, headers: dict[str, str] | None = None) -> Any:
     host, port = sidecar.http_url.split(":")
     connection = http.client.HTTPConnection(host, int(port), timeout=WAIT_S)
@@ -379,3 +397,34 @@ def test_a_cancelled_grpc_stream_frees_its_slot(one_slot: Sidecar) -> None:
     assert metric(one_slot, "cuvil_generation_running") == 0
     status, answer = post(one_slot, "/v2/models/tiny-ids/generate", {"input_ids": [1]})
     assert status == 200, answer
+
+
+def test_a_queued_grpc_request_whose_client_went_leaves_the_queue(queue_of_one: Sidecar) -> None:
+    """A ModelStreamInfer request waiting for the only slot, cancelled by its client, leaves
+    the queue while the stream holding the slot runs on: it never runs, nor holds a place in
+    line (the native front end asks the call; grpcio cancels the stream's task)."""
+    endless = {"input_ids": [7, 8, 9], "parameters": {"max_tokens": 16000, "ignore_eos": True}}
+    holder = EventStream(queue_of_one, "tiny-ids", endless)
+    events = iter(holder)
+    assert next(events)["finish_reason"] is None
+    client = grpcclient.InferenceServerClient(queue_of_one.url)
+    client.start_stream(callback=lambda result, error: None)
+    item = grpcclient.InferInput("input_ids", [3], "INT64")
+    item.set_data_from_numpy(np.array([4, 5, 6], dtype=np.int64))
+    client.async_stream_infer("tiny-ids", [item], parameters={"max_tokens": 3})
+    deadline = time.monotonic() + WAIT_S
+    while not metric(queue_of_one, "cuvil_generation_waiting") and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert metric(queue_of_one, "cuvil_generation_waiting") == 1
+    client.stop_stream(cancel_requests=True)  # the client goes away while its request waits
+    client.close()
+    deadline = time.monotonic() + 5.0  # the endless stream needs far longer than this
+    while metric(queue_of_one, "cuvil_generation_waiting") and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert metric(queue_of_one, "cuvil_generation_waiting") == 0
+    assert metric(queue_of_one, "cuvil_generation_running") == 1  # the endless stream, still
+    holder.close()
+    deadline = time.monotonic() + WAIT_S
+    while metric(queue_of_one, "cuvil_generation_running") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric(queue_of_one, "cuvil_generation_running") == 0

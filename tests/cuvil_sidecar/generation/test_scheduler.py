@@ -300,6 +300,81 @@ def test_cancelling_frees_the_slot_for_the_next_request(alongside: bool) -> None
         scheduler.close()
 
 
+@pytest.mark.parametrize("alongside", [False, True], ids=["one_thread", "prefill_alongside"])
+def test_a_waiting_request_whose_client_went_is_dropped_unrun_when_its_turn_comes(
+    alongside: bool,
+) -> None:
+    """A transport that cannot cancel (the native gRPC front end) gives a ``client_gone``
+    check: the request whose client went while it waited never reaches the engine, and the
+    one behind it takes the slot."""
+    gate = threading.Event()
+    engine = HistoryEngine(max_batch=1, max_seq=32, gate=gate)
+    scheduler = Scheduler(engine, prefill_alongside=alongside)
+    gone = threading.Event()
+    try:
+        first, abandoned, last = Collector(), Collector(), Collector()
+        scheduler.submit([1], SamplingParams(max_new_tokens=3), first)
+        assert engine.entered.wait(WAIT_S)  # it holds the only slot
+        scheduler.submit([7, 8, 9], SamplingParams(max_new_tokens=3), abandoned, gone.is_set)
+        scheduler.submit([2, 3], SamplingParams(max_new_tokens=2), last)
+        gone.set()
+        gate.set()
+        assert abandoned.finish == FINISH_CANCELLED and abandoned.tokens() == []
+        assert last.tokens() == alone([2, 3], SamplingParams(max_new_tokens=2))
+        # the only prompt written is [2, 3]'s first token: [7, 8, 9] would have been two more
+        assert sum(n for kind, _, n in engine.calls if kind != "decode") == 1
+        assert scheduler.usage().reserved_positions == 0
+    finally:
+        gate.set()
+        scheduler.close()
+
+
+def test_a_waiting_request_whose_client_went_leaves_the_queue_while_the_slot_is_busy() -> None:
+    engine = HistoryEngine(max_batch=1, max_seq=100_000)
+    scheduler = Scheduler(engine, max_waiting=1)
+    gone = threading.Event()
+    try:
+        endless, abandoned = Collector(), Collector()
+        running = scheduler.submit([1], SamplingParams(max_new_tokens=90_000), endless)
+        while not endless.events:  # it holds the only slot
+            threading.Event().wait(0.001)
+        scheduler.submit([7, 8], SamplingParams(max_new_tokens=3), abandoned, gone.is_set)
+        assert scheduler.usage().waiting == 1
+        gone.set()
+        assert abandoned.finish == FINISH_CANCELLED and abandoned.tokens() == []
+        assert not endless.done.is_set()  # dropped while the only slot was still busy
+        assert scheduler.usage().waiting == 0
+        queued = scheduler.submit([3], SamplingParams(max_new_tokens=1), Collector())  # room
+        scheduler.cancel(queued)
+        scheduler.cancel(running)
+        assert endless.finish == FINISH_CANCELLED
+    finally:
+        scheduler.close()
+
+
+@pytest.mark.parametrize("alongside", [False, True], ids=["one_thread", "prefill_alongside"])
+def test_a_long_prompt_stops_being_written_once_its_client_is_gone(alongside: bool) -> None:
+    engine = HistoryEngine(max_batch=1, max_seq=256)
+    scheduler = Scheduler(engine, prefill_chunk=4, prefill_alongside=alongside)
+    written = threading.Event()
+    try:
+        chunks = Collector()
+
+        def client_gone() -> bool:  # gone once two chunks are in
+            if sum(kind == "extend" for kind, _, _ in engine.calls) >= 2:
+                written.set()
+            return written.is_set()
+
+        prompt = [k % VOCAB for k in range(1, 200)]
+        scheduler.submit(prompt, SamplingParams(max_new_tokens=3), chunks, client_gone)
+        assert chunks.finish == FINISH_CANCELLED and chunks.tokens() == []
+        extends = [n for kind, _, n in engine.calls if kind == "extend"]
+        assert extends == [4, 4], extends  # 198 tokens would have been 50 chunks
+        assert scheduler.usage().reserved_positions == 0
+    finally:
+        scheduler.close()
+
+
 def test_a_cancelled_prompt_keeps_its_slot_until_its_chunk_is_written() -> None:
     """The prefill thread is writing a chunk of the only slot's prompt when the sequence is
     cancelled; a one-token prompt waiting for that slot decodes only once the chunk is done
