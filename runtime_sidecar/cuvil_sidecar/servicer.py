@@ -155,8 +155,12 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 yield _stream_error(request, str(refused))
                 return
         gone = getattr(context, "client_gone", None)  # the native front end's; grpcio cancels
-        async for answer in grpc_generate.stream_answers(self.dataplane, request, gone):
-            yield answer
+        try:
+            async for answer in grpc_generate.stream_answers(self.dataplane, request, gone):
+                yield answer
+        except Exception as failure:  # a bug: answered in the stream, which goes on
+            log.exception("ModelStreamInfer failed")
+            yield _stream_error(request, f"internal error in ModelStreamInfer: {failure!r}")
 
     async def stream_message(
         self, request: Any, context: Any

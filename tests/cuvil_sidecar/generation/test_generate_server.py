@@ -17,6 +17,7 @@ Each sidecar runs once on each gRPC front end: gRPC C++ (``native``) and grpcio.
 from __future__ import annotations
 
 import http.client
+import itertools
 import json
 import queue
 import re
@@ -253,6 +254,46 @@ def test_sixteen_staggered_streams_get_the_tokens_they_get_alone(
         )[0, prompt.shape[1] :].tolist()
         assert alone[i] == reference, i
     assert metric(batching, "cuvil_generation_running") == 0
+
+
+def test_requests_sharing_one_grpc_stream_get_their_own_tokens(batching: Sidecar) -> None:
+    """Triton's decoupled mode with several requests on one ModelStreamInfer stream: their
+    answers come interleaved, each with its request's id, and each request gets the tokens it
+    gets alone."""
+    requests = staggered_requests()[:6]
+    client = grpcclient.InferenceServerClient(batching.url)
+    results: queue.Queue[Any] = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(requests))}
+    answering: list[str] = []
+    try:
+        for i, request in enumerate(requests):
+            if i == 5:
+                continue  # the sampled one
+            ids = np.asarray(request["input_ids"], dtype=np.int64)
+            item = grpcclient.InferInput("input_ids", list(ids.shape), "INT64")
+            item.set_data_from_numpy(ids)
+            client.async_stream_infer(
+                "tiny", [item], request_id=str(i), parameters=request["parameters"]
+            )
+        finished = 0
+        while finished < len(requests) - 1:
+            result, error = results.get(timeout=WAIT_S)
+            assert error is None, error
+            response = result.get_response()
+            tokens[response.id] += result.as_numpy("output_ids").tolist()
+            answering.append(response.id)
+            finished += response.parameters["triton_final_response"].bool_param
+    finally:
+        client.stop_stream()
+        client.close()
+    for i, request in enumerate(requests[:5]):
+        status, answer = post(batching, "/v2/models/tiny/generate", request)
+        assert status == 200, answer
+        assert tokens[str(i)] == answer["output_ids"], i
+    # interleaved (batched together), not one request's answers after another's
+    changes = sum(a != b for a, b in itertools.pairwise(answering))
+    assert len(set(answering)) == 5 and changes > 4, answering
 
 
 def test_text_in_and_out_with_the_tokenizer(batching: Sidecar) -> None:
