@@ -4,9 +4,10 @@ through NVIDIA's tritonclient.
 
 - 16 staggered streams (different prompt lengths and token limits, HTTP and gRPC, one seeded
   sampling stream) through 4 cache slots get exactly the tokens each gets alone, and the
-  greedy ones what transformers' ``generate`` gives;
+  greedy ones what transformers' ``generate`` gives; requests sharing one ModelStreamInfer
+  stream are answered interleaved, each with its own tokens;
 - a client that disconnects mid-stream frees its KV slot (``cuvil_generation_running``),
-  over REST and over a gRPC stream;
+  over REST and over a gRPC stream, and one whose request still waits leaves the queue;
 - a request larger than the KV budget is refused at once (413 / RESOURCE_EXHAUSTED), one that
   finds the cache and the queue full is refused 429 / RESOURCE_EXHAUSTED;
 - malformed generate requests get clean 4xx answers; a request has a ``cuvil.generate`` span.
