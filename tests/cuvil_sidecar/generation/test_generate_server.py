@@ -319,6 +319,80 @@ def test_text_in_and_out_with_the_tokenizer(batching: Sidecar) -> None:
     assert stopped["output_ids"] == answer["output_ids"][: len(stopped["output_ids"])]
 
 
+def grpc_answers(
+    sidecar: Sidecar,
+    inputs: list[Any],
+    parameters: dict[str, Any] | None = None,
+    empty_final: bool = False,
+) -> list[Any]:
+    """Every answer (InferResult) to one ModelStreamInfer request, up to its final one."""
+    client = grpcclient.InferenceServerClient(sidecar.url)
+    results: queue.Queue[Any] = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    answers = []
+    try:
+        client.async_stream_infer(
+            "tiny", inputs, parameters=parameters, enable_empty_final_response=empty_final
+        )
+        while True:
+            result, error = results.get(timeout=WAIT_S)
+            if error is not None:
+                raise AssertionError(str(error))
+            answers.append(result)
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                return answers
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def tensor(name: str, values: Any, datatype: str) -> Any:
+    kinds = {"BYTES": object, "INT32": np.int32, "BOOL": np.bool_}
+    array = np.asarray(values, dtype=kinds[datatype])
+    item = grpcclient.InferInput(name, list(array.shape), datatype)
+    item.set_data_from_numpy(array)
+    return item
+
+
+def test_grpc_generation_takes_triton_vllm_and_trt_llm_request_forms(batching: Sidecar) -> None:
+    """Text in through ``text_input``; the generate parameters as request parameters, as a
+    ``sampling_parameters`` JSON input (vLLM's backend) or as one-element tensors (TensorRT-LLM's);
+    ``stream`` false answers once with every token; ``triton_enable_empty_final_response`` ends
+    with an empty final answer. Each gives the tokens and text REST's generate gives."""
+    body = {"text_input": "the quick fox", "parameters": {"max_tokens": 5, "ignore_eos": True}}
+    status, reference = post(batching, "/v2/models/tiny/generate", body)
+    assert status == 200, reference
+    text = tensor("text_input", ["the quick fox"], "BYTES")
+
+    def ids_and_text(answers: list[Any]) -> tuple[list[int], str]:
+        ids, pieces = [], []
+        for answer in answers:
+            got, texts = answer.as_numpy("output_ids"), answer.as_numpy("text_output")
+            ids += [] if got is None else got.tolist()
+            pieces += [] if texts is None else [piece.decode() for piece in texts]
+        return ids, "".join(pieces)
+
+    expected = (reference["output_ids"], reference["text_output"])
+    as_parameters = grpc_answers(batching, [text], body["parameters"])
+    assert len(as_parameters) == 5 and ids_and_text(as_parameters) == expected
+    vllm = tensor("sampling_parameters", [json.dumps(body["parameters"])], "BYTES")
+    assert ids_and_text(grpc_answers(batching, [text, vllm])) == expected
+    trt_llm = [tensor("max_tokens", [5], "INT32"), tensor("ignore_eos", [True], "BOOL")]
+    assert ids_and_text(grpc_answers(batching, [text, *trt_llm])) == expected
+    whole = grpc_answers(batching, [text, vllm, tensor("stream", [False], "BOOL")])
+    assert len(whole) == 1 and ids_and_text(whole) == expected
+    last = whole[0].get_response().parameters["finish_reason"].string_param
+    assert last == reference["finish_reason"] == "length"
+    with_empty = grpc_answers(batching, [text, vllm], empty_final=True)
+    assert len(with_empty) == 6 and ids_and_text(with_empty) == expected
+    assert with_empty[-1].as_numpy("output_ids") is None
+    assert not any(
+        a.get_response().parameters["triton_final_response"].bool_param for a in with_empty[:-1]
+    )
+    with pytest.raises(AssertionError, match=r"INVALID_ARGUMENT.*stream must be a BOOL"):
+        grpc_answers(batching, [text, tensor("stream", [1], "INT32")])
+
+
 @pytest.mark.parametrize(
     ("body", "status", "says"),
     [
