@@ -165,23 +165,40 @@ def grpc_stream(
     first: Callable[[], None] = lambda: None,
     model: str = "tiny",
 ) -> list[int]:
+    """The tokens of one ``input_ids`` request over ModelStreamInfer; ``first`` is called on
+    every answer."""
+    ids = np.asarray(body["input_ids"], dtype=np.int64)
+    item = grpcclient.InferInput("input_ids", list(ids.shape), "INT64")
+    item.set_data_from_numpy(ids)
+    answers = grpc_answers(sidecar, [item], body["parameters"], model=model, on_answer=first)
+    return [token for answer in answers for token in answer.as_numpy("output_ids").tolist()]
+
+
+def grpc_answers(
+    sidecar: Sidecar,
+    inputs: list[Any],
+    parameters: dict[str, Any] | None = None,
+    empty_final: bool = False,
+    model: str = "tiny",
+    on_answer: Callable[[], None] = lambda: None,
+) -> list[Any]:
+    """Every answer (InferResult) to one ModelStreamInfer request, up to its final one."""
     client = grpcclient.InferenceServerClient(sidecar.url)
     results: queue.Queue[Any] = queue.Queue()
     client.start_stream(callback=lambda result, error: results.put((result, error)))
+    answers = []
     try:
-        ids = np.asarray(body["input_ids"], dtype=np.int64)
-        item = grpcclient.InferInput("input_ids", list(ids.shape), "INT64")
-        item.set_data_from_numpy(ids)
-        client.async_stream_infer(model, [item], request_id="s", parameters=body["parameters"])
-        tokens: list[int] = []
+        client.async_stream_infer(
+            model, inputs, parameters=parameters, enable_empty_final_response=empty_final
+        )
         while True:
             result, error = results.get(timeout=WAIT_S)
             if error is not None:
                 raise AssertionError(str(error))
-            tokens += result.as_numpy("output_ids").tolist()
-            first()
+            answers.append(result)
+            on_answer()
             if result.get_response().parameters["triton_final_response"].bool_param:
-                return tokens
+                return answers
     finally:
         client.stop_stream()
         client.close()
@@ -317,33 +334,6 @@ def test_text_in_and_out_with_the_tokenizer(batching: Sidecar) -> None:
     assert stopped["text_output"] == text[: text.index(stop)]
     assert stopped["finish_reason"] == "stop"
     assert stopped["output_ids"] == answer["output_ids"][: len(stopped["output_ids"])]
-
-
-def grpc_answers(
-    sidecar: Sidecar,
-    inputs: list[Any],
-    parameters: dict[str, Any] | None = None,
-    empty_final: bool = False,
-) -> list[Any]:
-    """Every answer (InferResult) to one ModelStreamInfer request, up to its final one."""
-    client = grpcclient.InferenceServerClient(sidecar.url)
-    results: queue.Queue[Any] = queue.Queue()
-    client.start_stream(callback=lambda result, error: results.put((result, error)))
-    answers = []
-    try:
-        client.async_stream_infer(
-            "tiny", inputs, parameters=parameters, enable_empty_final_response=empty_final
-        )
-        while True:
-            result, error = results.get(timeout=WAIT_S)
-            if error is not None:
-                raise AssertionError(str(error))
-            answers.append(result)
-            if result.get_response().parameters["triton_final_response"].bool_param:
-                return answers
-    finally:
-        client.stop_stream()
-        client.close()
 
 
 def tensor(name: str, values: Any, datatype: str) -> Any:
