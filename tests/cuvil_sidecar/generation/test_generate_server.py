@@ -53,7 +53,17 @@ def ids_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_llama_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-ids", tokenizer=False)
 
 
-@pytest.fixture(scope="module", params=["native", "grpcio"])
+FRONT_ENDS = ["native", "grpcio"]
+
+
+def serving(checkpoint: Path, folder: Path, frontend: str, **settings: str) -> Iterator[Sidecar]:
+    """A ready sidecar serving ``checkpoint`` on the gRPC front end ``frontend``."""
+    sidecar = Sidecar(checkpoint, folder / "sidecar.log", CUVIL_GRPC_FRONTEND=frontend, **settings)
+    with ready_sidecar(sidecar):
+        yield sidecar
+
+
+@pytest.fixture(scope="module", params=FRONT_ENDS)
 def batching(
     request: pytest.FixtureRequest,
     checkpoint: Path,
@@ -61,55 +71,43 @@ def batching(
     otlp_receiver: OtlpReceiver,
 ) -> Iterator[Sidecar]:
     """Four slots, prompts in chunks of 8; once on each gRPC front end."""
-    sidecar = Sidecar(
-        checkpoint,
-        tmp_path_factory.mktemp("gen") / "sidecar.log",
-        CUVIL_GRPC_FRONTEND=request.param,
+    yield from serving(
+        checkpoint, tmp_path_factory.mktemp("gen"), request.param,
         CUVIL_GENERATION_SLOTS="4",
         CUVIL_PREFILL_CHUNK="8",
         OTEL_EXPORTER_OTLP_ENDPOINT=otlp_receiver.endpoint,
         OTEL_EXPORTER_OTLP_INSECURE="true",
         OTEL_BSP_SCHEDULE_DELAY="100",
-    )
-    with ready_sidecar(sidecar):
-        yield sidecar
+    )  # fmt: skip
 
 
-@pytest.fixture(scope="module", params=["native", "grpcio"])
+@pytest.fixture(scope="module", params=FRONT_ENDS)
 def one_slot(
     request: pytest.FixtureRequest, ids_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Sidecar]:
     """One slot of 4096 positions, a budget of 4050, no waiting room; no tokenizer; once on
     each gRPC front end."""
-    sidecar = Sidecar(
-        ids_checkpoint,
-        tmp_path_factory.mktemp("gen-budget") / "sidecar.log",
+    yield from serving(
+        ids_checkpoint, tmp_path_factory.mktemp("gen-budget"), request.param,
         CUVIL_GENERATION_SLOTS="1",
         CUVIL_GENERATION_MAX_SEQ="4096",
         CUVIL_KV_CACHE_BYTES=str(4050 * KV_BYTES_PER_TOKEN),
         CUVIL_GENERATION_MAX_WAITING="0",
-        CUVIL_GRPC_FRONTEND=request.param,
-    )
-    with ready_sidecar(sidecar):
-        yield sidecar
+    )  # fmt: skip
 
 
-@pytest.fixture(scope="module", params=["native", "grpcio"])
+@pytest.fixture(scope="module", params=FRONT_ENDS)
 def queue_of_one(
     request: pytest.FixtureRequest, ids_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Sidecar]:
     """One slot of 16384 positions and room for one request to wait; once on each gRPC front
     end."""
-    sidecar = Sidecar(
-        ids_checkpoint,
-        tmp_path_factory.mktemp("gen-queue") / "sidecar.log",
+    yield from serving(
+        ids_checkpoint, tmp_path_factory.mktemp("gen-queue"), request.param,
         CUVIL_GENERATION_SLOTS="1",
         CUVIL_GENERATION_MAX_SEQ="16384",
         CUVIL_GENERATION_MAX_WAITING="1",
-        CUVIL_GRPC_FRONTEND=request.param,
-    )
-    with ready_sidecar(sidecar):
-        yield sidecar
+    )  # fmt: skip
 
 
 def post(sidecar: Sidecar, path: str, body: Any, headers: dict[str, str] | None = None) -> Any:
