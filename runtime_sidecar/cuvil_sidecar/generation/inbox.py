@@ -3,15 +3,39 @@ in batches.
 
 A decode step picks a token for every running stream at once; handing each to its stream with
 its own ``call_soon_threadsafe`` would wake the loop (a write to its self-pipe) once per stream
-per step. ``LoopInbox`` queues them and wakes the loop only when no delivery is already due, so
-one step's tokens for all streams on a loop arrive in one wake-up, in the order they were put.
+per step. ``LoopInbox`` queues them and wakes the loop only when no delivery is already due, in
+the order they were put; and within ``held_deliveries()`` (the scheduler's hand-out of one
+step's tokens) not before the block ends, so one step's tokens for all streams on a loop arrive
+in one wake-up: a loop woken by the step's first token would otherwise take them a few at a
+time, and a gRPC stream carrying several requests would write each few on its own.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
+from collections.abc import Iterator
 from typing import Any
+
+_held = threading.local()  # ``inboxes``: those put into within this thread's held block
+
+
+@contextlib.contextmanager
+def held_deliveries() -> Iterator[None]:
+    """On the calling thread: what is put into any inbox within the block wakes its loop once,
+    when the block ends (nested blocks end with the outermost)."""
+    if getattr(_held, "inboxes", None) is not None:
+        yield
+        return
+    inboxes: list[LoopInbox] = []
+    _held.inboxes = inboxes
+    try:
+        yield
+    finally:
+        _held.inboxes = None
+        for inbox in inboxes:
+            inbox.wake()
 
 
 class LoopInbox:
@@ -23,12 +47,29 @@ class LoopInbox:
 
     def put(self, queue: asyncio.Queue[Any], item: Any) -> None:
         """From any thread: ``item`` into ``queue`` on the loop, soon (dropped once the loop
-        is closed: nobody reads its queues)."""
+        is closed: nobody reads its queues); within ``held_deliveries``, once the block ends."""
+        held = getattr(_held, "inboxes", None)
         with self._lock:
             self._pending.append((queue, item))
             if self._due:
                 return
+            if held is None:
+                self._due = True
+        if held is not None:
+            if self not in held:
+                held.append(self)
+            return
+        self._schedule()
+
+    def wake(self) -> None:
+        """Deliver what is pending, unless a delivery is already due."""
+        with self._lock:
+            if self._due or not self._pending:
+                return
             self._due = True
+        self._schedule()
+
+    def _schedule(self) -> None:
         try:
             self._loop.call_soon_threadsafe(self._deliver)
         except RuntimeError:  # the loop is closed

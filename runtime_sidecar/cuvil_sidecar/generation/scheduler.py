@@ -54,6 +54,7 @@ import torch
 from cuvil.generation.engine import DecoderEngine
 from cuvil.generation.sampling import SamplingParams, next_tokens
 from cuvil_sidecar.errors import GenerationQueueFull, InvalidInput, KvBudgetExceeded
+from cuvil_sidecar.generation.inbox import held_deliveries
 
 log = logging.getLogger("cuvil_sidecar.generation")
 
@@ -407,8 +408,9 @@ class Scheduler:
             return
         params = [s.params for s in sequences]
         tokens = next_tokens(logits, params, [s.generator for s in sequences])
-        for sequence, token in zip(sequences, tokens, strict=True):
-            self._took(sequence, token)
+        with held_deliveries():  # the step's tokens reach each event loop in one wake-up
+            for sequence, token in zip(sequences, tokens, strict=True):
+                self._took(sequence, token)
 
     def _took(self, sequence: Sequence, token: int) -> None:
         """Send the sequence's next token, end the sequence if done."""

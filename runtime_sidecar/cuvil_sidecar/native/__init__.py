@@ -129,7 +129,7 @@ def load() -> ctypes.CDLL:
     library.cuvil_frontend_set_serving.restype = None
     library.cuvil_frontend_finish.argtypes = [c_void_p, c_int, c_char_p, c_char_p, c_size_t]
     library.cuvil_frontend_finish.restype = None
-    library.cuvil_frontend_write.argtypes = [c_void_p, c_char_p, c_size_t]
+    library.cuvil_frontend_write.argtypes = [c_void_p, c_char_p, c_size_t, c_int]
     library.cuvil_frontend_write.restype = c_int
     library.cuvil_frontend_cancelled.argtypes = [c_void_p]
     library.cuvil_frontend_cancelled.restype = c_int

@@ -10,7 +10,10 @@
 // stream ends once the client has stopped sending and every message is answered (or at once,
 // with the status, when Python answers a message with an error code). A message may have
 // several answers (a generation model's, one per token: Triton's decoupled mode): Python writes
-// each with cuvil_frontend_write and then finishes the message with no data. Python asks
+// each with cuvil_frontend_write and then finishes the message with no data; answers written
+// with `more` wait for the next write without it, so that the answers of one turn of Python's
+// event loop start writing once from Python's thread, the rest following from gRPC's threads
+// as each write completes. Python asks
 // whether a call, or a message's stream, was cancelled (cuvil_frontend_cancelled) before it
 // runs it. A large request of a method with a tensor field (ModelInfer's raw_input_contents) is split here first, off the
 // GIL: the tensors' bytes go straight from gRPC's slices into one buffer that Python takes
@@ -207,9 +210,10 @@ class Call {
   // code 0 sends data as the response message (for a stream's message, data null sends
   // nothing more); any other code fails the call with message.
   virtual void Finish(int code, const char* message, const char* data, size_t size) = 0;
-  // One more answer to a stream's message, written before it is finished; false when nothing
-  // more can be written (the stream failed or was cancelled, or the call is unary).
-  virtual bool Write(const char* data, size_t size) { return false; }
+  // One more answer to a stream's message, written before it is finished (with `more`: queued
+  // for the next write without it); false when nothing more can be written (the stream failed
+  // or was cancelled, or the call is unary).
+  virtual bool Write(const char* data, size_t size, bool more) { return false; }
   // Whether the call (for a stream's message: its stream) was cancelled: by the client, by its
   // hanging up, or by its deadline. Any thread may ask, until the call is finished.
   virtual bool Cancelled() = 0;
@@ -256,6 +260,7 @@ class Stream : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer
     --pending_;
     if (code == 0 && !failed_) {
       if (data != nullptr) Enqueue(data, size);
+      Flush();  // answers queued with `more` go now
     } else if (!failed_) {
       failed_ = true;
       status_ = grpc::Status(static_cast<grpc::StatusCode>(code), message);
@@ -266,11 +271,17 @@ class Stream : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer
     if (last) delete this;
   }
 
-  // An answer to a message that stays unfinished (it has more to come).
-  bool Write(const char* data, size_t size) {
+  // An answer to a message that stays unfinished (it has more to come); with `more`, only
+  // queued: the next answer written without it (or the message's finish) starts the write.
+  bool Write(const char* data, size_t size, bool more) {
     std::lock_guard<std::recursive_mutex> guard(lock_);
     if (failed_ || cancelled_.load(std::memory_order_acquire)) return false;
-    Enqueue(data, size);
+    if (more) {
+      grpc::Slice slice(data, size);
+      writes_.emplace_back(&slice, 1);
+    } else {
+      Enqueue(data, size);
+    }
     return true;
   }
 
@@ -329,7 +340,9 @@ class Stream : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer
     void Finish(int code, const char* message, const char* data, size_t size) override {
       stream_->Answer(code, message, data, size);
     }
-    bool Write(const char* data, size_t size) override { return stream_->Write(data, size); }
+    bool Write(const char* data, size_t size, bool more) override {
+      return stream_->Write(data, size, more);
+    }
     // The stream lives while this message is unanswered (pending_ counts it).
     bool Cancelled() override { return stream_->cancelled_.load(std::memory_order_acquire); }
 
@@ -337,24 +350,24 @@ class Stream : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer
     Stream* stream_;
   };
 
-  // Queues one answer, and starts writing it unless a write is under way; lock_ held.
+  // Queues one answer, and starts writing the queue unless a write is under way; lock_ held.
   void Enqueue(const char* data, size_t size) {
     grpc::Slice slice(data, size);
     writes_.emplace_back(&slice, 1);
-    if (!writing_) {
+    Flush();
+  }
+
+  // Starts writing what is queued, unless a write is under way; lock_ held.
+  void Flush() {
+    if (!writing_ && !writes_.empty()) {
       writing_ = true;
       StartNextWrite();
     }
   }
 
-  // Writes the front answer; while more wait behind it, gRPC may hold it back to send with
-  // them (a burst of answers, one per stream request at a decode step, leaves in a few socket
-  // writes instead of one each); the last one queued is sent at once. lock_ held.
-  void StartNextWrite() {
-    grpc::WriteOptions options;
-    if (writes_.size() > 1) options.set_buffer_hint();
-    StartWrite(&writes_.front(), options);
-  }
+  // Writes the front answer. No buffer hint: gRPC may then hold the write's completion until a
+  // later write without one, which the queue cannot start before that completion. lock_ held.
+  void StartNextWrite() { StartWrite(&writes_.front()); }
 
   // Ends the stream once nothing more will be written: every message read and answered, or a
   // failure; called with lock_ held.
@@ -557,10 +570,11 @@ void cuvil_frontend_finish(void* handle, int code, const char* message, const ch
 }
 
 // Writes one answer to a stream's message without finishing it (more answers follow, then
-// cuvil_frontend_finish with code 0 and no data): 1 if queued, 0 if nothing more can be written
-// to its stream (failed or cancelled) or the call is unary. Only for a call not yet finished.
-int cuvil_frontend_write(void* handle, const char* data, size_t size) {
-  return static_cast<Call*>(handle)->Write(data, size) ? 1 : 0;
+// cuvil_frontend_finish with code 0 and no data); with `more` nonzero it waits in the stream's
+// queue for the next write without it. 1 if queued, 0 if nothing more can be written to its
+// stream (failed or cancelled) or the call is unary. Only for a call not yet finished.
+int cuvil_frontend_write(void* handle, const char* data, size_t size, int more) {
+  return static_cast<Call*>(handle)->Write(data, size, more != 0) ? 1 : 0;
 }
 
 // 1 if the call (or the stream whose message it is) was cancelled, else 0; only for a call not
