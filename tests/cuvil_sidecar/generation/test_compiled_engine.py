@@ -4,11 +4,15 @@ tokens transformers' ``generate`` gives each prompt alone, in process and throug
 
 from __future__ import annotations
 
+import queue
 import threading
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
+import tritonclient.grpc as grpcclient
 from cuvil_sidecar.config import SidecarConfig
 from cuvil_sidecar.generation import loader
 from cuvil_sidecar.generation.scheduler import Scheduler
@@ -77,13 +81,14 @@ def test_a_sidecar_serves_the_artifact_with_prompts_written_beside_the_decode_st
     artifact: tuple, tmp_path: Path
 ) -> None:
     """Served end to end at one engine thread (the sidecar has two): prompts go through the
-    prefill thread, and concurrent REST streams get transformers' greedy tokens."""
+    prefill thread, and concurrent REST streams, then the same requests and more on one gRPC
+    ModelStreamInfer stream of the native front end, get transformers' greedy tokens."""
     model, path = artifact
     name = str(loader.artifact_config(path).get("name") or path.stem)
     sidecar = Sidecar(
         path,
         tmp_path / "sidecar.log",
-        CUVIL_GRPC_FRONTEND="grpcio",
+        CUVIL_GRPC_FRONTEND="native",
         CUVIL_GENERATION_THREADS="1",
         CUVIL_PREFILL_CHUNK="5",
     )
@@ -99,15 +104,43 @@ def test_a_sidecar_serves_the_artifact_with_prompts_written_beside_the_decode_st
         finally:
             stream.close()
 
+    shared = [(_prompt(i), 20 + i) for i in range(12)]  # 12 requests through 4 slots
     with ready_sidecar(sidecar):
         threads = [threading.Thread(target=run, args=(i,)) for i in range(len(requests))]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join(120)
+        on_one_stream = one_stream(sidecar, name, shared)
     assert "engine threads 1, prefill alongside" in sidecar.log()
-    for (prompt, tokens), got in zip(requests, streamed, strict=True):
+    for (prompt, tokens), got in zip(requests + shared, streamed + on_one_stream, strict=True):
         expected = model.generate(
             torch.tensor([prompt]), max_new_tokens=tokens, do_sample=False, eos_token_id=None
         )
         assert got == expected[0, len(prompt) :].tolist()
+
+
+def one_stream(sidecar: Sidecar, model: str, requests: list[tuple[list[int], int]]) -> list:
+    """Each request's tokens, all requests sent on one ModelStreamInfer stream."""
+    client = grpcclient.InferenceServerClient(sidecar.url)
+    answers: queue.Queue[Any] = queue.Queue()
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    tokens: list[list[int]] = [[] for _ in requests]
+    try:
+        for index, (prompt, count) in enumerate(requests):
+            ids = np.asarray(prompt, dtype=np.int64)
+            item = grpcclient.InferInput("input_ids", list(ids.shape), "INT64")
+            item.set_data_from_numpy(ids)
+            parameters = {"max_tokens": count, "ignore_eos": True}
+            client.async_stream_infer(model, [item], request_id=str(index), parameters=parameters)
+        finished = 0
+        while finished < len(requests):
+            result, error = answers.get(timeout=60)
+            assert error is None, error
+            response = result.get_response()
+            tokens[int(response.id)] += result.as_numpy("output_ids").tolist()
+            finished += response.parameters["triton_final_response"].bool_param
+    finally:
+        client.stop_stream()
+        client.close()
+    return tokens
