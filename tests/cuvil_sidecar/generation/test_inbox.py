@@ -10,18 +10,23 @@ import threading
 from cuvil_sidecar.generation.inbox import LoopInbox, LoopInboxes, held_deliveries
 
 
+def counted_wake_ups(loop: asyncio.AbstractEventLoop) -> list[int]:
+    """A one-item list that counts the loop's ``call_soon_threadsafe`` calls from now on."""
+    count = [0]
+    schedule = loop.call_soon_threadsafe
+
+    def counted(callback, *args):  # type: ignore[no-untyped-def]
+        count[0] += 1
+        return schedule(callback, *args)
+
+    loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
+    return count
+
+
 def test_events_from_another_thread_arrive_in_order_with_few_wake_ups() -> None:
     async def main() -> tuple[list[int], list[int], int]:
         loop = asyncio.get_running_loop()
-        wake_ups = 0
-        schedule = loop.call_soon_threadsafe
-
-        def counted(callback, *args):  # type: ignore[no-untyped-def]
-            nonlocal wake_ups
-            wake_ups += 1
-            return schedule(callback, *args)
-
-        loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
+        wake_ups = counted_wake_ups(loop)
         inbox = LoopInbox(loop)
         left: asyncio.Queue[int] = asyncio.Queue()
         right: asyncio.Queue[int] = asyncio.Queue()
@@ -36,7 +41,7 @@ def test_events_from_another_thread_arrive_in_order_with_few_wake_ups() -> None:
         got_left = [await asyncio.wait_for(left.get(), 10) for _ in range(200)]
         got_right = [await asyncio.wait_for(right.get(), 10) for _ in range(200)]
         thread.join()
-        return got_left, got_right, wake_ups
+        return got_left, got_right, wake_ups[0]
 
     got_left, got_right, wake_ups = asyncio.run(main())
     assert got_left == got_right == list(range(200))
@@ -49,15 +54,7 @@ def test_a_held_block_wakes_each_loop_once_with_all_its_events() -> None:
 
     async def main() -> tuple[int, list[int], list[list[int]]]:
         loop = asyncio.get_running_loop()
-        wake_ups = 0
-        schedule = loop.call_soon_threadsafe
-
-        def counted(callback, *args):  # type: ignore[no-untyped-def]
-            nonlocal wake_ups
-            wake_ups += 1
-            return schedule(callback, *args)
-
-        loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
+        wake_ups = counted_wake_ups(loop)
         inbox = LoopInbox(loop)
         queues: list[asyncio.Queue[int]] = [asyncio.Queue() for _ in range(16)]
         seen: list[int] = []  # how many events the loop found at each of its looks
@@ -82,7 +79,7 @@ def test_a_held_block_wakes_each_loop_once_with_all_its_events() -> None:
                 got[index].append(queue.get_nowait())
             step_done.set()
         thread.join()
-        return wake_ups, seen, got
+        return wake_ups[0], seen, got
 
     wake_ups, seen, got = asyncio.run(main())
     assert wake_ups == 5 and seen == [16] * 5
