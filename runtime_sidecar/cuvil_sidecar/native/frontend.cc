@@ -13,13 +13,13 @@
 // each with cuvil_frontend_write and then finishes the message with no data; answers written
 // with `more` wait for the next write without it, so that the answers of one turn of Python's
 // event loop start writing once from Python's thread, the rest following from gRPC's threads
-// as each write completes. Python asks
-// whether a call, or a message's stream, was cancelled (cuvil_frontend_cancelled) before it
-// runs it. A large request of a method with a tensor field (ModelInfer's raw_input_contents) is split here first, off the
-// GIL: the tensors' bytes go straight from gRPC's slices into one buffer that Python takes
-// over, each at a 64-byte boundary, and Python parses only the rest (see wire.py). Health
-// (grpc.health.v1, Check and Watch) and reflection come from gRPC C++ itself; the service
-// descriptors reflection serves are given by Python as serialized FileDescriptorProtos.
+// as each write completes. Python asks whether a call, or a message's stream, was cancelled
+// (cuvil_frontend_cancelled) before it runs it. A large request of a method with a tensor field
+// (ModelInfer's raw_input_contents) is split here first, off the GIL: the tensors' bytes go
+// straight from gRPC's slices into one buffer that Python takes over, each at a 64-byte
+// boundary, and Python parses only the rest (see wire.py). Health (grpc.health.v1, Check and
+// Watch) and reflection come from gRPC C++ itself; the service descriptors reflection serves
+// are given by Python as serialized FileDescriptorProtos.
 #include <google/protobuf/descriptor.h>
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
@@ -259,8 +259,8 @@ class Stream : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer
     std::unique_lock<std::recursive_mutex> guard(lock_);
     --pending_;
     if (code == 0 && !failed_) {
-      if (data != nullptr) Enqueue(data, size);
-      Flush();  // answers queued with `more` go now
+      if (data != nullptr) Queue(data, size);
+      Flush();  // with the answers queued with `more`
     } else if (!failed_) {
       failed_ = true;
       status_ = grpc::Status(static_cast<grpc::StatusCode>(code), message);
@@ -276,12 +276,8 @@ class Stream : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer
   bool Write(const char* data, size_t size, bool more) {
     std::lock_guard<std::recursive_mutex> guard(lock_);
     if (failed_ || cancelled_.load(std::memory_order_acquire)) return false;
-    if (more) {
-      grpc::Slice slice(data, size);
-      writes_.emplace_back(&slice, 1);
-    } else {
-      Enqueue(data, size);
-    }
+    Queue(data, size);
+    if (!more) Flush();
     return true;
   }
 
@@ -350,11 +346,10 @@ class Stream : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer
     Stream* stream_;
   };
 
-  // Queues one answer, and starts writing the queue unless a write is under way; lock_ held.
-  void Enqueue(const char* data, size_t size) {
+  // Queues one answer (a copy of its bytes); lock_ held.
+  void Queue(const char* data, size_t size) {
     grpc::Slice slice(data, size);
     writes_.emplace_back(&slice, 1);
-    Flush();
   }
 
   // Starts writing what is queued, unless a write is under way; lock_ held.
