@@ -35,9 +35,9 @@ each sequence's ``sink`` from the engine thread; a cancelled sequence (its clien
 dropped at the start of the next iteration and its slot and reservation freed. A transport that
 cannot cancel a sequence when its client goes (the native gRPC front end learns it only by
 asking the call) gives ``submit`` a ``client_gone`` check instead: waiting sequences are asked
-every ``CLIENT_SWEEP_S`` and when their turn comes, and a prompt before each of its chunks, so
-none is run, or holds a place in the queue, for nobody; a decoding one learns it when its next
-token cannot be written.
+every ``CLIENT_SWEEP_S``, when their turn comes and when the queue is full as another request
+arrives, and a prompt before each of its chunks, so none is run, or holds a place in the queue,
+for nobody; a decoding one learns it when its next token cannot be written.
 """
 
 from __future__ import annotations
@@ -204,9 +204,9 @@ class Scheduler:
         with self._wake:
             if self._closed:
                 raise GenerationQueueFull("the generation scheduler is stopping")
-            if len(self._waiting) >= self.max_waiting and not self._fits_now(sequence):
+            if self._waiting_wanted() >= self.max_waiting and not self._fits_now(sequence):
                 raise GenerationQueueFull(
-                    f"{len(self._waiting)} requests already wait for KV cache room "
+                    f"{self._waiting_wanted()} requests already wait for KV cache room "
                     f"(the queue holds {self.max_waiting}); try again later"
                 )
             self._waiting.append(sequence)
@@ -232,6 +232,14 @@ class Scheduler:
             self._wake.notify_all()
         for thread in self._threads:
             thread.join(timeout_s)
+
+    def _waiting_wanted(self) -> int:
+        """Under the lock: the waiting sequences someone still waits for. A full queue asks
+        its sequences' clients before refusing a request, so that one whose client went
+        since the last sweep holds no place (the engine thread drops it, woken on submit)."""
+        if len(self._waiting) < self.max_waiting:
+            return len(self._waiting)
+        return sum(not sequence.abandoned() for sequence in self._waiting)
 
     def _fits_now(self, sequence: Sequence) -> bool:
         return (

@@ -352,6 +352,31 @@ def test_a_waiting_request_whose_client_went_leaves_the_queue_while_the_slot_is_
         scheduler.close()
 
 
+def test_a_full_queue_asks_its_clients_before_refusing_a_request() -> None:
+    """The engine is held inside a step, so no sweep runs: the request that finds the queue
+    full is taken because the one holding its place has a gone client."""
+    gate = threading.Event()
+    engine = HistoryEngine(max_batch=1, max_seq=32, gate=gate)
+    scheduler = Scheduler(engine, max_waiting=1)
+    gone = threading.Event()
+    try:
+        first, abandoned, taken = Collector(), Collector(), Collector()
+        scheduler.submit([1, 2], SamplingParams(max_new_tokens=3), first)
+        assert engine.entered.wait(WAIT_S)  # it holds the only slot
+        scheduler.submit([7, 8], SamplingParams(max_new_tokens=3), abandoned, gone.is_set)
+        with pytest.raises(GenerationQueueFull, match="1 requests already wait"):
+            scheduler.submit([5], SamplingParams(), Collector())  # its client is still there
+        gone.set()
+        scheduler.submit([3, 4], SamplingParams(max_new_tokens=2), taken)
+        gate.set()
+        assert abandoned.finish == FINISH_CANCELLED and abandoned.tokens() == []
+        assert taken.tokens() == alone([3, 4], SamplingParams(max_new_tokens=2))
+        assert scheduler.usage().reserved_positions == 0
+    finally:
+        gate.set()
+        scheduler.close()
+
+
 @pytest.mark.parametrize("alongside", [False, True], ids=["one_thread", "prefill_alongside"])
 def test_a_long_prompt_stops_being_written_once_its_client_is_gone(alongside: bool) -> None:
     engine = HistoryEngine(max_batch=1, max_seq=256)
