@@ -23,19 +23,60 @@ def _cache() -> torch.Tensor:
     return torch.randn(SLOTS, KV_HEADS, MAX_SEQ, HEAD, generator=torch.Generator().manual_seed(0))
 
 
-@pytest.mark.parametrize("tokens", [1, 5])
-def test_the_write_goes_in_place_at_each_rows_slot_and_positions(tokens: int) -> None:
+def _native_write(
+    cache: torch.Tensor, new: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
+    """The CPU native plan's write (cpu/native/kernel_ops.cc)."""
+    assert plan_loop.load(), plan_loop.reason()
+    return torch.ops.cuvil_native.kv_cache_write.default(cache, new, slots, positions)
+
+
+WRITES = {"aten": kv_cache.write, "native": _native_write}
+
+
+@pytest.mark.parametrize("form", sorted(WRITES))
+@pytest.mark.parametrize(
+    ("tokens", "layout"),
+    [(1, "contiguous"), (5, "contiguous"), (1, "transposed"), (3, "transposed")],
+)
+def test_the_write_goes_in_place_at_each_rows_slot_and_positions(
+    tokens: int, layout: str, form: str
+) -> None:
+    """``transposed``: the new keys as a projection's output viewed [batch, heads, tokens,
+    head] (token-major in memory), as a decode step's reshape and transpose give them."""
     cache = _cache()
     before = cache.clone()
     pointer = cache.data_ptr()
     new = torch.randn(2, KV_HEADS, tokens, HEAD)
-    slots, positions = torch.tensor([3, 1]), torch.tensor([2, 7])
-    result = kv_cache.write(cache, new, slots, positions)
+    if layout == "transposed":
+        new = new.transpose(1, 2).contiguous().transpose(1, 2)
+    slots, positions = torch.tensor([3, 1]), torch.tensor([2, 16 - tokens])
+    result = WRITES[form](cache, new, slots, positions)
     assert result is cache and cache.data_ptr() == pointer
     expected = before.clone()
     for row, (slot, start) in enumerate(zip(slots.tolist(), positions.tolist(), strict=True)):
         expected[slot, :, start : start + tokens] = new[row]
     assert torch.equal(cache, expected)  # the rest of the cache is untouched
+
+
+@pytest.mark.parametrize("form", sorted(WRITES))
+def test_the_write_of_rows_sharing_a_slot_and_of_a_wrapped_slot(form: str) -> None:
+    """A packed prefill's rows (one token each, one slot, consecutive positions) and a
+    negative slot, which ATen's indexing wraps: both forms write as ``index_put_`` does."""
+    cache, expected = _cache(), _cache()
+    new = torch.randn(4, KV_HEADS, 1, HEAD)
+    slots, positions = torch.tensor([2, 2, 2, -1]), torch.tensor([5, 6, 7, 0])
+    WRITES[form](cache, new, slots, positions)
+    for row, (slot, start) in enumerate([(2, 5), (2, 6), (2, 7), (SLOTS - 1, 0)]):
+        expected[slot, :, start] = new[row, :, 0]
+    assert torch.equal(cache, expected)
+
+
+@pytest.mark.parametrize("form", sorted(WRITES))
+def test_the_write_refuses_a_position_past_the_cache(form: str) -> None:
+    new = torch.randn(2, KV_HEADS, 2, HEAD)
+    with pytest.raises(IndexError):
+        WRITES[form](_cache(), new, torch.tensor([0, 1]), torch.tensor([3, MAX_SEQ - 1]))
 
 
 def _reference_attention(

@@ -185,9 +185,47 @@ at::Tensor winograd(int64_t input_kernel, int64_t output_kernel, const at::Tenso
   return out;
 }
 
+// the write as copies, one per (row, KV head, token) of head_dim elements, when every slot and
+// position lies inside the cache: a decode step writes a few hundred bytes, and index_put_ spent
+// 10-17 us building and checking its index tensors for that. False (nothing written) for what
+// it does not take (another dtype or layout, an index to wrap or refuse): index_put_ does that.
+bool copy_into_slots(at::Tensor &cache, const at::Tensor &fresh, const at::Tensor &slots,
+                     const at::Tensor &positions) {
+  if (!cache.device().is_cpu() || !fresh.device().is_cpu() || cache.dim() != 4 ||
+      fresh.dim() != 4 || cache.scalar_type() != fresh.scalar_type() || cache.stride(3) != 1 ||
+      fresh.stride(3) != 1 || slots.scalar_type() != at::kLong ||
+      positions.scalar_type() != at::kLong || slots.dim() != 1 || positions.dim() != 1 ||
+      fresh.is_alias_of(cache))
+    return false;
+  const int64_t batch = fresh.size(0), heads = fresh.size(1), tokens = fresh.size(2);
+  const int64_t dim = fresh.size(3);
+  if (slots.numel() != batch || positions.numel() != batch || cache.size(1) != heads ||
+      cache.size(3) != dim)
+    return false;
+  const at::Tensor slots_c = slots.contiguous(), starts_c = positions.contiguous();
+  const int64_t *slot = slots_c.data_ptr<int64_t>(), *start = starts_c.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; b++)
+    if (slot[b] < 0 || slot[b] >= cache.size(0) || start[b] < 0 ||
+        start[b] + tokens > cache.size(2))
+      return false;
+  const int64_t item = cache.element_size();
+  char *to = static_cast<char *>(cache.data_ptr());
+  const char *from = static_cast<const char *>(fresh.data_ptr());
+  const int64_t cs0 = cache.stride(0), cs1 = cache.stride(1), cs2 = cache.stride(2);
+  const int64_t fs0 = fresh.stride(0), fs1 = fresh.stride(1), fs2 = fresh.stride(2);
+  for (int64_t b = 0; b < batch; b++)
+    for (int64_t h = 0; h < heads; h++)
+      for (int64_t t = 0; t < tokens; t++)
+        std::memcpy(to + (slot[b] * cs0 + h * cs1 + (start[b] + t) * cs2) * item,
+                    from + (b * fs0 + h * fs1 + t * fs2) * item, dim * item);
+  if (!cache.is_inference()) cache.unsafeGetTensorImpl()->bump_version();  // as index_put_ does
+  return true;
+}
+
 // kv_cache.py's write(): new [batch, kv_heads, tokens, head_dim] into cache at each row's slot
 at::Tensor &kv_cache_write(at::Tensor &cache, const at::Tensor &fresh, const at::Tensor &slots,
                            const at::Tensor &positions) {
+  if (copy_into_slots(cache, fresh, slots, positions)) return cache;
   at::Tensor by_position = cache.transpose(1, 2);
   const int64_t tokens = fresh.size(2);
   if (tokens == 1) {
