@@ -12,16 +12,19 @@ tracing are shared.
                                                           (generation/rest_generate.py)
     POST /v2/repository/index
     POST /v2/repository/models/{m}/load | /unload         501: not supported here
+    GET  /v1/models, POST /v1/completions | /v1/chat/completions
+                                                          OpenAI's API over a generation
+                                                          model (generation/openai_api.py)
 
 Health and readiness answer with their status and, as KServe's model server does, a JSON body
 (``{"live": true}``, ``{"ready": true}``, ``{"name": m, "ready": true}``): Triton's clients read
 the status alone, KServe's ``InferenceRESTClient`` reads the body. Every request passes the
-configured ``policy.Policies`` first. A ``SidecarError`` is answered
-``{"error": message}`` with the status of ``errors.HTTP_STATUS``; a path it does not serve is a
-404, a method it does not take there a 405. An infer request's ``traceparent`` header is
-continued, as gRPC's metadata is; its ``timeout`` parameter (microseconds, tritonclient's
-``timeout=``) is the client's deadline; its body may come, and its answer go, compressed
-(``http_encoding``).
+configured ``policy.Policies`` first. A ``SidecarError`` is answered ``{"error": message}`` (the
+``/v1`` routes: OpenAI's error object) with the status of ``errors.HTTP_STATUS``; a path it does
+not serve is a 404, a method it does not take there a 405. An infer request's ``traceparent``
+header is continued, as gRPC's metadata is; its ``timeout`` parameter (microseconds,
+tritonclient's ``timeout=``) is the client's deadline; its body may come, and its answer go,
+compressed (``http_encoding``).
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from cuvil_sidecar.errors import (
     Unauthenticated,
     http_status,
 )
-from cuvil_sidecar.generation import rest_generate
+from cuvil_sidecar.generation import openai_api, rest_generate
 from cuvil_sidecar.http_encoding import decoded_body, encoded_answer
 from cuvil_sidecar.http_server import (
     HttpRequest,
@@ -186,6 +189,19 @@ class RestApi:
         with tracing.http_span("POST /v2/models/{model}/generate_stream", request.headers):
             return await rest_generate.generate_stream(self.dataplane, request, model, version)
 
+    async def openai_models(self, request: HttpRequest, model: str, version: str) -> HttpResponse:
+        return openai_api.models(self.dataplane)
+
+    async def completions(self, request: HttpRequest, model: str, version: str) -> HttpResponse:
+        with tracing.http_span("POST /v1/completions", request.headers):
+            return await openai_api.completions(self.dataplane, request)
+
+    async def chat_completions(
+        self, request: HttpRequest, model: str, version: str
+    ) -> HttpResponse:
+        with tracing.http_span("POST /v1/chat/completions", request.headers):
+            return await openai_api.chat_completions(self.dataplane, request)
+
 
 def _deadline_ns(parameters: Any) -> int | None:
     timeout = parameters.get("timeout")
@@ -225,5 +241,8 @@ _TABLE: tuple[tuple[str, dict[str, Route]], ...] = (
     (_MODEL + "/infer", {"POST": RestApi.infer}),
     (_MODEL + "/generate", {"POST": RestApi.generate}),
     (_MODEL + "/generate_stream", {"POST": RestApi.generate_stream}),
+    ("/v1/models", {"GET": RestApi.openai_models}),
+    ("/v1/completions", {"POST": RestApi.completions}),
+    ("/v1/chat/completions", {"POST": RestApi.chat_completions}),
 )
 ROUTES = [(re.compile(path), methods) for path, methods in _TABLE]

@@ -76,7 +76,7 @@ async def generate(
     try:
         async for token in stream:
             if token.finish in (FINISH_ERROR, FINISH_SHUTDOWN):
-                raise _ended(token.finish, token.error)
+                raise ended_error(token.finish, token.error)
     finally:
         stream.close()
     answer = _header(stream) | {"output_ids": stream.tokens, "finish_reason": stream.finish}
@@ -97,7 +97,7 @@ async def _events(stream: GenerationStream) -> AsyncIterator[bytes]:
     try:
         async for token in stream:
             if token.finish in (FINISH_ERROR, FINISH_SHUTDOWN):
-                yield _event({"error": str(_ended(token.finish, token.error))})
+                yield sse_event({"error": str(ended_error(token.finish, token.error))})
                 return
             event = header | {
                 "output_ids": [] if token.token is None else [token.token],
@@ -106,12 +106,12 @@ async def _events(stream: GenerationStream) -> AsyncIterator[bytes]:
             }
             if stream.with_text:
                 event["text_output"] = token.text
-            yield _event(event)
+            yield sse_event(event)
     finally:
         stream.close()
 
 
-def _event(value: dict[str, Any]) -> bytes:
+def sse_event(value: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(value, separators=(",", ":")).encode() + b"\n\n"
 
 
@@ -125,7 +125,7 @@ def _header(stream: GenerationStream) -> dict[str, Any]:
     return header
 
 
-def _ended(finish: str, error: str) -> SidecarError:
+def ended_error(finish: str, error: str) -> SidecarError:
     if finish == FINISH_SHUTDOWN:
         return ShuttingDown("the sidecar is stopping; the generation ended early")
     return SidecarError(error or "the generation failed")

@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 from cuvil_sidecar.errors import InvalidInput
+from cuvil_sidecar.generation.chat import chat_template, special_tokens
 
 TOKENIZER_FILE = "tokenizer.json"
 _INCOMPLETE = "\ufffd"  # what decoding makes of a character whose bytes have not all come
@@ -26,11 +27,15 @@ class TextCodec:
 
         self._tokenizer = Tokenizer.from_file(str(path))
         self.path = path
+        self.chat_template = chat_template(path.parent)  # None: the tokenizer has none
+        self.special_tokens = special_tokens(path.parent)  # what a chat template may write
 
-    def encode(self, text: str) -> tuple[int, ...]:
+    def encode(self, text: str, *, special: bool = True) -> tuple[int, ...]:
+        """``special``: the tokenizer's own additions (a leading BOS), which a rendered chat
+        template writes itself."""
         if not isinstance(text, str):
             raise InvalidInput("text_input must be a string")
-        return tuple(self._tokenizer.encode(text, add_special_tokens=True).ids)
+        return tuple(self._tokenizer.encode(text, add_special_tokens=special).ids)
 
     def decode(self, ids: list[int]) -> str:
         return str(self._tokenizer.decode(ids, skip_special_tokens=True))

@@ -12,7 +12,13 @@ VOCAB = 320
 EOS = 2
 
 
-def tiny_llama_checkpoint(folder: Path, *, tokenizer: bool, seed: int = 0) -> Path:
+def tiny_llama_checkpoint(
+    folder: Path, *, tokenizer: bool, seed: int = 0, chat_template: str | None = None
+) -> Path:
+    """``chat_template``: written into ``tokenizer_config.json`` with the BOS and EOS tokens'
+    names, as a Hugging Face tokenizer saves them."""
+    import json
+
     from transformers import LlamaConfig, LlamaForCausalLM
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -31,6 +37,9 @@ def tiny_llama_checkpoint(folder: Path, *, tokenizer: bool, seed: int = 0) -> Pa
     LlamaForCausalLM(config).eval().save_pretrained(folder)
     if tokenizer:
         train_tokenizer().save(str(folder / "tokenizer.json"))
+    if chat_template is not None:
+        config = {"chat_template": chat_template, "bos_token": "<s>", "eos_token": "</s>"}
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return folder
 
 

@@ -1,0 +1,285 @@
+"""OpenAI's completions API over a generation model, as vLLM, TGI and Triton's OpenAI front end
+serve it, so that OpenAI's client libraries work unchanged:
+
+    GET  /v1/models             the generation model served
+    POST /v1/completions        a prompt (text, or token ids) -> text
+    POST /v1/chat/completions   messages, through the model's chat template (chat.py) -> a message
+
+Both POST routes run the same scheduler as the generate extension, and take ``model``,
+``stream`` (server-sent events: a chunk per token that completes text, the last with its
+``finish_reason``, then ``data: [DONE]``; ``stream_options.include_usage`` adds a chunk with the
+usage), ``max_tokens`` (chat also ``max_completion_tokens``; default 16 for completions, and
+for chat what the model's ``max_seq`` leaves), ``temperature`` (default 1, sampled; 0 is
+greedy), ``top_p``, ``seed``, ``stop``, ``user`` (ignored), and vLLM's ``top_k`` (off unless
+given), ``ignore_eos`` and ``stop_token_ids``. A field this server does not do (``n`` or
+``best_of`` above 1, ``echo``, ``logprobs``, ``suffix``, ``logit_bias``, penalties, tools) or
+does not know is refused with 400 naming it, never ignored. Errors are OpenAI's shape,
+``{"error": {"message", "type", "param", "code"}}``, with the generate extension's status (400,
+404 for another model's name, 413 past the KV budget, 429 with a full queue, 503 stopping). The
+answers carry text, so the model needs its tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from cuvil_sidecar.dataplane import DataPlane
+from cuvil_sidecar.errors import InvalidInput, SidecarError, http_status
+from cuvil_sidecar.generation.chat import read_messages, render_chat
+from cuvil_sidecar.generation.requests import GenerateRequest, read_parameters, read_prompt
+from cuvil_sidecar.generation.rest_generate import ended_error, sse_event
+from cuvil_sidecar.generation.scheduler import FINISH_ERROR, FINISH_SHUTDOWN
+from cuvil_sidecar.generation.servable import GenerationServable, GenerationStream
+from cuvil_sidecar.http_server import HttpRequest, HttpResponse, json_response
+
+COMPLETION_DEFAULT_TOKENS = 16  # OpenAI's default max_tokens for completions
+SAMPLING = frozenset({"max_tokens", "temperature", "top_p", "seed", "stop", "top_k"})
+VLLM = frozenset({"ignore_eos", "stop_token_ids"})
+COMMON = SAMPLING | VLLM | {"model", "stream", "stream_options", "user", "n", "logprobs"}
+# fields taken only at the value that asks for nothing this server does not do
+HARMLESS: dict[str, tuple[Any, ...]] = {
+    "n": (None, 1),
+    "best_of": (None, 1),
+    "echo": (None, False),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "suffix": (None, ""),
+    "logit_bias": (None, {}),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None, True, False),
+    "response_format": (None, {"type": "text"}),
+}
+COMPLETION_KEYS = COMMON | {"prompt", "best_of", "echo", "suffix", "logit_bias"} | {
+    "presence_penalty", "frequency_penalty"
+}  # fmt: skip
+CHAT_KEYS = (COMMON | set(HARMLESS) | {"messages", "max_completion_tokens"}) - {"best_of", "echo"}
+
+
+@dataclass(frozen=True)
+class Kind:
+    """What differs between the two routes' answers."""
+
+    id_prefix: str
+    answer: str  # the object type of a whole answer
+    chunk: str  # of a streamed chunk
+    chat: bool
+
+
+COMPLETION = Kind("cmpl-", "text_completion", "text_completion", chat=False)
+CHAT = Kind("chatcmpl-", "chat.completion", "chat.completion.chunk", chat=True)
+
+
+def models(dataplane: DataPlane) -> HttpResponse:
+    current = dataplane.manager.current
+    data = []
+    if isinstance(current, GenerationServable):
+        entry = {"id": current.name, "object": "model", "created": int(time.time())}
+        data.append(entry | {"owned_by": "cuvil"})
+    return json_response(200, {"object": "list", "data": data})
+
+
+async def completions(dataplane: DataPlane, request: HttpRequest) -> HttpResponse:
+    return await _answer(dataplane, request, COMPLETION)
+
+
+async def chat_completions(dataplane: DataPlane, request: HttpRequest) -> HttpResponse:
+    return await _answer(dataplane, request, CHAT)
+
+
+def error_answer(error: SidecarError) -> HttpResponse:
+    status = http_status(error)
+    return json_response(status, _error_body(str(error), status))
+
+
+async def _answer(dataplane: DataPlane, request: HttpRequest, kind: Kind) -> HttpResponse:
+    try:
+        body = _body(request.body, CHAT_KEYS if kind.chat else COMPLETION_KEYS)
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise InvalidInput("model is required: the name GET /v1/models lists")
+        streaming = _flag(body, "stream")
+        usage_chunk = streaming and _include_usage(body)
+        answer_id = kind.id_prefix + uuid.uuid4().hex
+        read = (_chat_reader if kind.chat else _completion_reader)(body, answer_id)
+        stream = dataplane.open_generation(model, "", read)
+    except SidecarError as error:
+        return error_answer(error)
+    header = {"id": answer_id, "created": int(time.time()), "model": model}
+    if streaming:
+        chunks = _chunks(stream, header | {"object": kind.chunk}, kind, usage_chunk)
+        return HttpResponse(200, content_type="text/event-stream", stream=chunks)
+    try:
+        async for token in stream:
+            if token.finish in (FINISH_ERROR, FINISH_SHUTDOWN):
+                return error_answer(ended_error(token.finish, token.error))
+    finally:
+        stream.close()
+    choice: dict[str, Any] = {"index": 0}
+    if kind.chat:
+        choice["message"] = {"role": "assistant", "content": stream.text}
+    else:
+        choice["text"] = stream.text
+    choice |= {"logprobs": None, "finish_reason": stream.finish}
+    answer = header | {"object": kind.answer, "choices": [choice], "usage": _usage(stream)}
+    return json_response(200, answer)
+
+
+async def _chunks(
+    stream: GenerationStream, header: dict[str, Any], kind: Kind, usage_chunk: bool
+) -> AsyncIterator[bytes]:
+    def chunk(text: str | None, finish: str | None, role: bool = False) -> bytes:
+        if kind.chat:
+            delta = ({"role": "assistant"} if role else {}) | (
+                {} if text is None else {"content": text}
+            )
+            choice: dict[str, Any] = {"index": 0, "delta": delta}
+        else:
+            choice = {"index": 0, "text": text or ""}
+        choice |= {"logprobs": None, "finish_reason": finish}
+        return sse_event(header | {"choices": [choice]})
+
+    try:
+        if kind.chat:
+            yield chunk("", None, role=True)
+        async for token in stream:
+            if token.finish in (FINISH_ERROR, FINISH_SHUTDOWN):
+                error = ended_error(token.finish, token.error)
+                yield sse_event(_error_body(str(error), http_status(error)))
+                break
+            if token.text or token.finish is not None:
+                yield chunk(token.text or None if kind.chat else token.text, token.finish)
+        else:
+            if usage_chunk:
+                yield sse_event(header | {"choices": [], "usage": _usage(stream)})
+        yield b"data: [DONE]\n\n"
+    finally:
+        stream.close()
+
+
+def _completion_reader(
+    body: dict[str, Any], answer_id: str
+) -> Callable[[GenerationServable], GenerateRequest]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # one prompt in a batch of one
+    if isinstance(prompt, list) and not all(isinstance(p, int) for p in prompt):
+        raise InvalidInput("prompt: one prompt a request here (a string or a list of token ids)")
+    if not isinstance(prompt, str | list) or not prompt:
+        raise InvalidInput("prompt must be a non-empty string or list of token ids")
+    ids = read_prompt(prompt, "prompt") if isinstance(prompt, list) else None
+    text = prompt if isinstance(prompt, str) else None
+
+    def read(model: GenerationServable) -> GenerateRequest:
+        _needs_text(model)
+        params, stop = read_parameters(_sampling(body, COMPLETION_DEFAULT_TOKENS), _eos(model))
+        return GenerateRequest(ids, text, params, stop, answer_id)
+
+    return read
+
+
+def _chat_reader(
+    body: dict[str, Any], answer_id: str
+) -> Callable[[GenerationServable], GenerateRequest]:
+    messages = read_messages(body.get("messages"))
+
+    def read(model: GenerationServable) -> GenerateRequest:
+        codec = _needs_text(model)
+        template = codec.chat_template
+        if template is None:
+            raise InvalidInput(
+                f"model {model.name!r} has no chat template in its tokenizer files: "
+                "use /v1/completions with the prompt written out"
+            )
+        prompt = codec.encode(render_chat(template, messages, codec.special_tokens), special=False)
+        default = model.scheduler.engine.max_seq  # the scheduler cuts it to what max_seq leaves
+        params, stop = read_parameters(_sampling(body, default), _eos(model))
+        return GenerateRequest(prompt, None, params, stop, answer_id)
+
+    return read
+
+
+def _sampling(body: dict[str, Any], default_tokens: int) -> dict[str, Any]:
+    """The body's sampling fields as the generate extension's parameters (requests.py), with
+    OpenAI's defaults: temperature 1 (sampled), top_k off."""
+    parameters = {key: body[key] for key in SAMPLING | VLLM if body.get(key) is not None}
+    for alias in ("max_completion_tokens",):  # chat's newer name for max_tokens
+        if body.get(alias) is not None:
+            if "max_tokens" in parameters:
+                raise InvalidInput(f"give max_tokens or {alias}, not both")
+            parameters["max_tokens"] = body[alias]
+    parameters.setdefault("max_tokens", default_tokens)
+    parameters.setdefault("temperature", 1.0)
+    if parameters.get("top_k", 0) == -1:  # vLLM's "off"
+        parameters["top_k"] = 0
+    parameters.setdefault("top_k", 0)
+    return parameters
+
+
+def _needs_text(model: GenerationServable) -> Any:
+    if model.text is None:
+        raise InvalidInput(
+            f"model {model.name!r} has no tokenizer, and OpenAI's answers are text: use "
+            f"/v2/models/{model.name}/generate with input_ids"
+        )
+    return model.text
+
+
+def _eos(model: GenerationServable) -> tuple[int, ...]:
+    return tuple(model.model.eos_token_ids)
+
+
+def _body(raw: bytes, known: frozenset[str] | set[str]) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, ValueError, RecursionError) as error:
+        raise InvalidInput(f"the request's JSON does not parse: {error}") from None
+    if not isinstance(body, dict):
+        raise InvalidInput("the request body must be a JSON object")
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise InvalidInput(f"unknown field(s) {unknown}; this server takes {sorted(known)}")
+    for key, allowed in HARMLESS.items():
+        if key in body and body[key] not in allowed:
+            raise InvalidInput(f"{key}={body[key]!r} is not supported here")
+    return body
+
+
+def _flag(body: dict[str, Any], key: str) -> bool:
+    value = body.get(key, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise InvalidInput(f"{key} must be true or false")
+    return value
+
+
+def _include_usage(body: dict[str, Any]) -> bool:
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise InvalidInput("stream_options takes include_usage only")
+    return bool(options.get("include_usage", False))
+
+
+def _usage(stream: GenerationStream) -> dict[str, int]:
+    prompt, completion = len(stream.prompt), len(stream.tokens)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+def _error_body(message: str, status: int) -> dict[str, Any]:
+    kinds = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}
+    kind = kinds.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    if status == 429:
+        kind = "rate_limit_error"
+    return {"error": {"message": message, "type": kind, "param": None, "code": status}}

@@ -1,0 +1,205 @@
+"""OpenAI's API on a real sidecar process, called through OpenAI's own Python client: a tiny
+transformers checkpoint with a byte-level BPE tokenizer and a chat template.
+
+- greedy completions and chat completions give transformers' ``generate`` text (the chat
+  prompt rendered as transformers' ``apply_chat_template`` renders it), whole and streamed,
+  with usage counts; a token-id prompt answers as its text does; seeded sampling repeats;
+- stop strings cut the text; a chat template's own refusal, fields this server does not do,
+  unknown fields and another model's name get OpenAI's error answers, and the server goes on;
+- a model without a tokenizer refuses, naming the generate extension's route.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import torch
+
+from tests.cuvil_sidecar.conftest import Sidecar, ready_sidecar
+from tests.cuvil_sidecar.generation.checkpoints import tiny_llama_checkpoint
+
+TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if loop.first and message['role'] == 'assistant' %}"
+    "{{ raise_exception('a conversation starts with the user or the system') }}{% endif %}"
+    "<|{{ message['role'] }}|>{{ message['content'] }}{{ eos_token }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+PROMPT = "the quick brown fox"
+MESSAGES = [
+    {"role": "system", "content": "answer in one word"},
+    {"role": "user", "content": "what jumps over the lazy dog?"},
+]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("ckpt") / "tiny"
+    return tiny_llama_checkpoint(folder, tokenizer=True, chat_template=TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def sidecar(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sidecar]:
+    log = tmp_path_factory.mktemp("openai") / "sidecar.log"
+    with ready_sidecar(Sidecar(checkpoint, log, CUVIL_GENERATION_SLOTS="4")) as ready:
+        yield ready
+
+
+@pytest.fixture(scope="module")
+def client(sidecar: Sidecar) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"http://{sidecar.http_url}/v1", api_key="none") as opened:
+        yield opened
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint: Path) -> Any:
+    """transformers' model and tokenizer over the same files."""
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_file=str(checkpoint / "tokenizer.json"),
+        bos_token="<s>",
+        eos_token="</s>",
+        chat_template=TEMPLATE,
+    )
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, local_files_only=True).eval()
+    return model, tokenizer
+
+
+def greedy(reference: Any, ids: list[int], new_tokens: int) -> tuple[str, str]:
+    """transformers' greedy text for ``ids``, and why it ended (OpenAI's finish_reason)."""
+    model, tokenizer = reference
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False)
+    tokens = out[0, len(ids) :].tolist()
+    finish = "stop" if tokens[-1] == model.generation_config.eos_token_id else "length"
+    return tokenizer.decode(tokens, skip_special_tokens=True), finish
+
+
+def test_models_lists_the_generation_model(client: openai.OpenAI) -> None:
+    assert [model.id for model in client.models.list()] == ["tiny"]
+
+
+def test_completions_match_transformers_whole_and_streamed(
+    client: openai.OpenAI, reference: Any
+) -> None:
+    ids = reference[1].encode(PROMPT)
+    expected, finish = greedy(reference, ids, 12)
+    answer = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0)
+    assert answer.object == "text_completion" and answer.id.startswith("cmpl-")
+    assert (answer.choices[0].text, answer.choices[0].finish_reason) == (expected, finish)
+    assert answer.usage is not None and answer.usage.prompt_tokens == len(ids)
+    assert answer.usage.total_tokens == len(ids) + answer.usage.completion_tokens
+    by_ids = client.completions.create(model="tiny", prompt=ids, max_tokens=12, temperature=0)
+    assert by_ids.choices[0].text == expected
+    chunks = list(
+        client.completions.create(
+            model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    texts = [chunk.choices[0].text for chunk in chunks if chunk.choices]
+    assert "".join(texts) == expected and len(texts) > 1
+    finishes = [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices]
+    assert finishes[-1] == finish and set(finishes[:-1]) == {None}
+    assert chunks[-1].usage == answer.usage and not chunks[-1].choices
+
+
+def test_chat_renders_the_template_as_transformers_and_matches_its_text(
+    client: openai.OpenAI, reference: Any
+) -> None:
+    ids = list(
+        reference[1].apply_chat_template(
+            MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    )
+    expected, finish = greedy(reference, ids, 10)
+    answer = client.chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,
+        max_completion_tokens=10,
+        temperature=0,  # type: ignore[arg-type]
+    )
+    message = answer.choices[0].message
+    assert (message.role, message.content, answer.choices[0].finish_reason) == (
+        "assistant", expected, finish,
+    )  # fmt: skip
+    assert answer.usage is not None and answer.usage.prompt_tokens == len(ids)
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,
+        max_tokens=10,
+        temperature=0,
+        stream=True,  # type: ignore[arg-type]
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == finish
+
+
+def test_seeded_sampling_repeats_and_stop_strings_cut(client: openai.OpenAI) -> None:
+    def sample(seed: int) -> str:
+        answer = client.completions.create(
+            model="tiny", prompt=PROMPT, max_tokens=16, temperature=1.5, seed=seed,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        return answer.choices[0].text
+
+    first = sample(7)
+    assert sample(7) == first and len(first) > 4
+    assert any(sample(seed) != first for seed in (8, 9, 10))
+    stop = first[2:4]
+    cut = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=16, temperature=1.5, seed=7, stop=[stop],
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert cut.choices[0].text == first[: first.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected", "match"),
+    [
+        ({"n": 2}, openai.BadRequestError, "n=2 is not supported"),
+        ({"logprobs": 3}, openai.BadRequestError, "logprobs=3"),
+        ({"presence_penalty": 0.5}, openai.BadRequestError, "presence_penalty"),
+        ({"extra_body": {"best_of_all": 1}}, openai.BadRequestError, "unknown field.*best_of_all"),
+        ({"max_tokens": 0}, openai.BadRequestError, "max_new_tokens"),
+        ({"model": "other"}, openai.NotFoundError, "other"),
+    ],
+)
+def test_what_is_not_served_gets_openai_errors(
+    client: openai.OpenAI, extra: dict[str, Any], expected: type[Exception], match: str
+) -> None:
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4} | extra
+    with pytest.raises(expected, match=match):
+        client.completions.create(**body)  # type: ignore[call-overload]
+    again = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2)
+    assert again.choices[0].finish_reason in ("stop", "length")  # the server goes on
+
+
+def test_the_chat_templates_refusal_is_a_bad_request(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="starts with the user or the system"):
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "assistant", "content": "hi"}], max_tokens=2
+        )
+    with pytest.raises(openai.BadRequestError, match="messages\\[0\\] needs a role"):
+        client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "robot", "content": "hi"}],
+            max_tokens=2,  # type: ignore[list-item]
+        )
+
+
+def test_a_model_without_a_tokenizer_refuses(tmp_path: Path) -> None:
+    checkpoint = tiny_llama_checkpoint(tmp_path / "tiny-ids", tokenizer=False)
+    with ready_sidecar(Sidecar(checkpoint, tmp_path / "sidecar.log")) as sidecar:
+        base = f"http://{sidecar.http_url}/v1"
+        refused = pytest.raises(openai.BadRequestError, match="/v2/models/tiny-ids/generate")
+        with openai.OpenAI(base_url=base, api_key="none") as client, refused:
+            client.completions.create(model="tiny-ids", prompt=[5, 6, 7], max_tokens=2)
