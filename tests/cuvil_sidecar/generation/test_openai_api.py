@@ -122,7 +122,7 @@ def test_chat_renders_the_template_as_transformers_and_matches_its_text(
         model="tiny",
         messages=MESSAGES,
         max_completion_tokens=10,
-        temperature=0,  # type: ignore[arg-type]
+        temperature=0,
     )
     message = answer.choices[0].message
     assert (message.role, message.content, answer.choices[0].finish_reason) == (
@@ -134,7 +134,7 @@ def test_chat_renders_the_template_as_transformers_and_matches_its_text(
         messages=MESSAGES,
         max_tokens=10,
         temperature=0,
-        stream=True,  # type: ignore[arg-type]
+        stream=True,
     )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -178,7 +178,7 @@ def test_what_is_not_served_gets_openai_errors(
 ) -> None:
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4} | extra
     with pytest.raises(expected, match=match):
-        client.completions.create(**body)  # type: ignore[call-overload]
+        client.completions.create(**body)
     again = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2)
     assert again.choices[0].finish_reason in ("stop", "length")  # the server goes on
 
@@ -192,7 +192,7 @@ def test_the_chat_templates_refusal_is_a_bad_request(client: openai.OpenAI) -> N
         client.chat.completions.create(
             model="tiny",
             messages=[{"role": "robot", "content": "hi"}],
-            max_tokens=2,  # type: ignore[list-item]
+            max_tokens=2,
         )
 
 
