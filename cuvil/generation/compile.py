@@ -28,6 +28,7 @@ load do not time candidates.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -49,6 +50,7 @@ from cuvil.pipeline import CompileOptions, VerificationError, _Run, check_option
 from cuvil.runtime.generation import PER_ROW, PER_TOKEN, STEP_INPUTS, GenerationModel, KVCacheLayout
 
 VERIFY_DECODE_STEPS = 4
+TOKENIZER_CONFIG, CHAT_TEMPLATE_FILE = "tokenizer_config.json", "chat_template.jinja"
 
 
 def compile_generation(
@@ -316,9 +318,18 @@ def _as_list(ids: int | list[int] | None) -> list[int]:
 
 def _tokenizer_files(tokenizer_dir: str | Path | None, model: torch.nn.Module) -> dict[str, bytes]:
     """The tokenizer's JSON files from ``tokenizer_dir``, or the directory the model was
-    loaded from, when they are there."""
+    loaded from, when they are there. A chat template saved as its own ``chat_template.jinja``
+    (transformers' newer layout) goes into ``tokenizer_config.json`` as ``chat_template``,
+    where older tokenizers keep it: the artifact carries JSON files only."""
     source = tokenizer_dir or getattr(model, "name_or_path", None)
     if not source or not Path(source).is_dir():
         return {}
     found = {name: Path(source) / name for name in mt.TOKENIZER_FILES}
-    return {name: path.read_bytes() for name, path in found.items() if path.is_file()}
+    files = {name: path.read_bytes() for name, path in found.items() if path.is_file()}
+    template = Path(source) / CHAT_TEMPLATE_FILE
+    if template.is_file():
+        config = json.loads(files.get(TOKENIZER_CONFIG, b"{}"))
+        if isinstance(config, dict) and "chat_template" not in config:
+            config["chat_template"] = template.read_text()
+            files[TOKENIZER_CONFIG] = json.dumps(config, indent=2).encode()
+    return files

@@ -20,6 +20,7 @@ from tests.cuvil.generation.families import VOCAB, build
 
 MAX_SEQ = 48
 TOKENIZER = {"version": "1.0", "model": {"type": "WordLevel", "vocab": {"a": 0, "b": 1}}}
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +30,7 @@ def source_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     build("llama").save_pretrained(directory)
     (directory / "tokenizer.json").write_text(json.dumps(TOKENIZER))
     (directory / "tokenizer_config.json").write_text(json.dumps({"model_max_length": MAX_SEQ}))
+    (directory / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     return directory
 
 
@@ -107,6 +109,9 @@ def test_the_artifact_round_trip_generates_the_same_tokens(
     assert loaded.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4  # layers, K+V, KV heads, head, fp32
     assert json.loads(loaded.tokenizer_files["tokenizer.json"]) == TOKENIZER
     assert set(loaded.tokenizer_files) == {"tokenizer.json", "tokenizer_config.json"}
+    # the template file of transformers' newer layout travels inside the config's JSON
+    tokenizer_config = json.loads(loaded.tokenizer_files["tokenizer_config.json"])
+    assert tokenizer_config == {"model_max_length": MAX_SEQ, "chat_template": CHAT_TEMPLATE}
     directory = generation.save(tmp_path / "as-dir", directory=True)
     names = {p.name for p in directory.iterdir()}
     assert {mt.GRAPH_FILE, mt.PREFILL_GRAPH_FILE, mt.WEIGHTS_FILE, "tokenizer.json"} <= names
