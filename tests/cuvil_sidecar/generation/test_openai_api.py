@@ -6,7 +6,8 @@ transformers checkpoint with a byte-level BPE tokenizer and a chat template.
   with usage counts; a token-id prompt answers as its text does; seeded sampling repeats;
 - stop strings cut the text; a chat template's own refusal, fields this server does not do,
   unknown fields and another model's name get OpenAI's error answers, and the server goes on;
-- a model without a tokenizer refuses, naming the generate extension's route.
+- the api key is checked as a bearer token; a model without a tokenizer refuses, naming the
+  generate extension's route.
 """
 
 from __future__ import annotations
@@ -196,10 +197,20 @@ def test_the_chat_templates_refusal_is_a_bad_request(client: openai.OpenAI) -> N
         )
 
 
-def test_a_model_without_a_tokenizer_refuses(tmp_path: Path) -> None:
+def test_api_keys_are_bearer_tokens_and_a_model_without_a_tokenizer_refuses(
+    tmp_path: Path,
+) -> None:
+    """OpenAI's client sends its api_key as a bearer token: the sidecar's token file decides."""
     checkpoint = tiny_llama_checkpoint(tmp_path / "tiny-ids", tokenizer=False)
-    with ready_sidecar(Sidecar(checkpoint, tmp_path / "sidecar.log")) as sidecar:
+    (tmp_path / "tokens").write_text("s3cret\n")
+    served = Sidecar(
+        checkpoint, tmp_path / "sidecar.log", CUVIL_AUTH_TOKENS_FILE=str(tmp_path / "tokens")
+    )
+    with ready_sidecar(served) as sidecar:
         base = f"http://{sidecar.http_url}/v1"
+        unknown = pytest.raises(openai.AuthenticationError, match="not valid")
+        with openai.OpenAI(base_url=base, api_key="wrong") as client, unknown:
+            client.models.list()
         refused = pytest.raises(openai.BadRequestError, match="/v2/models/tiny-ids/generate")
-        with openai.OpenAI(base_url=base, api_key="none") as client, refused:
+        with openai.OpenAI(base_url=base, api_key="s3cret") as client, refused:
             client.completions.create(model="tiny-ids", prompt=[5, 6, 7], max_tokens=2)
