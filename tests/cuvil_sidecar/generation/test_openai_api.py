@@ -12,6 +12,7 @@ transformers checkpoint with a byte-level BPE tokenizer and a chat template.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 PROMPT = "the quick brown fox"
+LONG = 16_000  # tokens a stream asks for when it must still run while the test looks
 MESSAGES = [
     {"role": "system", "content": "answer in one word"},
     {"role": "user", "content": "what jumps over the lazy dog?"},
@@ -46,7 +48,10 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def sidecar(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sidecar]:
     log = tmp_path_factory.mktemp("openai") / "sidecar.log"
-    with ready_sidecar(Sidecar(checkpoint, log, CUVIL_GENERATION_SLOTS="4")) as ready:
+    served = Sidecar(
+        checkpoint, log, CUVIL_GENERATION_SLOTS="4", CUVIL_GENERATION_MAX_SEQ=str(LONG + 64)
+    )
+    with ready_sidecar(served) as ready:
         yield ready
 
 
@@ -161,6 +166,27 @@ def test_seeded_sampling_repeats_and_stop_strings_cut(client: openai.OpenAI) -> 
     )  # fmt: skip
     assert cut.choices[0].text == first[: first.index(stop)]
     assert cut.choices[0].finish_reason == "stop"
+
+
+def test_a_client_that_leaves_a_chat_stream_frees_its_slot(
+    client: openai.OpenAI, sidecar: Sidecar
+) -> None:
+    from tests.cuvil_sidecar.generation.test_generate_server import metric
+
+    before = metric(sidecar, "cuvil_generation_tokens")
+    stream = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=LONG, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    pieces = iter(stream)
+    next(pieces), next(pieces)  # the role, then the first text
+    assert metric(sidecar, "cuvil_generation_running") == 1
+    stream.close()  # the client goes away mid-stream
+    deadline = time.monotonic() + 60
+    while metric(sidecar, "cuvil_generation_running") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric(sidecar, "cuvil_generation_running") == 0
+    assert metric(sidecar, "cuvil_generation_tokens") - before < LONG / 2
 
 
 @pytest.mark.parametrize(
