@@ -29,7 +29,6 @@ compressed (``http_encoding``).
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import re
@@ -55,6 +54,7 @@ from cuvil_sidecar.http_server import (
     error_response,
     json_response,
 )
+from cuvil_sidecar.json_body import json_object
 from cuvil_sidecar.policy import Call, Policies
 from cuvil_sidecar.rest_tensors import encode_infer, header_length, parse_infer
 
@@ -144,7 +144,7 @@ class RestApi:
     async def index(self, request: HttpRequest, model: str, version: str) -> HttpResponse:
         ready_only = False
         if request.body.strip():
-            ready_only = _json_object(request.body).get("ready") is True
+            ready_only = json_object(request.body).get("ready") is True
         entries = self.dataplane.repository_index(ready_only)
         return json_response(200, [entry.to_json() for entry in entries])
 
@@ -210,16 +210,6 @@ def _deadline_ns(parameters: Any) -> int | None:
     if isinstance(timeout, bool) or not isinstance(timeout, int) or timeout <= 0:
         raise InvalidInput("the `timeout` parameter must be a positive number of microseconds")
     return time.time_ns() + timeout * 1000
-
-
-def _json_object(body: bytes) -> dict[str, Any]:
-    try:
-        value = json.loads(body)
-    except (UnicodeDecodeError, ValueError, RecursionError) as error:
-        raise InvalidInput(f"the request's JSON does not parse: {error}") from None
-    if not isinstance(value, dict):
-        raise InvalidInput("the request body must be a JSON object")
-    return value
 
 
 def _tensor(tensor: Any) -> dict[str, Any]:

@@ -21,7 +21,6 @@ answers carry text, so the model needs its tokenizer.
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -36,6 +35,7 @@ from cuvil_sidecar.generation.rest_generate import ended_error, sse_event
 from cuvil_sidecar.generation.scheduler import FINISH_ERROR, FINISH_SHUTDOWN
 from cuvil_sidecar.generation.servable import GenerationServable, GenerationStream
 from cuvil_sidecar.http_server import HttpRequest, HttpResponse, json_response
+from cuvil_sidecar.json_body import json_object
 
 COMPLETION_DEFAULT_TOKENS = 16  # OpenAI's default max_tokens for completions
 SAMPLING = frozenset({"max_tokens", "temperature", "top_p", "seed", "stop", "top_k"})
@@ -237,12 +237,7 @@ def _eos(model: GenerationServable) -> tuple[int, ...]:
 
 
 def _body(raw: bytes, known: frozenset[str] | set[str]) -> dict[str, Any]:
-    try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, ValueError, RecursionError) as error:
-        raise InvalidInput(f"the request's JSON does not parse: {error}") from None
-    if not isinstance(body, dict):
-        raise InvalidInput("the request body must be a JSON object")
+    body = json_object(raw)
     unknown = sorted(set(body) - known)
     if unknown:
         raise InvalidInput(f"unknown field(s) {unknown}; this server takes {sorted(known)}")

@@ -32,18 +32,14 @@ from cuvil_sidecar.generation.servable import (
     GenerationStream,
 )
 from cuvil_sidecar.http_server import HttpRequest, HttpResponse, json_response
+from cuvil_sidecar.json_body import json_object
 
 BODY_KEYS = frozenset({TEXT_INPUT, INPUT_IDS, "parameters", "id"})
 
 
 def reader(body: bytes) -> Callable[[GenerationServable], GenerateRequest]:
     """The request body -> how to read it against the model (its tokenizer, its eos ids)."""
-    try:
-        value = json.loads(body)
-    except (UnicodeDecodeError, ValueError, RecursionError) as error:
-        raise InvalidInput(f"the request's JSON does not parse: {error}") from None
-    if not isinstance(value, dict):
-        raise InvalidInput("the generate request must be a JSON object")
+    value = json_object(body, "the generate request")
     nested = value.get("parameters", {})
     if not isinstance(nested, dict):
         raise InvalidInput("parameters must be a JSON object")
