@@ -3,13 +3,15 @@
 The template is the Jinja text a Hugging Face tokenizer carries: ``chat_template`` in
 ``tokenizer_config.json`` (a string, or a list of named templates: ``default`` is used), or a
 ``chat_template.jinja`` file beside it. It is rendered in Jinja's immutable sandbox, as
-transformers' ``apply_chat_template`` renders it: template code can read what it is given but
-call nothing unsafe, and a template that refuses a conversation (``raise_exception``, e.g.
-roles that do not alternate) refuses the request with its own message.
+transformers' ``apply_chat_template`` renders it (with ``break`` and ``continue`` in loops and
+``strftime_now``): template code can read what it is given but call nothing unsafe, and a
+template that refuses a conversation (``raise_exception``, e.g. roles that do not alternate)
+refuses the request with its own message.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -82,8 +84,14 @@ def render_chat(
     def raise_exception(message: str) -> None:
         raise InvalidInput(f"the model's chat template refuses the messages: {message}")
 
-    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    def strftime_now(format: str) -> str:  # Llama 3's templates date the system prompt
+        return datetime.datetime.now().strftime(format)
+
+    environment = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
     environment.globals["raise_exception"] = raise_exception
+    environment.globals["strftime_now"] = strftime_now
     try:
         compiled = environment.from_string(template)
         return compiled.render(
