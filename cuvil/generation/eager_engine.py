@@ -94,7 +94,18 @@ class EagerDecoderEngine:
         return logits[:, -1]
 
     def release(self, slot: int) -> None:
-        self._lengths[slot] = 0
+        self._lengths[slot] = 0  # what the slot holds stays there for copy_prefix
+
+    def copy_prefix(self, source: int, target: int, length: int) -> None:
+        """Positions ``0..length-1`` of slot ``source`` into slot ``target``, which then
+        holds ``length`` positions (``DecoderEngine``'s optional method)."""
+        self._check(source, 0, length)
+        self._check(target, 0, length)
+        if source != target:
+            with torch.inference_mode():
+                for cache in (*self._keys, *self._values):
+                    cache[target, :, :length].copy_(cache[source, :, :length])
+        self._lengths[target] = length
 
     def _check(self, slot: int, position: int, count: int) -> None:
         if not 0 <= slot < self._max_batch:

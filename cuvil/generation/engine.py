@@ -11,6 +11,12 @@ batch and the same prompts run one by one see the same positions (transformers d
 An engine may also offer ``extend_many(chunks)``: ``extend`` of several ``(slot, token_ids,
 position)`` chunks, one per slot, written together (a compiled model packs them into one call
 over its weights). Drivers use it where it is there and call ``extend`` per chunk where not.
+
+An engine may offer ``copy_prefix(source, target, length)``: positions ``0..length-1`` of slot
+``source`` copied into slot ``target``, which then continues from position ``length`` as if
+it had written them (one slot for both: it keeps what it holds). Such an engine keeps a slot's
+keys and values after ``release`` until the slot is written again, so a driver may reuse a
+finished sequence's prompt for the next that begins the same way (the sidecar's scheduler).
 """
 
 from __future__ import annotations

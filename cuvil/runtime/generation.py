@@ -368,6 +368,19 @@ class GenerationModel(CompiledModel):
         """Nothing to free: a slot's next sequence overwrites the positions it reads."""
         self._check_slot(slot)
 
+    def copy_prefix(self, source: int, target: int, length: int) -> None:
+        """Positions ``0..length-1`` of slot ``source``'s keys and values into slot
+        ``target`` (``DecoderEngine``'s optional method); nothing to do when they are one
+        slot, whose cache stays as written until a later call writes over it."""
+        self._check_slot(source)
+        self._check_slot(target)
+        self._check_span(0, length)
+        if source == target:
+            return
+        with torch.inference_mode():
+            for cache in self.caches:  # [slots, kv_heads, max_seq, head_dim]
+                cache[target, :, :length].copy_(cache[source, :, :length])
+
     # -- generation
 
     def generate(self, input_ids: torch.Tensor, **options: Any) -> torch.Tensor:

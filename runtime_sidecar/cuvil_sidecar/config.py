@@ -102,7 +102,10 @@
   the frontend's share (``generation/engine_threads.py``). ``CUVIL_PREFILL_ALONGSIDE``
   (``auto``): when the cores hold two engine threads of that count, prompts are written by a
   prefill thread of their own while the engine thread runs decode steps; ``off`` keeps both on
-  the engine thread, a prompt chunk per step.
+  the engine thread, a prompt chunk per step. ``CUVIL_PREFIX_REUSE`` (``on``): a prompt that
+  begins as one a cache slot still holds (a shared system prompt, a conversation's earlier
+  turns) starts from a copy of those keys and values instead of a prefill
+  (``generation/scheduler.py``); ``off`` prefills every prompt whole.
 
 - ``CUVIL_MEASURE_RUNS``, ``CUVIL_POD_NAME``, ``CUVIL_POD_NAMESPACE``, ``CUVIL_NODE_NAME``,
   ``CUVIL_KUBE_API``, ``CUVIL_KUBE_TOKEN_FILE``, ``CUVIL_KUBE_CA``: the warm-up measurement of
@@ -175,6 +178,7 @@ class SidecarConfig:
     prefill_chunk: int = 128
     generation_threads: int = 0
     prefill_alongside: bool = True  # when the engine's threads leave room (engine_threads.py)
+    reuse_prefixes: bool = True  # a prompt starts from a slot holding its leading tokens
     measurement: MeasurementSettings = field(default_factory=MeasurementSettings)
 
     @property
@@ -257,6 +261,7 @@ class SidecarConfig:
                 env, "CUVIL_GENERATION_THREADS", cls.generation_threads, low=0
             ),
             prefill_alongside=_choice(env, "CUVIL_PREFILL_ALONGSIDE", {"auto": True, "off": False}),
+            reuse_prefixes=_choice(env, "CUVIL_PREFIX_REUSE", {"on": True, "off": False}),
             measurement=_measurement(env),
         )
 

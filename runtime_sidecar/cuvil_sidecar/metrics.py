@@ -18,6 +18,7 @@ OCI manifest, as in the ModelCompilation's status.artifacts[]; ``index``: the in
 from, empty when none).
 
 Generation models add ``cuvil_generation_tokens`` (tokens generated; its rate is tokens/s),
+``cuvil_prefix_reused_tokens`` (prompt tokens a prefix reuse saved prefilling),
 histograms ``cuvil_time_to_first_token_seconds`` and ``cuvil_inter_token_latency_seconds``,
 and gauges ``cuvil_kv_cache_usage`` (the fraction of the KV budget reserved),
 ``cuvil_generation_running`` (sequences holding a cache slot) and ``cuvil_generation_waiting``.
@@ -45,6 +46,8 @@ COUNTERS = {
     "nv_inference_compute_infer_duration_us": "Cumulative compute inference duration in "
     "microseconds",
     "cuvil_generation_tokens": "Tokens generated, all streams",
+    "cuvil_prefix_reused_tokens": "Prompt tokens whose keys and values were copied from a "
+    "cache slot rather than prefilled",
 }
 GAUGES = {
     "nv_inference_pending_request_count": "Instantaneous number of pending requests awaiting "

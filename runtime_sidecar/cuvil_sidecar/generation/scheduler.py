@@ -22,6 +22,16 @@ the running streams, and the two kinds of step use both cores. The two threads n
 same slot at once: a sequence decodes only once its prompt is written, and a cancelled one
 keeps its slot until the chunk being written for it is done.
 
+Prompts that begin as an earlier sequence's did are not written again (prefix reuse, as vLLM's
+prefix caching): with an engine that has ``copy_prefix`` (it then keeps a slot's keys and
+values until the slot is written again), a sequence taking a slot starts from the longest run
+of leading tokens, ``PREFIX_MIN_TOKENS`` or more, that some slot still holds (a running
+sequence's written prompt and tokens, or a finished one's, until its slot is taken), copied
+into its own slot, or kept where it already is when that slot is free: a shared system prompt
+or the earlier turns of a conversation cost a copy, not a prefill. Positions hold the same
+keys and values whichever sequence wrote them (up to the order of floating-point sums in
+batched products, as packing prompts together already is), so reuse changes no stream's tokens.
+
 Memory is admitted, never discovered: a sequence reserves its prompt plus the tokens it may
 generate (its ``max_new_tokens``, cut to what ``max_seq`` leaves) against a budget of cache
 positions (``kv_budget_bytes // engine.kv_bytes_per_token``, at most slots times ``max_seq``). A
@@ -63,6 +73,7 @@ log = logging.getLogger("cuvil_sidecar.generation")
 FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED, FINISH_ERROR = "stop", "length", "cancelled", "error"
 FINISH_SHUTDOWN = "shutdown"
 CLIENT_SWEEP_S = 0.05  # how often waiting sequences' clients are asked whether they are gone
+PREFIX_MIN_TOKENS = 8  # a shorter common prefix is written again rather than copied
 
 
 @dataclass(frozen=True)
@@ -93,6 +104,7 @@ class Sequence:
     tokens: list[int] = field(default_factory=list)
     cancelled: bool = False
     client_gone: Callable[[], bool] | None = None
+    reused: int = 0  # prompt tokens copied from a slot's cache rather than prefilled
 
     def abandoned(self) -> bool:
         """Cancelled, or its client gone (asked of the transport, for one that can tell)."""
@@ -103,6 +115,14 @@ class Sequence:
     @property
     def reserved(self) -> int:
         return len(self.prompt) + self.max_new_tokens
+
+    def written(self) -> list[int]:
+        """The tokens whose keys and values its slot holds, from position 0: the prompt's
+        prefilled part, then each decode step's input (a prompt's last token, then every
+        generated token but the newest)."""
+        count = self.prefilled + len(self.tokens)
+        held = self.prompt if count <= len(self.prompt) else self.prompt + self.tokens
+        return held[:count]
 
 
 def _decode_ready(sequence: Sequence) -> bool:
@@ -116,6 +136,7 @@ class Usage:
     waiting: int
     reserved_positions: int
     budget_positions: int
+    reused_tokens: int = 0  # prompt tokens taken from a slot's cache rather than prefilled
 
     @property
     def fraction(self) -> float:
@@ -132,10 +153,12 @@ class Scheduler:
         prefill_chunk: int = 128,
         threads: int = 0,
         prefill_alongside: bool = False,
+        reuse_prefixes: bool = True,
         name: str = "generation",
     ) -> None:
         """``kv_budget_bytes`` 0: every slot's whole cache. ``threads``: the engine threads'
-        intra-op threads (0: the process's count)."""
+        intra-op threads (0: the process's count). ``reuse_prefixes``: with an engine that has
+        ``copy_prefix``."""
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be at least 1, not {prefill_chunk}")
         self.engine = engine
@@ -148,6 +171,9 @@ class Scheduler:
         self.prefill_alongside = prefill_alongside
         self._prefilling: list[Sequence] = []  # being written by the prefill thread
         self._free_slots = list(range(engine.max_batch - 1, -1, -1))
+        self._copy_prefix = getattr(engine, "copy_prefix", None) if reuse_prefixes else None
+        self._holders: dict[int, Sequence] = {}  # slot -> the sequence whose keys it holds
+        self._reused_tokens = 0
         self._waiting: collections.deque[Sequence] = collections.deque()
         self._running: list[Sequence] = []
         self._reserved = 0
@@ -222,7 +248,11 @@ class Scheduler:
     def usage(self) -> Usage:
         with self._wake:
             return Usage(
-                len(self._running), len(self._waiting), self._reserved, self.budget_positions
+                len(self._running),
+                len(self._waiting),
+                self._reserved,
+                self.budget_positions,
+                self._reused_tokens,
             )
 
     def close(self, timeout_s: float = 10.0) -> None:
@@ -341,10 +371,40 @@ class Scheduler:
             if self._reserved + head.reserved > self.budget_positions:
                 break  # first come first served: later ones wait behind it
             self._waiting.popleft()
-            head.slot = self._free_slots.pop()
+            head.slot = self._take_slot(head)
             self._reserved += head.reserved
             self._running.append(head)
         return gone
+
+    def _take_slot(self, sequence: Sequence) -> int:
+        """Under the lock: a free slot for ``sequence``, holding the longest prefix of its
+        prompt (but the last token) that any slot holds when that is long enough. The slot
+        holding it is taken when it is free and the sequence continues all it holds (a
+        conversation's next turn), or no other is free; else the longest-free other slot,
+        with the prefix copied in, so that what free slots hold is overwritten oldest first."""
+        free = self._free_slots
+        if self._copy_prefix is None:
+            return free.pop()
+        wanted = sequence.prompt[:-1]
+        length, source, held = 0, -1, 0
+        for slot, holder in self._holders.items():
+            written = holder.written()
+            common = _common_prefix(wanted, written)
+            if common > length:
+                length, source, held = common, slot, len(written)
+        if length < PREFIX_MIN_TOKENS:
+            slot = free[0]
+        elif source in free and (length == held or len(free) == 1):
+            slot = source
+        else:
+            slot = next(s for s in free if s != source)
+        free.remove(slot)
+        if length >= PREFIX_MIN_TOKENS:
+            self._copy_prefix(source, slot, length)
+            sequence.prefilled = sequence.reused = length
+            self._reused_tokens += length
+        self._holders[slot] = sequence
+        return slot
 
     def _leave(self, sequence: Sequence) -> None:
         """Under the lock: the sequence's slot and reservation go back (once: a prompt whose
@@ -438,6 +498,8 @@ class Scheduler:
         with self._wake:
             for sequence in sequences:
                 self._leave(sequence)
+                if self._holders.get(sequence.slot) is sequence:  # its cache is in doubt
+                    del self._holders[sequence.slot]
         for sequence in sequences:
             self._emit(sequence, None, FINISH_ERROR, f"the model failed: {error}")
 
@@ -448,3 +510,18 @@ class Scheduler:
             sequence.sink(event)
         except Exception:  # a sink's failure is its client's; the other streams go on
             log.exception("a generation sink failed")
+
+
+def _common_prefix(wanted: list[int], held: list[int]) -> int:
+    """How many leading tokens the two lists share (0 when fewer than PREFIX_MIN_TOKENS):
+    slices compared in C, halving the range each time."""
+    low, high = PREFIX_MIN_TOKENS, min(len(wanted), len(held))
+    if high < low or wanted[:low] != held[:low]:
+        return 0
+    while low < high:  # wanted[:low] == held[:low]; the common length is at most high
+        middle = (low + high + 1) // 2
+        if wanted[:middle] == held[:middle]:
+            low = middle
+        else:
+            high = middle - 1
+    return low

@@ -76,6 +76,7 @@ class GenerationServable:
             prefill_alongside=bool(
                 config.prefill_alongside and model.threads and model.threads.room_for_two
             ),
+            reuse_prefixes=config.reuse_prefixes,
             name=self.name,
         )
         self.metrics = metrics
@@ -225,6 +226,9 @@ class GenerationStream:
             else:
                 first = (event.at_ns - self._started_ns) / 1e9
                 servable.metrics.observe("cuvil_time_to_first_token_seconds", name, version, first)
+                if self._sequence.reused:
+                    reused = float(self._sequence.reused)
+                    servable.metrics.add("cuvil_prefix_reused_tokens", name, version, reused)
                 tracing.first_token(self._span, first)
             self._last_ns = event.at_ns
             if self._detokenizer is not None:

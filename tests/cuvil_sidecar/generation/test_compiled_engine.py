@@ -77,6 +77,38 @@ def test_the_loader_serves_the_artifacts_compiled_engine(artifact: tuple) -> Non
         assert streamed == expected, f"prefill_alongside={alongside}"
 
 
+def test_prompts_sharing_leading_tokens_start_from_the_compiled_cache(artifact: tuple) -> None:
+    """A shared leading run and a conversation's next turn start from keys another slot
+    holds (copied, or kept in place), and answer what transformers gives each prompt."""
+    model, path = artifact
+    config = loader.artifact_config(path)
+    engine = loader.ENGINE_FOR_ARTIFACT(path, config, SidecarConfig(str(path))).engine
+
+    def expected(prompt: list[int], new_tokens: int) -> list[int]:
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None
+        )
+        return list(out[0, len(prompt) :].tolist())
+
+    shared = _prompt(11)[:12]
+    first = [*shared, 7, 8, 9]
+    scheduler = Scheduler(engine, prefill_chunk=5)
+    try:
+        collector = Collector()
+        scheduler.submit(first, SamplingParams(max_new_tokens=6), collector)
+        answer = collector.tokens()
+        assert answer == expected(first, 6)
+        requests = [[*first, *answer, 10, 11], [*shared, 12, 13, 14, 15], [*shared, 16]]
+        collectors = [Collector() for _ in requests]
+        for prompt, collector in zip(requests, collectors, strict=True):
+            scheduler.submit(prompt, SamplingParams(max_new_tokens=5), collector)
+        assert [c.tokens() for c in collectors] == [expected(p, 5) for p in requests]
+        # the next turn: all the first sequence wrote; the other two: the shared run
+        assert scheduler.usage().reused_tokens == len(first) + len(answer) - 1 + 2 * len(shared)
+    finally:
+        scheduler.close()
+
+
 def test_a_sidecar_serves_the_artifact_with_prompts_written_beside_the_decode_steps(
     artifact: tuple, tmp_path: Path
 ) -> None:

@@ -116,8 +116,12 @@ def test_completions_match_transformers_whole_and_streamed(
 
 
 def test_chat_renders_the_template_as_transformers_and_matches_its_text(
-    client: openai.OpenAI, reference: Any
+    client: openai.OpenAI, reference: Any, sidecar: Sidecar
 ) -> None:
+    """The second, streamed, request starts from the first one's keys (prefix reuse) and
+    answers the same."""
+    from tests.cuvil_sidecar.generation.test_generate_server import metric
+
     ids = list(
         reference[1].apply_chat_template(
             MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False
@@ -135,6 +139,7 @@ def test_chat_renders_the_template_as_transformers_and_matches_its_text(
         "assistant", expected, finish,
     )  # fmt: skip
     assert answer.usage is not None and answer.usage.prompt_tokens == len(ids)
+    reused = metric(sidecar, "cuvil_prefix_reused_tokens")
     stream = client.chat.completions.create(
         model="tiny",
         messages=MESSAGES,
@@ -146,6 +151,7 @@ def test_chat_renders_the_template_as_transformers_and_matches_its_text(
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
     assert chunks[-1].choices[0].finish_reason == finish
+    assert metric(sidecar, "cuvil_prefix_reused_tokens") - reused == len(ids) - 1
 
 
 def test_seeded_sampling_repeats_and_stop_strings_cut(client: openai.OpenAI) -> None:
