@@ -13,10 +13,12 @@ folder with one slot per stream, which the sidecar serves through its compiled p
 (``--precision bf16``: bf16 GEMM weights, an fp32 KV cache; greedy tokens may then leave the
 fp32 static batch's after some steps, so ``matching_streams`` counts fewer).
 Every request is greedy with ``ignore_eos`` (so each generates exactly its ``max_tokens``),
-prompts of ``--prompt-min``..``--prompt-max`` tokens and ``--tokens-min``..``--tokens-max`` new
-tokens, spread evenly. ``sidecar``: all streams sent at
-once over REST ``generate_stream`` (server-sent events) and read by one thread of this process
-(``sse_streams.py``: a selector over the sockets; ``client_cpu_s`` is what it spent);
+prompts of ``--prompt-min``..``--prompt-max`` tokens (after ``--shared-prefix`` tokens every
+prompt starts with, as a system prompt: the sidecar's prefix reuse, ``--prefix-reuse``, then
+writes them once) and ``--tokens-min``..``--tokens-max`` new tokens, spread evenly.
+``sidecar``: all streams sent at once over REST ``generate_stream`` (server-sent events) and
+read by one thread of this process (``sse_streams.py``: a selector over the sockets;
+``client_cpu_s`` is what it spent);
 ``tokens_per_s`` = tokens received / seconds from the first request to the last token;
 ``time_to_first_token_ms`` and ``inter_token_ms`` percentiles are measured by the client.
 ``transformers_static``: the same requests in static batches of ``--static-batch`` (left
@@ -80,19 +82,21 @@ def compiled_artifact(checkpoint: Path, args: argparse.Namespace) -> Path:
     example = {"input_ids": torch.randint(3, 100, (1, 8))}
     compiled = cuvil.jit(
         model, example, task="text-generation", max_batch=args.streams,
-        max_seq=args.prompt_max + args.tokens_max, name=args.model, precision=args.precision,
+        max_seq=args.shared_prefix + args.prompt_max + args.tokens_max, name=args.model,
+        precision=args.precision,
     )  # fmt: skip
     return compiled.save(checkpoint.parent / "artifact" / args.model, directory=True)
 
 
 def requests_for(args: argparse.Namespace, vocab: int) -> list[dict[str, Any]]:
     generator = torch.Generator().manual_seed(1)
+    shared = torch.randint(3, vocab, (args.shared_prefix,), generator=generator).tolist()
     requests = []
     for i in range(args.streams):
         fraction = i / max(1, args.streams - 1)
         length = round(args.prompt_min + fraction * (args.prompt_max - args.prompt_min))
         tokens = round(args.tokens_max - fraction * (args.tokens_max - args.tokens_min))
-        prompt = torch.randint(3, vocab, (length,), generator=generator).tolist()
+        prompt = shared + torch.randint(3, vocab, (length,), generator=generator).tolist()
         parameters = {"max_tokens": tokens, "ignore_eos": True}
         requests.append({"input_ids": prompt, "parameters": parameters})
     return requests
@@ -118,6 +122,7 @@ def start_sidecar(model: Path, args: argparse.Namespace, log: Path) -> tuple[Any
         "CUVIL_METRICS_PORT": "0",
         "CUVIL_HTTP_PORT": str(port),
         "CUVIL_GENERATION_SLOTS": str(args.streams),
+        "CUVIL_PREFIX_REUSE": args.prefix_reuse,
         "CUVIL_TORCH_THREADS": str(args.threads),
         "OMP_NUM_THREADS": str(args.threads),
         "PYTHONPATH": os.pathsep.join([str(REPO / "runtime_sidecar"), str(REPO)]),
@@ -226,6 +231,14 @@ def main() -> None:
     parser.add_argument("--tokens-min", type=int, default=32)
     parser.add_argument("--tokens-max", type=int, default=64)
     parser.add_argument("--static-batch", type=int, default=16)
+    parser.add_argument(
+        "--shared-prefix", type=int, default=0,
+        help="tokens every prompt starts with (a system prompt) before its own",
+    )  # fmt: skip
+    parser.add_argument(
+        "--prefix-reuse", choices=("on", "off"), default="on",
+        help="the sidecar's CUVIL_PREFIX_REUSE",
+    )  # fmt: skip
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path)
     parser.add_argument(
@@ -261,6 +274,8 @@ def main() -> None:
     result = {
         "model": args.model,
         "streams": args.streams,
+        "shared_prefix": args.shared_prefix,
+        "prefix_reuse": args.prefix_reuse,
         "threads": args.threads,
         "engine": "EagerDecoderEngine" if args.engine == "eager" else "compiled (cuvil.jit)",
         "precision": "fp32" if args.engine == "eager" else args.precision,

@@ -1,6 +1,7 @@
 """The concurrent-streams benchmark end to end on the tiny Llama: compiled for generation, served
-by a sidecar subprocess, four streams read by the one-thread SSE client, the same requests
-through transformers' static batch, one JSON document."""
+by a sidecar subprocess, four streams sharing their first 12 tokens (written once: the
+sidecar's prefix reuse) read by the one-thread SSE client, the same requests through
+transformers' static batch, one JSON document."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ def test_four_compiled_streams_match_the_static_batch() -> None:
         "benchmarks.generate_streams",
         *("--model", "tiny", "--engine", "compiled", "--streams", "4", "--static-batch", "2"),
         *("--prompt-min", "4", "--prompt-max", "20", "--tokens-min", "3", "--tokens-max", "9"),
-        *("--threads", "1"),
+        *("--threads", "1", "--shared-prefix", "12"),
     )
     sidecar, static = report["sidecar"], report["transformers_static"]
     assert sidecar["tokens"] == static["tokens"] == 9 + 7 + 5 + 3  # tokens-max down to -min
@@ -21,3 +22,4 @@ def test_four_compiled_streams_match_the_static_batch() -> None:
     # events read in one receive share its time: gaps may be 0, not all of them
     assert sidecar["inter_token_ms"]["p99"] > 0 and sidecar["client_cpu_s"] >= 0
     assert report["sidecar_engine_threads"].startswith("1 thread")
+    assert (report["shared_prefix"], report["prefix_reuse"]) == (12, "on")
