@@ -171,7 +171,9 @@ class Scheduler:
         self.prefill_alongside = prefill_alongside
         self._prefilling: list[Sequence] = []  # being written by the prefill thread
         self._free_slots = list(range(engine.max_batch - 1, -1, -1))
-        self._copy_prefix = getattr(engine, "copy_prefix", None) if reuse_prefixes else None
+        self._copy_prefix: Callable[[int, int, int], None] | None = (
+            getattr(engine, "copy_prefix", None) if reuse_prefixes else None
+        )
         self._holders: dict[int, Sequence] = {}  # slot -> the sequence whose keys it holds
         self._reused_tokens = 0
         self._waiting: collections.deque[Sequence] = collections.deque()
@@ -418,8 +420,13 @@ class Scheduler:
 
     def _prefill_plan(self) -> list[tuple[Sequence, int]]:
         """Under the lock: the next prompt chunks, in arrival order, ``prefill_chunk`` tokens
-        in all, of sequences not cancelled and whose client is still there."""
-        plan, left = [], self.prefill_chunk
+        in all, of sequences not cancelled and whose client is still there. With prefix
+        reuse, a prompt first takes what another slot has written of its next tokens since
+        it was admitted, and one whose next tokens an earlier prompt's chunk in this plan
+        writes waits for that chunk and copies it (a burst of prompts sharing a system
+        prompt writes it once)."""
+        plan: list[tuple[Sequence, int]] = []
+        left = self.prefill_chunk
         for sequence in self._running:
             remaining = len(sequence.prompt) - 1 - sequence.prefilled
             if not remaining or not left:
@@ -429,9 +436,43 @@ class Scheduler:
                 if not known:
                     self._wake.notify_all()  # the engine thread drops it
                 continue
+            if self._copy_prefix is not None:
+                remaining -= self._catch_up(sequence)
+                if not remaining:
+                    self._wake.notify_all()  # ready to decode, to the engine thread
+                    continue
+                if any(self._writes_ahead(planned, sequence) for planned, _ in plan):
+                    continue
             plan.append((sequence, min(remaining, left)))
             left -= plan[-1][1]
         return plan
+
+    def _catch_up(self, sequence: Sequence) -> int:
+        """Under the lock: copy into the sequence's slot the longest prefix of its prompt
+        that another slot holds past what it has written; returns the positions gained."""
+        if self._copy_prefix is None:
+            return 0
+        wanted = sequence.prompt[:-1]
+        length, source = sequence.prefilled, -1
+        for slot, holder in self._holders.items():
+            if holder is not sequence:
+                common = _common_prefix(wanted, holder.written())
+                if common > length:
+                    length, source = common, slot
+        if length < sequence.prefilled + PREFIX_MIN_TOKENS:
+            return 0
+        self._copy_prefix(source, sequence.slot, length)
+        gained, sequence.prefilled = length - sequence.prefilled, length
+        sequence.reused += gained
+        self._reused_tokens += gained
+        return gained
+
+    @staticmethod
+    def _writes_ahead(planned: Sequence, sequence: Sequence) -> bool:
+        """Whether ``planned``'s chunk writes tokens ``sequence``'s prompt needs next (its
+        prompt goes on past where ``sequence`` stands, as ``sequence``'s does)."""
+        ahead = sequence.prefilled + PREFIX_MIN_TOKENS
+        return _common_prefix(sequence.prompt[:-1], planned.prompt[:-1]) >= ahead
 
     def _prefill_chunks(self, plan: list[tuple[Sequence, int]]) -> None:
         """Write the planned chunks (outside the lock: the engine calls): packed into one

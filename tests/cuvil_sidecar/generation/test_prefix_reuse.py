@@ -115,6 +115,31 @@ def test_streams_sharing_a_system_prompt_get_the_tokens_they_get_alone(alongside
     assert reused >= len(SYSTEM) * 6 and any(kind == "copy" for kind, _, _ in engine.calls)
 
 
+@pytest.mark.parametrize("alongside", [False, True], ids=["one_thread", "prefill_alongside"])
+def test_a_burst_sharing_a_system_prompt_writes_it_once(alongside: bool) -> None:
+    """Six prompts arrive together, before anything is written: the first writes the shared
+    24 tokens, and the others, though the step's budget of 40 tokens has room for theirs,
+    wait for that chunk and copy it."""
+    engine = PrefixEngine(max_batch=6, max_seq=128)
+    scheduler = Scheduler(engine, prefill_chunk=40, prefill_alongside=alongside)
+    requests = [[*SYSTEM, *[(i * 5 + k) % VOCAB for k in range(2 + i)]] for i in range(6)]
+    engine.gate.clear()  # nothing runs until all six are queued
+    try:
+        collectors = [Collector() for _ in requests]
+        for prompt, collector in zip(requests, collectors, strict=True):
+            scheduler.submit(prompt, SamplingParams(max_new_tokens=3), collector)
+        engine.gate.set()
+        results = [collector.tokens() for collector in collectors]
+        reused = scheduler.usage().reused_tokens
+    finally:
+        engine.gate.set()
+        scheduler.close()
+    assert results == [alone(p, SamplingParams(max_new_tokens=3), 128) for p in requests]
+    assert reused == 5 * len(SYSTEM)
+    own = sum(len(prompt) - 1 - len(SYSTEM) for prompt in requests)
+    assert written(engine, 0) == len(SYSTEM) + own
+
+
 def test_short_common_prefixes_and_a_scheduler_told_not_to_are_written_again() -> None:
     engine = PrefixEngine(max_batch=2, max_seq=128)
     scheduler = Scheduler(engine)
