@@ -23,14 +23,18 @@ same slot at once: a sequence decodes only once its prompt is written, and a can
 keeps its slot until the chunk being written for it is done.
 
 Prompts that begin as an earlier sequence's did are not written again (prefix reuse, as vLLM's
-prefix caching): with an engine that has ``copy_prefix`` (it then keeps a slot's keys and
-values until the slot is written again), a sequence taking a slot starts from the longest run
-of leading tokens, ``PREFIX_MIN_TOKENS`` or more, that some slot still holds (a running
-sequence's written prompt and tokens, or a finished one's, until its slot is taken), copied
-into its own slot, or kept where it already is when that slot is free: a shared system prompt
-or the earlier turns of a conversation cost a copy, not a prefill. Positions hold the same
-keys and values whichever sequence wrote them (up to the order of floating-point sums in
-batched products, as packing prompts together already is), so reuse changes no stream's tokens.
+prefix caching): with an engine that has ``copy_prefix`` (it then keeps a slot's keys and values
+until the slot is written again), a sequence taking a slot starts from the longest run of
+leading tokens, ``PREFIX_MIN_TOKENS`` or more, that some slot still holds (a running sequence's
+written prompt and tokens, or a finished one's, until its slot is taken), copied into its own
+slot, or kept where it already is when that slot is free: a shared system prompt or the earlier
+turns of a conversation cost a copy, not a prefill. A prompt still being written takes, before
+each chunk, what other slots have written of its next tokens since, and waits while an earlier
+prompt's chunk in the same step writes them, so a burst of prompts that share a system prompt
+writes it once. Positions hold the same keys and values whichever sequence wrote them, up to the
+order of floating-point sums in batched products (as when prompts are packed together), so a
+stream's tokens are those it gets without reuse (the tests compare them with transformers'
+greedy tokens).
 
 Memory is admitted, never discovered: a sequence reserves its prompt plus the tokens it may
 generate (its ``max_new_tokens``, cut to what ``max_seq`` leaves) against a budget of cache
@@ -387,13 +391,7 @@ class Scheduler:
         free = self._free_slots
         if self._copy_prefix is None:
             return free.pop()
-        wanted = sequence.prompt[:-1]
-        length, source, held = 0, -1, 0
-        for slot, holder in self._holders.items():
-            written = holder.written()
-            common = _common_prefix(wanted, written)
-            if common > length:
-                length, source, held = common, slot, len(written)
+        length, source, held = self._longest_held(sequence, 0)
         if length < PREFIX_MIN_TOKENS:
             slot = free[0]
         elif source in free and (length == held or len(free) == 1):
@@ -452,13 +450,7 @@ class Scheduler:
         that another slot holds past what it has written; returns the positions gained."""
         if self._copy_prefix is None:
             return 0
-        wanted = sequence.prompt[:-1]
-        length, source = sequence.prefilled, -1
-        for slot, holder in self._holders.items():
-            if holder is not sequence:
-                common = _common_prefix(wanted, holder.written())
-                if common > length:
-                    length, source = common, slot
+        length, source, _ = self._longest_held(sequence, sequence.prefilled)
         if length < sequence.prefilled + PREFIX_MIN_TOKENS:
             return 0
         self._copy_prefix(source, sequence.slot, length)
@@ -466,6 +458,20 @@ class Scheduler:
         sequence.reused += gained
         self._reused_tokens += gained
         return gained
+
+    def _longest_held(self, sequence: Sequence, beyond: int) -> tuple[int, int, int]:
+        """Under the lock: the longest prefix of the sequence's prompt (but its last token)
+        that a slot other than its own holds, if longer than ``beyond``: (its length, that
+        slot, how many positions the slot holds); (``beyond``, -1, 0) when none is."""
+        wanted = sequence.prompt[:-1]
+        found = (beyond, -1, 0)
+        for slot, holder in self._holders.items():
+            if holder is not sequence:
+                written = holder.written()
+                common = _common_prefix(wanted, written)
+                if common > found[0]:
+                    found = (common, slot, len(written))
+        return found
 
     @staticmethod
     def _writes_ahead(planned: Sequence, sequence: Sequence) -> bool:
