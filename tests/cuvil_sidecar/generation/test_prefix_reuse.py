@@ -21,6 +21,7 @@ from tests.cuvil_sidecar.generation.test_scheduler import (
     Collector,
     PackingEngine,
     alone,
+    tiny_llama,
 )
 
 SYSTEM = [(k * 7 + 5) % VOCAB for k in range(24)]  # a shared leading run of 24 tokens
@@ -177,16 +178,9 @@ def test_a_failed_step_leaves_nothing_to_reuse() -> None:
 
 
 def test_the_real_engine_reusing_a_prefix_matches_a_fresh_prefill() -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from cuvil.generation.eager_engine import EagerDecoderEngine
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256,
-    )  # fmt: skip
-    model = LlamaForCausalLM(config).eval()
+    model = tiny_llama(256)
     scheduler = Scheduler(EagerDecoderEngine(model, max_batch=2, max_seq=128))
     try:
         turn = [*SYSTEM, 3, 1, 4]

@@ -464,17 +464,22 @@ def test_an_engine_failure_ends_only_the_sequences_it_hit(alongside: bool) -> No
         scheduler.close()
 
 
-def test_real_engine_streams_in_a_batch_match_each_alone() -> None:
+def tiny_llama(positions: int) -> torch.nn.Module:
+    """A two-layer Llama over this file's vocabulary, random weights of a fixed seed."""
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from cuvil.generation.eager_engine import EagerDecoderEngine
 
     torch.manual_seed(0)
     config = LlamaConfig(
         hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=128,
+        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=positions,
     )  # fmt: skip
-    model = LlamaForCausalLM(config).eval()
+    return LlamaForCausalLM(config).eval()
+
+
+def test_real_engine_streams_in_a_batch_match_each_alone() -> None:
+    from cuvil.generation.eager_engine import EagerDecoderEngine
+
+    model = tiny_llama(128)
     requests = [(prompt_of(i), SamplingParams(max_new_tokens=3 + i * 2)) for i in range(6)] + [
         (prompt_of(7), SamplingParams(max_new_tokens=9, do_sample=True, top_k=10, seed=3))
     ]
