@@ -8,15 +8,16 @@ serve it, so that OpenAI's client libraries work unchanged:
 Both POST routes run the same scheduler as the generate extension, and take ``model``,
 ``stream`` (server-sent events: a chunk per token that completes text, the last with its
 ``finish_reason``, then ``data: [DONE]``; ``stream_options.include_usage`` adds a chunk with the
-usage), ``max_tokens`` (chat also ``max_completion_tokens``; default 16 for completions, and
-for chat what the model's ``max_seq`` leaves), ``temperature`` (default 1, sampled; 0 is
-greedy), ``top_p``, ``seed``, ``stop``, ``user`` (ignored), and vLLM's ``top_k`` (off unless
-given), ``ignore_eos`` and ``stop_token_ids``. A field this server does not do (``n`` or
-``best_of`` above 1, ``echo``, ``logprobs``, ``suffix``, ``logit_bias``, penalties, tools) or
-does not know is refused with 400 naming it, never ignored. Errors are OpenAI's shape,
-``{"error": {"message", "type", "param", "code"}}``, with the generate extension's status (400,
-404 for another model's name, 413 past the KV budget, 429 with a full queue, 503 stopping). The
-answers carry text, so the model needs its tokenizer.
+usage), ``max_tokens`` (chat also ``max_completion_tokens``; default 16 for completions, and for
+chat what the model's ``max_seq`` leaves), ``temperature`` (default 1, sampled; 0 is greedy),
+``top_p``, ``seed``, ``stop``, ``user`` (ignored), and vLLM's ``top_k`` (off unless given),
+``ignore_eos`` and ``stop_token_ids``. A field this server does not do (``n`` or ``best_of``
+above 1, ``echo``, ``logprobs``, ``suffix``, ``logit_bias``, penalties, tools) or does not know
+is refused with 400 naming it, never ignored. Errors are OpenAI's shape, ``{"error": {"message",
+"type", "param", "code"}}``, with the generate extension's status (400, 404 for another model's
+name, 413 past the KV budget, 429 with a full queue, 503 stopping). The answers carry text, so
+the model needs its tokenizer. Usage counts the prompt tokens prefix reuse copied (the
+scheduler's) as ``prompt_tokens_details.cached_tokens``, as OpenAI counts its prompt caching.
 """
 
 from __future__ import annotations
@@ -263,12 +264,14 @@ def _include_usage(body: dict[str, Any]) -> bool:
     return bool(options.get("include_usage", False))
 
 
-def _usage(stream: GenerationStream) -> dict[str, int]:
+def _usage(stream: GenerationStream) -> dict[str, Any]:
+    """OpenAI's usage object; ``cached_tokens``: the prompt tokens prefix reuse copied."""
     prompt, completion = len(stream.prompt), len(stream.tokens)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": stream.reused_tokens},
     }
 
 

@@ -196,6 +196,11 @@ class GenerationStream:
         return self._request.id
 
     @property
+    def reused_tokens(self) -> int:
+        """Prompt tokens copied from a cache slot rather than prefilled (prefix reuse)."""
+        return self._sequence.reused
+
+    @property
     def with_text(self) -> bool:
         """Whether the model has a tokenizer (text out beside the token ids)."""
         return self._detokenizer is not None

@@ -3,7 +3,8 @@ transformers checkpoint with a byte-level BPE tokenizer and a chat template.
 
 - greedy completions and chat completions give transformers' ``generate`` text (the chat
   prompt rendered as transformers' ``apply_chat_template`` renders it), whole and streamed,
-  with usage counts; a token-id prompt answers as its text does; seeded sampling repeats;
+  with usage counts (a repeated prompt's cached tokens: prefix reuse); a token-id prompt
+  answers as its text does; seeded sampling repeats;
 - stop strings cut the text; a chat template's own refusal, fields this server does not do,
   unknown fields and another model's name get OpenAI's error answers, and the server goes on;
 - the api key is checked as a bearer token; a model without a tokenizer refuses, naming the
@@ -20,6 +21,7 @@ from typing import Any
 import openai
 import pytest
 import torch
+from cuvil_sidecar.generation.scheduler import PREFIX_MIN_TOKENS
 
 from tests.cuvil_sidecar.conftest import Sidecar, ready_sidecar
 from tests.cuvil_sidecar.generation.checkpoints import tiny_llama_checkpoint
@@ -31,7 +33,7 @@ TEMPLATE = (
     "<|{{ message['role'] }}|>{{ message['content'] }}{{ eos_token }}{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
-PROMPT = "the quick brown fox"
+PROMPT = "the quick brown fox jumps over the lazy dog, then the quick brown fox"  # 16 tokens
 LONG = 16_000  # tokens a stream asks for when it must still run while the test looks
 MESSAGES = [
     {"role": "system", "content": "answer in one word"},
@@ -94,6 +96,7 @@ def test_completions_match_transformers_whole_and_streamed(
     client: openai.OpenAI, reference: Any
 ) -> None:
     ids = reference[1].encode(PROMPT)
+    assert len(ids) - 1 >= PREFIX_MIN_TOKENS  # long enough to be reused
     expected, finish = greedy(reference, ids, 12)
     answer = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0)
     assert answer.object == "text_completion" and answer.id.startswith("cmpl-")
@@ -102,6 +105,9 @@ def test_completions_match_transformers_whole_and_streamed(
     assert answer.usage.total_tokens == len(ids) + answer.usage.completion_tokens
     by_ids = client.completions.create(model="tiny", prompt=ids, max_tokens=12, temperature=0)
     assert by_ids.choices[0].text == expected
+    # the same prompt again: all of it but its last token copied from the first one's slot
+    assert by_ids.usage is not None and by_ids.usage.prompt_tokens_details is not None
+    assert by_ids.usage.prompt_tokens_details.cached_tokens == len(ids) - 1
     chunks = list(
         client.completions.create(
             model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
@@ -112,7 +118,7 @@ def test_completions_match_transformers_whole_and_streamed(
     assert "".join(texts) == expected and len(texts) > 1
     finishes = [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices]
     assert finishes[-1] == finish and set(finishes[:-1]) == {None}
-    assert chunks[-1].usage == answer.usage and not chunks[-1].choices
+    assert chunks[-1].usage == by_ids.usage and not chunks[-1].choices
 
 
 def test_chat_renders_the_template_as_transformers_and_matches_its_text(
