@@ -327,8 +327,9 @@ def test_a_cancelled_stream_stops(slow_artifact: Path, tmp_path: Path, frontend:
 def test_cancelled_unary_calls_never_run(
     slow_artifact: Path, tmp_path: Path, frontend: str
 ) -> None:
-    """Sixty ModelInfer calls, cancelled by their client once the first is answered: those the
-    server holds but has not yet run are dropped unrun (counted as cancelled)."""
+    """Sixty ModelInfer calls, cancelled by their client once the first is answered and the
+    server holds others it has not run (a loaded host may hand them over late): those are
+    dropped unrun (counted as cancelled)."""
     sidecar = Sidecar(
         slow_artifact,
         tmp_path / "sidecar.log",
@@ -340,11 +341,17 @@ def test_cancelled_unary_calls_never_run(
     with ready_sidecar(sidecar):
         before = scrape(sidecar)
 
+        def held() -> float:
+            return labelled(scrape(sidecar), "nv_inference_pending_request_count")
+
         async def main() -> None:
             client = aioclient.InferenceServerClient(sidecar.url)
             try:
                 calls = [asyncio.ensure_future(call(client, x)) for _ in range(sent)]
                 await asyncio.wait(calls, return_when=asyncio.FIRST_COMPLETED)
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline and await asyncio.to_thread(held) < 2:
+                    await asyncio.sleep(0.01)
                 for pending in calls:
                     pending.cancel()
                 await asyncio.gather(*calls, return_exceptions=True)
