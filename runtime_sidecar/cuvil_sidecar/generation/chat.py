@@ -27,11 +27,7 @@ def chat_template(folder: Path) -> str | None:
     """The tokenizer's chat template in ``folder``; None when it has none."""
     if (folder / TEMPLATE_FILE).is_file():
         return (folder / TEMPLATE_FILE).read_text()
-    try:
-        config = json.loads((folder / "tokenizer_config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    found = config.get("chat_template") if isinstance(config, dict) else None
+    found = _tokenizer_config(folder).get("chat_template")
     if isinstance(found, list):  # named templates: [{"name": ..., "template": ...}]
         named = {t.get("name"): t.get("template") for t in found if isinstance(t, dict)}
         found = named.get("default")
@@ -41,13 +37,10 @@ def chat_template(folder: Path) -> str | None:
 def special_tokens(folder: Path) -> dict[str, str]:
     """``bos_token`` and ``eos_token`` as ``tokenizer_config.json`` names them (templates put
     them into the text)."""
-    try:
-        config = json.loads((folder / "tokenizer_config.json").read_text())
-    except (OSError, ValueError):
-        return {}
+    config = _tokenizer_config(folder)
     tokens = {}
     for key in ("bos_token", "eos_token"):
-        value = config.get(key) if isinstance(config, dict) else None
+        value = config.get(key)
         if isinstance(value, dict):  # an AddedToken written out
             value = value.get("content")
         if isinstance(value, str):
@@ -105,3 +98,12 @@ def _text_part(part: Any, message: int) -> str:
     if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
         return str(part["text"])
     raise InvalidInput(f"messages[{message}].content: only text parts are taken here")
+
+
+def _tokenizer_config(folder: Path) -> dict[str, Any]:
+    """``tokenizer_config.json`` in ``folder``; empty when it is missing or not an object."""
+    try:
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}

@@ -231,8 +231,8 @@ class GenerationStream:
             else:
                 first = (event.at_ns - self._started_ns) / 1e9
                 servable.metrics.observe("cuvil_time_to_first_token_seconds", name, version, first)
-                if self._sequence.reused:
-                    reused = float(self._sequence.reused)
+                if self.reused_tokens:
+                    reused = float(self.reused_tokens)
                     servable.metrics.add("cuvil_prefix_reused_tokens", name, version, reused)
                 tracing.first_token(self._span, first)
             self._last_ns = event.at_ns
