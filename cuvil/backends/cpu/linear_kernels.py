@@ -1,7 +1,8 @@
 """CPU kernels for ``cuvil.linear`` and ``cuvil.swiglu``: GEMM paths, chosen per shape.
 
-    mkl     addmm (MKL sgemm) on the pre-transposed weight, then the activation in place;
-            a residual is added first (residual + bias) and the GEMM accumulates into it
+    mkl     MKL's sgemm on the weight packed once (backends/cpu/packed_gemm.py), or addmm on
+            the pre-transposed weight where MKL's packing is not offered; then the activation
+            in place; a residual is added first (residual + bias) and the GEMM accumulates into it
     onednn  oneDNN's prepacked inner product with the activation or the residual add as a
             post-op: kept primitives (backends/cpu/direct_linear.py), or ATen's call without libdnnl
     split   for up to 4 rows: the weight split across threads as a batched GEMM
@@ -9,8 +10,8 @@
 
 None wins everywhere (see cuvil/backends/cpu/tactics.py for why), so each linear
 times them, in place, over its first calls in a new row-count bucket and keeps the fastest.
-Both paths keep their own copy of the weight (oneDNN's blocked layout is opaque to MKL): fp32
-linear weights take twice their size in memory while loaded.
+Both paths keep their own copy of the weight (oneDNN's blocked layout and MKL's packed one are
+opaque to each other): fp32 linear weights take twice their size in memory while loaded.
 
 bf16 weights run in bf16 on CPUs whose oneDNN has bf16 instructions (AVX512-BF16, AMX); on
 others they are widened to fp32 once at load — the fp32 GEMM is several times faster there
@@ -41,6 +42,7 @@ from cuvil.backends.cpu.native_calls import (
     mkl_linear_form,
     widened_form,
 )
+from cuvil.backends.cpu.packed_gemm import packed_linear
 from cuvil.backends.cpu.split_gemm import SPLIT_MAX_ROWS, split_linear, split_parts
 from cuvil.backends.cpu.tactics import Tactics, bucket
 from cuvil.runtime.kernels import FusedCall, PreparedKernel
@@ -132,17 +134,44 @@ def _fp32_linear(
     weight: torch.Tensor, bias: torch.Tensor | None, activation: str, residual: bool
 ) -> PreparedKernel:
     """The fp32 linear: MKL, oneDNN and split-GEMM paths timed per row bucket."""
-    transposed = weight.t().contiguous()
+    mkl, mkl_form = _mkl_path(weight, bias, activation, residual)
     if residual:
-        candidates = _residual_candidates(weight, transposed, bias)
+        candidates = [("mkl", mkl), ("onednn", _onednn_residual(weight, bias))]
     else:
-        candidates = _activation_candidates(weight, transposed, bias, activation)
+        candidates = [("mkl", mkl), ("onednn", _onednn_activation(weight, bias, activation))]
     return _tactic_linear(
         candidates,
         weight.shape[-1],
         _split_candidates(weight, bias, activation, residual),
-        mkl_linear_form(transposed, bias, activation),
+        mkl_form,
     )
+
+
+def _mkl_path(
+    weight: torch.Tensor, bias: torch.Tensor | None, activation: str, residual: bool
+) -> tuple[Callable[..., torch.Tensor], Callable[[Any, Any, int, int], list[Any]]]:
+    """MKL's GEMM and its native form: on a packed copy of the weight where MKL's packing is
+    offered (packed_gemm.py), else ``addmm`` on a transposed copy."""
+    packed = packed_linear(weight, bias, activation)
+    if packed is not None:
+        return packed, packed.native_form
+    transposed = weight.t().contiguous()
+    form = mkl_linear_form(transposed, bias, activation)
+    if residual:
+
+        def mkl_add(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+            # residual + bias into a fresh buffer, then the GEMM accumulates into it (beta = 1)
+            start = torch.add(residual, bias) if bias is not None else residual.clone()
+            return start.addmm_(x, transposed)
+
+        return mkl_add, form
+    activate = INPLACE_ACTIVATIONS[activation]
+
+    def mkl(x: torch.Tensor) -> torch.Tensor:
+        y = torch.addmm(bias, x, transposed) if bias is not None else torch.mm(x, transposed)
+        return activate(y)
+
+    return mkl, form
 
 
 def _split_candidates(
@@ -159,7 +188,7 @@ def _tactic_linear(
     candidates: list[tuple[str, Callable[..., torch.Tensor]]],
     in_features: int,
     few_rows: list[tuple[str, Callable[..., torch.Tensor]]] | None = None,
-    mkl_form: Callable[[Any, Any, int], list[Any]] | None = None,
+    mkl_form: Callable[[Any, Any, int, int], list[Any]] | None = None,
 ) -> PreparedKernel:
     """Flatten leading dims to rows, let the tactics pick the GEMM path per row bucket
     (``few_rows`` candidates join in for buckets up to SPLIT_MAX_ROWS rows). ``mkl_form``: the
@@ -185,15 +214,9 @@ def _tactic_linear(
     return PreparedKernel(linear, tactics, native)
 
 
-def _activation_candidates(
-    weight: torch.Tensor, transposed: torch.Tensor, bias: torch.Tensor | None, activation: str
-) -> list[tuple[str, Callable[..., torch.Tensor]]]:
-    activate = INPLACE_ACTIVATIONS[activation]
-
-    def mkl(x: torch.Tensor) -> torch.Tensor:
-        y = torch.addmm(bias, x, transposed) if bias is not None else torch.mm(x, transposed)
-        return activate(y)
-
+def _onednn_activation(
+    weight: torch.Tensor, bias: torch.Tensor | None, activation: str
+) -> Callable[..., torch.Tensor]:
     def aten_onednn() -> Callable[..., torch.Tensor]:
         attr, scalars, algorithm = ONEDNN_ACTIVATIONS[activation]
         packed = mkldnn._reorder_linear_weight(weight, None)
@@ -203,7 +226,7 @@ def _activation_candidates(
 
         return onednn
 
-    return [("mkl", mkl), ("onednn", _onednn_path(weight, bias, activation, False, aten_onednn))]
+    return _onednn_path(weight, bias, activation, False, aten_onednn)
 
 
 def _onednn_path(
@@ -221,15 +244,9 @@ def _onednn_path(
     return KeptWithFallback(DirectLinear(dnnl, weight, bias, activation, residual), aten).run
 
 
-def _residual_candidates(
-    weight: torch.Tensor, transposed: torch.Tensor, bias: torch.Tensor | None
-) -> list[tuple[str, Callable[..., torch.Tensor]]]:
-
-    def mkl(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        # residual + bias into a fresh buffer, then the GEMM accumulates into it (beta = 1)
-        start = torch.add(residual, bias) if bias is not None else residual.clone()
-        return start.addmm_(x, transposed)
-
+def _onednn_residual(
+    weight: torch.Tensor, bias: torch.Tensor | None
+) -> Callable[..., torch.Tensor]:
     def aten_onednn() -> Callable[..., torch.Tensor]:
         packed = mkldnn._reorder_linear_weight(weight, None)
 
@@ -240,7 +257,7 @@ def _residual_candidates(
 
         return onednn
 
-    return [("mkl", mkl), ("onednn", _onednn_path(weight, bias, "none", True, aten_onednn))]
+    return _onednn_path(weight, bias, "none", True, aten_onednn)
 
 
 def _bf16_linear(
@@ -312,11 +329,9 @@ def swiglu_kernel(call: FusedCall) -> PreparedKernel:
             gemm = _bf16_linear(weight, None, "none", residual=False)
     else:
         weight = weight.float()
-        transposed = weight.t().contiguous()
-        candidates = _activation_candidates(weight, transposed, None, "none")
-        gemm = _tactic_linear(
-            candidates, weight.shape[-1], mkl_form=mkl_linear_form(transposed, None, "none")
-        )
+        mkl, mkl_form = _mkl_path(weight, None, "none", residual=False)
+        candidates = [("mkl", mkl), ("onednn", _onednn_activation(weight, None, "none"))]
+        gemm = _tactic_linear(candidates, weight.shape[-1], mkl_form=mkl_form)
         if "bf16" in call.dtypes.values():  # bf16 values on a CPU without bf16 GEMMs
             gemm = widened(gemm, low_out=False)
     project = gemm.run

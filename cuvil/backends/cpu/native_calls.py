@@ -102,10 +102,10 @@ def kept_conv_call(
 def linear_form(
     tactics: Tactics,
     in_features: int,
-    mkl_form: Callable[[Any, Any, int], list[Any]],
+    mkl_form: Callable[[Any, Any, int, int], list[Any]],
 ) -> Callable[[tuple[Any, ...]], Sequence[Any] | None]:
     """``cuvil.linear``'s native form: the decided path of its row bucket, oneDNN's kept inner
-    product, MKL's ``addmm`` (``mkl_form(rows, residual_rows, first)``) or the split GEMM's
+    product, MKL's GEMM (``mkl_form(x_rows, residual_rows, rows, first)``) or the split GEMM's
     calls; inputs that are already rows are passed as they are, without reshapes."""
 
     def native(args: tuple[Any, ...]) -> Sequence[Any] | None:
@@ -136,7 +136,7 @@ def linear_form(
         if split is not None:
             calls += split(flat_x, flat_residual, rows, len(calls))
         else:
-            calls += mkl_form(flat_x, flat_residual, len(calls))
+            calls += mkl_form(flat_x, flat_residual, rows, len(calls))
         if len(lead) != 1:
             calls.append(op(aten.reshape.default, Result(len(calls) - 1), [*lead, -1]))
         return calls
@@ -146,12 +146,12 @@ def linear_form(
 
 def mkl_linear_form(
     transposed: torch.Tensor, bias: torch.Tensor | None, activation: str
-) -> Callable[[Any, Any, int], list[Any]]:
-    """MKL's path as calls on ``rows`` and residual rows, numbered from ``first`` in the form
-    they join: the GEMM with the bias, then the activation in place; or residual + bias
-    accumulated into."""
+) -> Callable[[Any, Any, int, int], list[Any]]:
+    """MKL's ``addmm`` path as calls on ``rows`` and residual rows (``count`` of them),
+    numbered from ``first`` in the form they join: the GEMM with the bias, then the activation
+    in place; or residual + bias accumulated into."""
 
-    def form(rows: Any, residual: Any, first: int) -> list[Any]:
+    def form(rows: Any, residual: Any, count: int, first: int) -> list[Any]:
         if residual is not None:
             start = op(aten.add.Tensor, residual, bias) if bias is not None else None
             start = start or op(aten.clone.default, residual)

@@ -1,5 +1,5 @@
 """The native plan loop's library (native/plan_loop.cc, with Cuvil's kernels as dispatcher ops
-from native/kernel_ops.cc): built on first use, loaded into torch.
+from native/kernel_ops.cc and native/packed_gemm.cc): built on first use, loaded into torch.
 
 It is C++ against torch's own headers and libraries (a TorchScript custom class and op, no
 Python binding code, so it builds in seconds of compiler time), compiled once per torch version
@@ -34,7 +34,8 @@ from cuvil.backends.cpu.dnnl import load as load_dnnl
 from cuvil.runtime.native_build import NativeError, cache_dir, compile_into
 
 SOURCES = tuple(
-    Path(__file__).parent / "native" / name for name in ("plan_loop.cc", "kernel_ops.cc")
+    Path(__file__).parent / "native" / name
+    for name in ("plan_loop.cc", "kernel_ops.cc", "packed_gemm.cc")
 )
 FLAGS = ("-O2", "-std=c++17", "-fPIC", "-shared", "-w")
 _failure: list[str] = []
