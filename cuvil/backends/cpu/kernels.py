@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from cuvil import fused_ops as fused
 from cuvil.backends import kv_cache
-from cuvil.backends.cpu import rowwise
+from cuvil.backends.cpu import plan_loop, rowwise
 from cuvil.backends.cpu.conv_weights import ConvWeight
 from cuvil.backends.cpu.direct_conv import DirectConv
 from cuvil.backends.cpu.dnnl import load as load_dnnl
@@ -302,24 +302,37 @@ def rope_kernel(call: FusedCall) -> PreparedKernel:
 
 
 def attention_kernel(call: FusedCall) -> PreparedKernel:
-    """``cuvil.attention(query, key, value, mask, scale, causal, gqa)``: ATen's CPU flash
-    attention (blocked, fused softmax) when the call allows it, the math path otherwise."""
+    """``cuvil.attention(query, key, value, mask, scale, causal, gqa)``: Cuvil's block attention
+    (native/block_attention.cc) where the native library is loaded, which runs the calls it
+    takes on AVX-512 and hands the rest to ATen's; ATen's CPU attention (flash: blocked, fused
+    softmax; the math path where that does not apply) otherwise."""
     scale = call.arg("scale")
     causal = bool(call.arg("causal", False))
     gqa = bool(call.arg("gqa", False))
-    sdpa = F.scaled_dot_product_attention
-    sdpa_op = torch.ops.aten.scaled_dot_product_attention.default
-    if call.is_runtime("mask"):
+    if plan_loop.load():
+        attend = torch.ops.cuvil_native.block_attention.default
 
-        def masked(
-            q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+        def attention(
+            q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
         ) -> torch.Tensor:
-            return sdpa(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
+            return attend(q, k, v, mask, causal, scale, gqa)
 
-        return PreparedKernel(
-            masked,
-            native=lambda args: [op(sdpa_op, *args[:4], 0.0, causal, scale=scale, enable_gqa=gqa)],
-        )
+        def native_attention(args: tuple[Any, ...], mask: Any) -> list[Any]:
+            return [op(attend, *args[:3], mask, causal, scale, gqa)]
+
+    else:
+        sdpa = torch.ops.aten.scaled_dot_product_attention.default
+
+        def attention(
+            q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+        ) -> torch.Tensor:
+            return sdpa(q, k, v, mask, 0.0, causal, scale=scale, enable_gqa=gqa)
+
+        def native_attention(args: tuple[Any, ...], mask: Any) -> list[Any]:
+            return [op(sdpa, *args[:3], mask, 0.0, causal, scale=scale, enable_gqa=gqa)]
+
+    if call.is_runtime("mask"):
+        return PreparedKernel(attention, native=lambda args: native_attention(args, args[3]))
 
     constant_mask = call.arg("mask")  # a mask baked into the model, or None
     low = call.output_dtype == "bf16"
@@ -327,14 +340,9 @@ def attention_kernel(call: FusedCall) -> PreparedKernel:
         constant_mask = constant_mask.to(torch.bfloat16)  # an additive mask: the query's dtype
 
     def unmasked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return sdpa(q, k, v, attn_mask=constant_mask, is_causal=causal, scale=scale, enable_gqa=gqa)
+        return attention(q, k, v, constant_mask)
 
-    return PreparedKernel(
-        unmasked,
-        native=lambda args: [
-            op(sdpa_op, *args[:3], constant_mask, 0.0, causal, scale=scale, enable_gqa=gqa)
-        ],
-    )
+    return PreparedKernel(unmasked, native=lambda args: native_attention(args, constant_mask))
 
 
 def layer_norm_kernel(call: FusedCall) -> PreparedKernel:

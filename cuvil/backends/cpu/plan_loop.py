@@ -1,12 +1,14 @@
 """The native plan loop's library (native/plan_loop.cc, with Cuvil's kernels as dispatcher ops
-from native/kernel_ops.cc and native/packed_gemm.cc): built on first use, loaded into torch.
+from native/kernel_ops.cc, packed_gemm.cc and block_attention.cc): built on first use, loaded
+into torch.
 
 It is C++ against torch's own headers and libraries (a TorchScript custom class and op, no
 Python binding code, so it builds in seconds of compiler time), compiled once per torch version
 and source into the native cache (runtime/native_build.py) and loaded with
-``torch.ops.load_library``. It is built without ``-march``: its one vector kernel (decode
-attention) is cloned per level (``target_clones``: x86-64-v3 and the baseline, one picked when
-the library loads), so one build serves every x86 CPU. It is built with ``-fopenmp``: ATen's
+``torch.ops.load_library``. It is built without ``-march``, so one build serves every x86 CPU:
+decode attention is cloned per level (``target_clones``: x86-64-v3 and the baseline, one picked
+when the library loads), and block attention is built for x86-64-v4 and run only on CPUs with
+AVX-512 (others hand its calls to ATen). It is built with ``-fopenmp``: ATen's
 ``at::parallel_for`` is a header template whose OpenMP region compiles to a serial loop
 without it; the library binds to the ``libgomp.so.1`` torch has already loaded, so
 ``torch.set_num_threads`` sizes its regions as it does torch's. Where no C++ compiler exists,
@@ -33,10 +35,12 @@ import torch
 from cuvil.backends.cpu.dnnl import load as load_dnnl
 from cuvil.runtime.native_build import NativeError, cache_dir, compile_into
 
+NATIVE = Path(__file__).parent / "native"
 SOURCES = tuple(
-    Path(__file__).parent / "native" / name
-    for name in ("plan_loop.cc", "kernel_ops.cc", "packed_gemm.cc")
+    NATIVE / name
+    for name in ("plan_loop.cc", "kernel_ops.cc", "packed_gemm.cc", "block_attention.cc")
 )
+HEADERS = (NATIVE / "vector_math.h",)  # included by the sources: part of the build's digest
 FLAGS = ("-O2", "-std=c++17", "-fPIC", "-shared", "-w")
 _failure: list[str] = []
 _loaded: list[Path] = []  # a process registers the library's ops once: a second one would abort
@@ -66,17 +70,22 @@ def link_flags() -> list[str]:
 
 def build() -> Path:
     """The library in the native cache, compiled there unless already present."""
-    return build_against_torch("plan_loop", SOURCES, ("-fopenmp",))
+    return build_against_torch("plan_loop", SOURCES, ("-fopenmp",), headers=HEADERS)
 
 
 def build_against_torch(
-    name: str, sources: Sequence[Path], flags: Sequence[str] = (), links: Sequence[str] = ()
+    name: str,
+    sources: Sequence[Path],
+    flags: Sequence[str] = (),
+    links: Sequence[str] = (),
+    headers: Sequence[Path] = (),
 ) -> Path:
     """A C++ library against torch's headers and libraries (``flags`` and ``links`` added), in
-    the native cache under a digest of its sources, flags and torch version; compiled there
-    unless already present."""
+    the native cache under a digest of its sources, the ``headers`` they include, its flags and
+    torch's version; compiled there unless already present."""
     flags = (*FLAGS, *torch_flags(), *flags)
-    parts = [*(source.read_bytes() for source in sources), " ".join(flags).encode()]
+    parts = [source.read_bytes() for source in (*sources, *headers)]
+    parts.append(" ".join(flags).encode())
     parts.append(torch.__version__.encode())
     digest = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     target = cache_dir() / f"{name}-{digest}.so"

@@ -17,6 +17,8 @@
 #include <cstring>
 #include <vector>
 
+#include "vector_math.h"
+
 namespace {
 
 using RmsNorm = void (*)(const float *, int64_t, int64_t, int64_t, const float *, float, float *,
@@ -260,26 +262,9 @@ __attribute__((always_inline)) inline void store_lanes(float *to, Lanes lanes) {
 
 typedef int32_t IntLanes __attribute__((vector_size(32)));
 
-// exp of eight lanes at or below zero (scores less their maximum): Cephes' expf, 2^n times a
-// degree-6 polynomial on [-ln2/2, ln2/2], within 2 ulp of std::exp; below -87.3 it gives
-// 2^-126 times a fraction, where std::exp underflows to about the same nothing
+// exp of eight lanes at or below zero (vector_math.h)
 __attribute__((always_inline)) inline Lanes exp_lanes(Lanes x) {
-  const Lanes lowest = Lanes{} - 87.3f;
-  x = x < lowest ? lowest : x;
-  const Lanes scaled = x * 1.44269504088896341f + 0.5f;
-  Lanes whole = __builtin_convertvector(__builtin_convertvector(scaled, IntLanes), Lanes);
-  whole = whole > scaled ? whole - 1.0f : whole;  // floor: conversion truncates toward zero
-  x = x - whole * 0.693359375f + whole * 2.12194440e-4f;
-  Lanes poly = 1.9875691500e-4f * x + 1.3981999507e-3f;
-  poly = poly * x + 8.3334519073e-3f;
-  poly = poly * x + 4.1665795894e-2f;
-  poly = poly * x + 1.6666665459e-1f;
-  poly = poly * x + 5.0000001201e-1f;
-  const Lanes fraction = poly * (x * x) + x + 1.0f;
-  const IntLanes exponent = (__builtin_convertvector(whole, IntLanes) + 127) << 23;
-  Lanes power;
-  std::memcpy(&power, &exponent, sizeof power);
-  return fraction * power;
+  return exp_at_most_zero<Lanes, IntLanes>(x);
 }
 
 // the sum of eight lanes, pairwise
