@@ -3,8 +3,10 @@
 // transposed weight; `compute` is the address of `cblas_sgemm_compute` in the libtorch_cpu
 // this process loaded (found with ctypes), so the library does not link MKL itself.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <cstring>
 #include <limits>
 
 namespace {
@@ -44,7 +46,15 @@ at::Tensor packed_linear(int64_t compute, const at::Tensor &x, const at::Tensor 
                          int64_t out_features, const std::optional<at::Tensor> &bias) {
   at::Tensor out = at::empty({x.size(0), out_features}, x.options().dtype(at::kFloat));
   if (bias.has_value() && bias->defined()) {
-    out.copy_(bias->expand({x.size(0), out_features}));  // a copy: the GEMM accumulates into it
+    // each row starts as a copy of the bias, and the GEMM accumulates into it
+    const at::Tensor b = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(b.numel() == out_features, "packed GEMM: bias size");
+    const float *from = b.data_ptr<float>();
+    float *rows = out.data_ptr<float>();
+    at::parallel_for(0, out.size(0), 64, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; r++)
+        std::memcpy(rows + r * out_features, from, sizeof(float) * out_features);
+    });
     packed_gemm(compute, x, packed, out, 1.0f);
   } else {
     packed_gemm(compute, x, packed, out, 0.0f);
