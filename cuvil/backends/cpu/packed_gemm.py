@@ -8,8 +8,9 @@ is what torch.compile's freezing does for fp32 linears on CPU (``mkl._mkl_linear
 torch's op takes only the row count it was packed for. Here a packing serves any row count: its
 size does not depend on the count it is made for, and every count computes the same product
 from it. Its speed does depend on that count, though, so each weight is packed once per row
-class (``ROW_CLASSES``), on a class's first call: the MiniLM shapes below ran up to twice as
-fast on a packing made for their own class as on one made for 1024 rows (2-core Xeon, AVX-512).
+class (``ROW_CLASSES``), on a class's first call (benchmarks/README.md, ``block_attention.py``'s
+section: 128 rows of MiniLM's second feed-forward GEMM ran at 210 GFLOP/s on a packing made
+for 128 rows, 117 on one made for 512).
 
 The functions are MKL's, as exported by the ``libtorch_cpu`` this process loaded (found with
 ctypes, as ``dnnl.py`` finds libdnnl's), and the GEMM runs as the dispatcher ops of
@@ -35,9 +36,7 @@ from cuvil.backends.cpu.native_calls import INPLACE_OPS, Result, op
 aten = torch.ops.aten
 
 _ROW_MAJOR, _TRANS, _B_MATRIX = 101, 112, 162
-# (fewest rows, the row count a packing for them is made for): at 128 rows a weight of
-# [384, 1536] ran at 278 GFLOP/s packed for 128 rows and 152 packed for 1024; at 1024 rows at
-# 311 packed for 1024 and 278 for 128 (benchmarks/README.md)
+# (fewest rows, the row count a packing for them is made for)
 ROW_CLASSES = ((0, 128), (512, 512))
 
 
