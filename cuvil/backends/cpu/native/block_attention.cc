@@ -48,14 +48,10 @@ constexpr int64_t MAX_KEYS = 2048;  // longer sequences go to ATen's blocked (fl
 constexpr int64_t MAX_DIM = 256;
 
 __attribute__((always_inline)) inline Wide load(const float *from) {
-  Wide lanes;
-  std::memcpy(&lanes, from, sizeof lanes);
-  return lanes;
+  return load_vector<Wide>(from);
 }
 
-__attribute__((always_inline)) inline void store(float *to, Wide lanes) {
-  std::memcpy(to, &lanes, sizeof lanes);
-}
+__attribute__((always_inline)) inline void store(float *to, Wide lanes) { store_vector(to, lanes); }
 
 // one task's operands: row pointers and strides in floats
 struct Block {

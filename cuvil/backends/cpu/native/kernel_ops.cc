@@ -245,13 +245,11 @@ at::Tensor &kv_cache_write(at::Tensor &cache, const at::Tensor &fresh, const at:
 typedef float Lanes __attribute__((vector_size(32)));
 
 __attribute__((always_inline)) inline Lanes load_lanes(const float *from) {
-  Lanes lanes;
-  std::memcpy(&lanes, from, sizeof lanes);
-  return lanes;
+  return load_vector<Lanes>(from);
 }
 
 __attribute__((always_inline)) inline void store_lanes(float *to, Lanes lanes) {
-  std::memcpy(to, &lanes, sizeof lanes);
+  store_vector(to, lanes);
 }
 
 #if defined(__x86_64__)

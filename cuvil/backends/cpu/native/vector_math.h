@@ -5,6 +5,19 @@
 
 #include <cstring>
 
+// a vector of F's lanes from floats anywhere in memory, and back (no alignment asked)
+template <typename F>
+__attribute__((always_inline)) inline F load_vector(const float *from) {
+  F lanes;
+  std::memcpy(&lanes, from, sizeof lanes);
+  return lanes;
+}
+
+template <typename F>
+__attribute__((always_inline)) inline void store_vector(float *to, F lanes) {
+  std::memcpy(to, &lanes, sizeof lanes);
+}
+
 // exp of lanes at or below zero (scores less their maximum): Cephes' expf, 2^n times a
 // degree-6 polynomial on [-ln2/2, ln2/2], within 2 ulp of std::exp; below -87.3 it gives
 // 2^-126 times a fraction, where std::exp underflows to about the same nothing. F: float lanes,
