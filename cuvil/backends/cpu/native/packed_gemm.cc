@@ -24,10 +24,13 @@ void packed_gemm(int64_t compute, const at::Tensor &x, const at::Tensor &packed,
                  at::Tensor &out, float beta) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "packed GEMM: fp32 rows expected");
   TORCH_CHECK(packed.is_contiguous(), "packed GEMM: the packed weight must be contiguous");
-  at::Tensor rows = x.stride(1) == 1 && x.stride(0) >= x.size(1) ? x : x.contiguous();
+  const bool strided_rows = x.stride(1) == 1 && (x.size(0) <= 1 || x.stride(0) >= x.size(1));
+  at::Tensor rows = strided_rows ? x : x.contiguous();
   const int64_t m = rows.size(0), k = rows.size(1), n = out.size(1);
+  // one row's stride is whatever its view says (contiguous either way): MKL wants at least k
+  const int64_t lda = m <= 1 ? k : rows.stride(0);
   TORCH_CHECK(out.size(0) == m && out.is_contiguous(), "packed GEMM: output shape");
-  TORCH_CHECK(fits_int(m) && fits_int(n) && fits_int(k) && fits_int(rows.stride(0)),
+  TORCH_CHECK(fits_int(m) && fits_int(n) && fits_int(k) && fits_int(lda),
               "packed GEMM: dimensions past 32 bits");
   if (m == 0 || n == 0) return;
   if (k == 0) {  // nothing to multiply: MKL is not asked to read an empty operand
@@ -36,7 +39,7 @@ void packed_gemm(int64_t compute, const at::Tensor &x, const at::Tensor &packed,
   }
   reinterpret_cast<SgemmCompute>(compute)(
       kRowMajor, kNoTrans, kPacked, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
-      rows.data_ptr<float>(), static_cast<int>(rows.stride(0)),
+      rows.data_ptr<float>(), static_cast<int>(lda),
       static_cast<const float *>(packed.data_ptr()), static_cast<int>(k), beta,
       out.data_ptr<float>(), static_cast<int>(n));
 }

@@ -44,6 +44,8 @@ def test_packed_linear_matches_linear_at_every_row_count(activation: str) -> Non
             _close(path(x), ACTIVATIONS[activation](F.linear(x, weight, bias)))
             strided = torch.randn(rows, 200)[:, :129]  # rows with a longer stride
             _close(path(strided), ACTIVATIONS[activation](F.linear(strided, weight, bias)))
+        one_row = torch.randn(129).as_strided((1, 129), (1, 1))  # a row stride below its width
+        _close(path(one_row), ACTIVATIONS[activation](F.linear(one_row, weight, bias)))
     # one row broadcasts the bias to a [1, N] view that is itself contiguous: the GEMM must
     # accumulate into a copy, never into the bias
     assert torch.equal(bias, kept_bias)
