@@ -40,7 +40,10 @@ SOURCES = tuple(
     NATIVE / name
     for name in ("plan_loop.cc", "kernel_ops.cc", "packed_gemm.cc", "block_attention.cc")
 )
-HEADERS = (NATIVE / "vector_math.h",)  # included by the sources: part of the build's digest
+HEADERS = (
+    NATIVE / "vector_math.h",
+    NATIVE / "block_attention.h",
+)  # included by the sources: part of the build's digest
 FLAGS = ("-O2", "-std=c++17", "-fPIC", "-shared", "-w")
 _failure: list[str] = []
 _loaded: list[Path] = []  # a process registers the library's ops once: a second one would abort

@@ -64,6 +64,7 @@ struct Block {
   float *out;         // the block's first output row
   int64_t out_row;
   int64_t rows, first_row;  // the block's query rows, and the index of its first
+  int64_t offset;           // causal: query row i sees keys up to offset + i
   int64_t keys, dim;
   float scale;
   bool causal;
@@ -82,7 +83,7 @@ void transpose_keys(const Block &b, int64_t padded, float *kt) {
 
 // how many leading keys query row ``row`` of the block sees
 inline int64_t seen(const Block &b, int64_t row) {
-  return b.causal ? std::min(b.keys, b.first_row + row + 1) : b.keys;
+  return b.causal ? std::min(b.keys, b.offset + b.first_row + row + 1) : b.keys;
 }
 
 // the largest of a vector's lanes
@@ -256,14 +257,12 @@ bool block_attention_takes(const at::Tensor &query, const at::Tensor &key,
   return runs_natively(query, key, value, mask, causal, gqa, unused);
 }
 
-at::Tensor block_attention(const at::Tensor &query, const at::Tensor &key, const at::Tensor &value,
-                           const std::optional<at::Tensor> &mask_in, bool causal,
-                           std::optional<double> scale, bool gqa) {
+// the attention of operands runs_natively took (``mask`` as it left it); causal rows see keys up
+// to ``offset`` past their own index
+at::Tensor attend(const at::Tensor &query, const at::Tensor &key, const at::Tensor &value,
+                  const at::Tensor &mask, bool causal, int64_t offset,
+                  std::optional<double> scale) {
   const int64_t heads = query.size(1);
-  at::Tensor mask;
-  const bool native = runs_natively(query, key, value, mask_in, causal, gqa, mask);
-  if (!native)
-    return at::scaled_dot_product_attention(query, key, value, mask_in, 0.0, causal, scale, gqa);
   const at::Tensor q = query.stride(3) == 1 ? query : query.contiguous();
   const at::Tensor k = key.stride(3) == 1 ? key : key.contiguous();
   const at::Tensor v = value.stride(3) == 1 ? value : value.contiguous();
@@ -298,6 +297,7 @@ at::Tensor block_attention(const at::Tensor &query, const at::Tensor &key, const
       b.out_row = heads * dim;
       b.rows = std::min(BLOCK_ROWS, queries - first);
       b.first_row = first;
+      b.offset = offset;
       b.keys = keys;
       b.dim = dim;
       b.scale = factor;
@@ -312,7 +312,30 @@ at::Tensor block_attention(const at::Tensor &query, const at::Tensor &key, const
   return out.transpose(1, 2);
 }
 
+at::Tensor block_attention(const at::Tensor &query, const at::Tensor &key, const at::Tensor &value,
+                           const std::optional<at::Tensor> &mask_in, bool causal,
+                           std::optional<double> scale, bool gqa) {
+  at::Tensor mask;
+  if (!runs_natively(query, key, value, mask_in, causal, gqa, mask))
+    return at::scaled_dot_product_attention(query, key, value, mask_in, 0.0, causal, scale, gqa);
+  return attend(query, key, value, mask, causal, 0, scale);
+}
+
 }  // namespace
+
+namespace cuvil_native {
+
+at::Tensor prefix_attention(const at::Tensor &queries, const at::Tensor &keys,
+                            const at::Tensor &values, int64_t start, std::optional<double> scale,
+                            bool gqa) {
+  at::Tensor unused;
+  if (start < 0 || keys.size(2) != start + queries.size(2) ||
+      !runs_natively(queries, keys, values, std::nullopt, true, gqa, unused))
+    return at::Tensor();
+  return attend(queries, keys, values, at::Tensor(), true, start, scale);
+}
+
+}  // namespace cuvil_native
 
 TORCH_LIBRARY_FRAGMENT(cuvil_native, m) {
   m.def(

@@ -17,6 +17,7 @@
 #include <cstring>
 #include <vector>
 
+#include "block_attention.h"
 #include "vector_math.h"
 
 namespace {
@@ -445,6 +446,10 @@ at::Tensor slot_attention(const at::Tensor &queries, const at::Tensor &key_cache
   const int64_t tokens = queries.size(2), length = start + tokens;
   at::Tensor keys = key_cache.slice(0, slot, slot + 1).slice(2, 0, length);
   at::Tensor values = value_cache.slice(0, slot, slot + 1).slice(2, 0, length);
+  if (tokens > 1) {  // block attention where it takes the chunk (AVX-512)
+    at::Tensor blocked = cuvil_native::prefix_attention(queries, keys, values, start, scale, gqa);
+    if (blocked.defined()) return blocked;
+  }
   std::optional<at::Tensor> mask;
   if (tokens > 1 && start > 0) {
     at::Tensor seen = at::arange(length, key_cache.options().dtype(at::kLong));
