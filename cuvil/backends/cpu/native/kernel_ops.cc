@@ -432,10 +432,11 @@ at::Tensor decode_attention(const at::Tensor &query_in, const at::Tensor &key_ca
   return out;
 }
 
-// a run of packed prefill rows at least this long (a long prompt's chunk) attends as one chunk,
-// ATen's attention over the slot's prefix with a bottom-right causal mask, which beats the
-// decode kernel a row at a time there (benchmarks/README.md, generate_streams.py's section);
-// shorter runs (a burst of short prompts' tail ends) stay in the decode kernel
+// a run of packed prefill rows at least this long (a long prompt's chunk) attends as one chunk
+// over the slot's prefix, bottom-right causal (block attention on AVX-512, else ATen's with a
+// mask), which beats the decode kernel a row at a time there (benchmarks/README.md,
+// generate_streams.py's section); shorter runs (a burst of short prompts' tail ends) stay in
+// the decode kernel
 constexpr int64_t CHUNK_RUN = 16;
 
 // queries [1, heads, tokens, head] of one slot from position ``start``: causal attention over
