@@ -3,8 +3,9 @@
 The shared half of direct_conv.py and direct_linear.py. A primitive is built on the first call
 with a new input shape (the costly step, weight packing included, which the sidecar's warm-up
 takes before serving) with the activation and any residual add as post-ops; the weight is packed
-into the blocked layout that primitive asks for, once per distinct layout, from the first packed
-copy (no plain copy is kept once one exists). A call only binds the input, output and residual
+into the blocked layout that primitive asks for, once per distinct layout for every kernel on that
+weight (``WeightPacks``, shared through weight_copies.py), and no plain copy is kept once a
+packed one exists. A call only binds the input, output and residual
 pointers and executes, where ATen's call rebuilds the primitive descriptor every time, which
 costs more than the arithmetic of a small convolution.
 
@@ -34,6 +35,7 @@ from cuvil.backends.cpu.dnnl import (
     Handle,
     post_op_source,
 )
+from cuvil.backends.cpu.weight_copies import shared_copy
 
 MAX_SHAPES = 64
 
@@ -97,20 +99,17 @@ class KeptPrimitives:
         self.bias = bias.float().contiguous() if bias is not None else None
         self.primitives: dict[tuple[int, ...], _Primitive] = {}
         self.implementations: dict[tuple[int, ...], str] = {}
-        self.owned: dict[str, list[Handle]] = {
-            "primitive": [],
-            "primitive_desc": [],
-            "memory": [],
-            "memory_desc": [],
-        }
-        # packed weights, by layout: (descriptor, tensor); the first one is every later's source
+        self.owned: dict[str, list[Handle]] = {kind: [] for kind in _KINDS}
+        # the weight as given, the source of its first packed copy, dropped once one exists
         plain = self.own(
             "memory_desc",
             dnnl.strided_desc(weight_dims, contiguous_strides(weight_dims), self.dtype),
         )
-        plain_weight = weight.to(self.dtype).contiguous()
-        self.packs: list[tuple[Handle, torch.Tensor]] = [(plain, plain_weight)]
-        self.plain_kept = True
+        self.plain: tuple[Handle, torch.Tensor] | None = (plain, weight.to(self.dtype).contiguous())
+        # packed copies by layout, shared with every kept primitive on this weight
+        self.packs = shared_copy(
+            weight, ("onednn", self.dtype, tuple(weight_dims)), lambda: WeightPacks(dnnl)
+        )
         weakref.finalize(self, _free, dnnl, self.owned)
 
     def own(self, kind: str, handle: Handle) -> Handle:
@@ -171,32 +170,9 @@ class KeptPrimitives:
         return primitive
 
     def _packed(self, wanted: Handle) -> tuple[Handle, torch.Tensor]:
-        for pack in self.packs:
-            if self.dnnl.same(pack[0], wanted):
-                return pack
-        dnnl = self.dnnl
-        source_desc, source = self.packs[0]
-        target_desc = self.own("memory_desc", dnnl.clone(wanted))
-        element = torch.empty(0, dtype=self.dtype).element_size()
-        target = torch.empty(dnnl.size(target_desc) // element, dtype=self.dtype)
-        reorder_desc = dnnl.reorder(source_desc, target_desc)
-        reorder = dnnl.primitive(reorder_desc)
-        memories = [
-            dnnl.memory(source_desc, source.data_ptr()),
-            dnnl.memory(target_desc, target.data_ptr()),
-        ]
-        try:
-            dnnl.execute(reorder, dnnl.arguments([(ARG_SRC, memories[0]), (ARG_DST, memories[1])]))
-        finally:
-            dnnl.destroy("primitive", reorder)
-            dnnl.destroy("primitive_desc", reorder_desc)
-            dnnl.destroy("memory", *memories)
-        if self.plain_kept:  # the plain weight is dropped once a packed copy exists
-            self.packs[0] = (target_desc, target)
-            self.plain_kept = False
-        else:
-            self.packs.append((target_desc, target))
-        return target_desc, target
+        found = self.packs.get(wanted, self.plain)
+        self.plain = None
+        return found
 
     def execute(
         self,
@@ -264,6 +240,53 @@ class KeptWithFallback:
         return self._built[0](x, *rest)
 
 
+class WeightPacks:
+    """One weight's copies in the blocked layouts oneDNN's primitives ask for, each made once
+    (by a reorder from the plain weight or an earlier copy) and shared by every kept primitive
+    on that weight (weight_copies.py); their descriptors are freed with it."""
+
+    def __init__(self, dnnl: Dnnl) -> None:
+        self.dnnl = dnnl
+        self.lock = threading.Lock()
+        self.copies: list[tuple[Handle, torch.Tensor]] = []
+        self.owned: dict[str, list[Handle]] = {kind: [] for kind in _KINDS}
+        weakref.finalize(self, _free, dnnl, self.owned)
+
+    def get(
+        self, wanted: Handle, plain: tuple[Handle, torch.Tensor] | None
+    ) -> tuple[Handle, torch.Tensor]:
+        """The copy in layout ``wanted``, reordered from ``plain`` (or the first copy, where the
+        caller has dropped its plain weight) if there is none yet."""
+        dnnl = self.dnnl
+        with self.lock:
+            for copy in self.copies:
+                if dnnl.same(copy[0], wanted):
+                    return copy
+            source_desc, source = plain if plain is not None else self.copies[0]
+            target_desc = dnnl.clone(wanted)
+            self.owned["memory_desc"].append(target_desc)
+            element = torch.empty(0, dtype=source.dtype).element_size()
+            target = torch.empty(dnnl.size(target_desc) // element, dtype=source.dtype)
+            reorder_desc = dnnl.reorder(source_desc, target_desc)
+            reorder = dnnl.primitive(reorder_desc)
+            memories = [
+                dnnl.memory(source_desc, source.data_ptr()),
+                dnnl.memory(target_desc, target.data_ptr()),
+            ]
+            try:
+                arguments = [(ARG_SRC, memories[0]), (ARG_DST, memories[1])]
+                dnnl.execute(reorder, dnnl.arguments(arguments))
+            finally:
+                dnnl.destroy("primitive", reorder)
+                dnnl.destroy("primitive_desc", reorder_desc)
+                dnnl.destroy("memory", *memories)
+            self.copies.append((target_desc, target))
+            return target_desc, target
+
+
+_KINDS = ("primitive", "primitive_desc", "memory", "memory_desc")
+
+
 def _free(dnnl: Dnnl, owned: dict[str, list[Handle]]) -> None:
-    for kind in ("primitive", "primitive_desc", "memory", "memory_desc"):
+    for kind in _KINDS:
         dnnl.destroy(kind, *owned[kind])

@@ -32,6 +32,7 @@ import torch
 
 from cuvil.backends.cpu.activations import INPLACE_ACTIVATIONS
 from cuvil.backends.cpu.native_calls import INPLACE_OPS, Result, op
+from cuvil.backends.cpu.weight_copies import shared_copy
 
 aten = torch.ops.aten
 
@@ -108,20 +109,20 @@ class PackedLinear:
         packing: MklPacking,
     ) -> None:
         self.features = int(weight.shape[0])
-        self.weight = weight.float()
+        self.source = weight  # the key of its packed copies, shared with other kernels
         self.packing = packing
-        self.packs: dict[int, torch.Tensor] = {}  # row class -> packed weight
         self.bias = bias
         self.activation = activation
         self.activate = INPLACE_ACTIVATIONS[activation]
 
     def packed(self, rows: int) -> torch.Tensor:
-        """The packing GEMMs of ``rows`` rows run, made on the row class's first call."""
+        """The packing GEMMs of ``rows`` rows run, made on the row class's first call by any
+        kernel on this weight (weight_copies.py)."""
         made_for = row_class(rows)
-        found = self.packs.get(made_for)
-        if found is None:
-            found = self.packs[made_for] = pack(self.weight, self.packing, made_for)
-        return found
+        source, packing = self.source, self.packing
+        return shared_copy(
+            source, ("mkl", made_for), lambda: pack(source.float(), packing, made_for)
+        )
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         packed, compute = self.packed(x.shape[0]), self.packing.compute

@@ -125,7 +125,8 @@ def test_one_primitive_per_shape_and_thread_count_and_one_packed_weight(
     finally:
         torch.set_num_threads(threads)
     assert sorted(conv.primitives) == [(1, 8, 10, 10, 1), (1, 8, 10, 10, 2), (1, 8, 12, 12, 1)]
-    assert len(conv.packs) == 1 and conv.packs[0][1].dim() == 1  # packed; no plain copy kept
+    copies = conv.packs.copies
+    assert len(copies) == 1 and copies[0][1].dim() == 1 and conv.plain is None  # packed only
     assert all(name for name in conv.implementations.values())
 
 

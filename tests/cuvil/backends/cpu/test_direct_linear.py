@@ -5,6 +5,7 @@ once, and ATen's call past the cache or with the library switched off."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -50,10 +51,34 @@ def test_kept_inner_product_matches_linear(activation: str, with_bias: bool) -> 
     assert len(direct.primitives) == 3
     # one packed copy per weight layout the primitives ask for (oneDNN may want another for one
     # row than for many: it does with AVX-512), none twice, and no plain copy kept beside them
-    assert 1 <= len(direct.packs) <= len(direct.primitives)
-    for index, (layout, packed) in enumerate(direct.packs):
+    copies = direct.packs.copies
+    assert 1 <= len(copies) <= len(direct.primitives) and direct.plain is None
+    for index, (layout, packed) in enumerate(copies):
         assert packed.dim() == 1
-        assert not any(direct.dnnl.same(layout, other) for other, _ in direct.packs[:index])
+        assert not any(direct.dnnl.same(layout, other) for other, _ in copies[:index])
+
+
+def test_kept_inner_products_on_one_weight_share_its_packed_copies() -> None:
+    torch.manual_seed(5)
+    weight, bias = torch.randn(40, 24), torch.randn(40)
+
+    def kept(weight: torch.Tensor, bias: torch.Tensor | None, runtime: list[str]) -> Any:
+        activation = "none" if "residual" in runtime else "gelu"
+        constants = {"weight": weight, "bias": bias, "activation": activation}
+        found = kept_of(PreparedKernel(_onednn_path(prepare(linear_kernel, constants, runtime))))
+        assert found is not None
+        return found
+
+    first = kept(weight, bias, ["input"])
+    second = kept(weight, None, ["input", "residual"])
+    other = kept(weight.clone(), bias, ["input"])
+    x, residual = torch.randn(7, 24), torch.randn(7, 40)
+    _close(first(x), F.gelu(F.linear(x, weight, bias)))
+    _close(second(x, residual), F.linear(x, weight) + residual)
+    _close(other(x), F.gelu(F.linear(x, weight, bias)))
+    assert second.packs is first.packs and other.packs is not first.packs
+    assert len(first.packs.copies) == 1  # one layout at 7 rows: packed once, for both
+    assert first.plain is None and second.plain is None
 
 
 def test_kept_inner_product_adds_the_residual_without_writing_it() -> None:

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from cuvil.backends.cpu import packed_gemm
 from cuvil.backends.cpu.linear_kernels import linear_kernel
 from cuvil.backends.cpu.packed_gemm import PackedLinear, packed_linear, row_class
+from cuvil.backends.cpu.weight_copies import copies_held
 from tests.cuvil.backends.cpu.calls import prepare
 
 pytestmark = pytest.mark.skipif(
@@ -69,15 +70,33 @@ def test_each_row_class_is_packed_once_on_its_first_call() -> None:
     torch.manual_seed(2)
     weight = torch.randn(64, 32)
     path = _packed(weight, None, "none")
-    assert path.packs == {}
+    assert copies_held(weight) == 0
     with torch.inference_mode():
         for rows in (3, 100, 511):
             path(torch.randn(rows, 32))
-        assert set(path.packs) == {row_class(3)}
+        assert copies_held(weight) == 1
         path(torch.randn(512, 32))
         path(torch.randn(2000, 32))
-    assert set(path.packs) == {row_class(3), row_class(512)}
+    assert copies_held(weight) == 2
     assert row_class(3) != row_class(512)
+
+
+def test_kernels_on_one_weight_share_its_packed_copies_until_it_changes() -> None:
+    torch.manual_seed(4)
+    weight, bias = torch.randn(48, 40), torch.randn(48)
+    first, second = _packed(weight, bias, "none"), _packed(weight, None, "relu")
+    x = torch.randn(6, 40)
+    with torch.inference_mode():
+        _close(first(x), F.linear(x, weight, bias))
+        assert second.packed(6) is first.packed(6)
+        _close(second(x), F.relu(F.linear(x, weight)))
+        assert copies_held(weight) == 1
+    with torch.no_grad():
+        weight.mul_(-2.0)  # a changed weight is packed afresh, not served from the old copy
+    with torch.inference_mode():
+        _close(second(x), F.relu(F.linear(x, weight)))
+        _close(first(x), F.linear(x, weight, bias))
+    assert copies_held(weight) == 2
 
 
 def test_the_linear_kernels_mkl_path_is_the_packed_one_unless_switched_off(
@@ -96,3 +115,13 @@ def test_the_linear_kernels_mkl_path_is_the_packed_one_unless_switched_off(
         with torch.inference_mode():
             _close(mkl(x), expected)
     packed_gemm.functions.cache_clear()
+
+
+def test_an_inference_tensor_weight_is_shared_too() -> None:
+    torch.manual_seed(5)
+    with torch.inference_mode():  # keeps no version counter
+        weight = torch.randn(24, 16)
+        first, second = _packed(weight, None, "none"), _packed(weight, None, "none")
+        x = torch.randn(3, 16)
+        _close(second(x), F.linear(x, weight))
+        assert first.packed(3) is second.packed(3) and copies_held(weight) == 1
