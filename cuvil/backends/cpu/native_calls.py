@@ -144,25 +144,46 @@ def linear_form(
     return native
 
 
+def epilogue_form(
+    residual: Any,
+    bias: torch.Tensor | None,
+    activation: str,
+    first: int,
+    gemm: Callable[[], OpCall],
+    accumulate: Callable[[Any], OpCall],
+) -> list[Any]:
+    """An MKL GEMM path's calls, numbered from ``first`` in the form they join: residual + bias
+    into a fresh buffer that ``accumulate(start)`` adds the product to (beta 1); or ``gemm()``
+    (the bias included), then the activation in place."""
+    if residual is not None:
+        start = (
+            op(aten.add.Tensor, residual, bias)
+            if bias is not None
+            else op(aten.clone.default, residual)
+        )
+        return [start, accumulate(Result(first))]
+    calls: list[Any] = [gemm()]
+    if activation != "none":
+        calls.append(INPLACE_OPS[activation](Result(first)))
+    return calls
+
+
 def mkl_linear_form(
     transposed: torch.Tensor, bias: torch.Tensor | None, activation: str
 ) -> Callable[[Any, Any, int, int], list[Any]]:
     """MKL's ``addmm`` path as calls on ``rows`` and residual rows (``count`` of them),
-    numbered from ``first`` in the form they join: the GEMM with the bias, then the activation
-    in place; or residual + bias accumulated into."""
+    numbered from ``first`` in the form they join (``epilogue_form``)."""
 
     def form(rows: Any, residual: Any, count: int, first: int) -> list[Any]:
-        if residual is not None:
-            start = op(aten.add.Tensor, residual, bias) if bias is not None else None
-            start = start or op(aten.clone.default, residual)
-            return [start, op(aten.addmm_.default, Result(first), rows, transposed)]
-        if bias is not None:
-            gemm = op(aten.addmm.default, bias, rows, transposed)
-        else:
-            gemm = op(aten.mm.default, rows, transposed)
-        if activation == "none":
-            return [gemm]
-        return [gemm, INPLACE_OPS[activation](Result(first))]
+        def gemm() -> OpCall:
+            if bias is not None:
+                return op(aten.addmm.default, bias, rows, transposed)
+            return op(aten.mm.default, rows, transposed)
+
+        def accumulate(start: Any) -> OpCall:
+            return op(aten.addmm_.default, start, rows, transposed)
+
+        return epilogue_form(residual, bias, activation, first, gemm, accumulate)
 
     return form
 

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from cuvil.backends.cpu.activations import INPLACE_ACTIVATIONS
-from cuvil.backends.cpu.native_calls import INPLACE_OPS, Result, op
+from cuvil.backends.cpu.native_calls import epilogue_form, op
 from cuvil.backends.cpu.weight_copies import shared_copy
 
 aten = torch.ops.aten
@@ -111,6 +111,7 @@ class PackedLinear:
         self.features = int(weight.shape[0])
         self.source = weight  # the key of its packed copies, shared with other kernels
         self.packing = packing
+        self.packs: dict[int, torch.Tensor] = {}  # row class -> its packing, once looked up
         self.bias = bias
         self.activation = activation
         self.activate = INPLACE_ACTIVATIONS[activation]
@@ -119,10 +120,13 @@ class PackedLinear:
         """The packing GEMMs of ``rows`` rows run, made on the row class's first call by any
         kernel on this weight (weight_copies.py)."""
         made_for = row_class(rows)
-        source, packing = self.source, self.packing
-        return shared_copy(
-            source, ("mkl", made_for), lambda: pack(source.float(), packing, made_for)
-        )
+        found = self.packs.get(made_for)
+        if found is None:
+            source, packing = self.source, self.packing
+            found = self.packs[made_for] = shared_copy(
+                source, ("mkl", made_for), lambda: pack(source.float(), packing, made_for)
+            )
+        return found
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         packed, compute = self.packed(x.shape[0]), self.packing.compute
@@ -136,15 +140,14 @@ class PackedLinear:
         """The same calls for the native plan loop (native_calls.py), on ``x`` (``rows`` rows)
         and the residual rows, numbered from ``first`` in the form they join."""
         native, compute, packed = torch.ops.cuvil_native, self.packing.compute, self.packed(rows)
-        if residual is not None:
-            bias = self.bias
-            start = op(aten.add.Tensor, residual, bias) if bias is not None else None
-            start = start or op(aten.clone.default, residual)
-            return [start, op(native.packed_linear_add_.default, compute, Result(first), x, packed)]
-        gemm = op(native.packed_linear.default, compute, x, packed, self.features, self.bias)
-        if self.activation == "none":
-            return [gemm]
-        return [gemm, INPLACE_OPS[self.activation](Result(first))]
+        return epilogue_form(
+            residual,
+            self.bias,
+            self.activation,
+            first,
+            lambda: op(native.packed_linear.default, compute, x, packed, self.features, self.bias),
+            lambda start: op(native.packed_linear_add_.default, compute, start, x, packed),
+        )
 
 
 def packed_linear(

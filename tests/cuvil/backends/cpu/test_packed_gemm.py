@@ -92,10 +92,11 @@ def test_kernels_on_one_weight_share_its_packed_copies_until_it_changes() -> Non
         _close(second(x), F.relu(F.linear(x, weight)))
         assert copies_held(weight) == 1
     with torch.no_grad():
-        weight.mul_(-2.0)  # a changed weight is packed afresh, not served from the old copy
+        weight.mul_(-2.0)  # a kernel made after a change packs afresh, not from the old copy
+    third = _packed(weight, None, "relu")
     with torch.inference_mode():
-        _close(second(x), F.relu(F.linear(x, weight)))
-        _close(first(x), F.linear(x, weight, bias))
+        _close(third(x), F.relu(F.linear(x, weight)))
+        assert third.packed(6) is not first.packed(6)
     assert copies_held(weight) == 2
 
 
