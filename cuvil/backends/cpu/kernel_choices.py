@@ -45,7 +45,7 @@ FAMILY_FLAGS = (
 Choices = dict[str, dict[int, str]]  # node -> {row bucket: candidate name}
 
 
-def _cpuinfo() -> dict[str, str]:
+def cpuinfo() -> dict[str, str]:
     """The first processor's fields of /proc/cpuinfo (empty where there is none)."""
     fields: dict[str, str] = {}
     try:
@@ -62,7 +62,7 @@ def _cpuinfo() -> dict[str, str]:
 
 def cpu_family(info: Mapping[str, str] | None = None, threads: int | None = None) -> str:
     """``vendor:ext+ext+…:Nt``, the key the artifact's choices are kept under."""
-    info = _cpuinfo() if info is None else info
+    info = cpuinfo() if info is None else info
     flags = set(info.get("flags", "").split())
     present = "+".join(flag for flag in FAMILY_FLAGS if flag in flags) or "baseline"
     count = torch.get_num_threads() if threads is None else threads

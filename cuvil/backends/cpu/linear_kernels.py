@@ -7,6 +7,8 @@
             post-op: kept primitives (backends/cpu/direct_linear.py), or ATen's call without libdnnl
     split   for up to 4 rows: the weight split across threads as a batched GEMM
             (MKL runs a one-row GEMM on one thread; see backends/cpu/split_gemm.py)
+    bf16_weights  a bf16 weight on a CPU without bf16 GEMMs: kept in bf16 and widened as it
+            is read, for steps bounded by reading the weight (backends/cpu/bf16_weights.py)
 
 None wins everywhere (see cuvil/backends/cpu/tactics.py for why), so each linear
 times them, in place, over its first calls in a new row-count bucket and keeps the fastest.
@@ -15,7 +17,8 @@ opaque to each other): fp32 linear weights take twice their size in memory while
 
 bf16 weights run in bf16 on CPUs whose oneDNN has bf16 instructions (AVX512-BF16, AMX); on
 others they are widened to fp32 once at load — the fp32 GEMM is several times faster there
-than ATen's emulated bf16, and the result only carries bf16's weight rounding.
+than ATen's emulated bf16, and the result only carries bf16's weight rounding — and the
+bf16_weights path, which reads the bf16 weight itself, is timed beside the fp32 ones.
 ``compute_precision()`` says which one runs. Where the graph gives a bf16 GEMM its input in
 bf16 (passes/low_activations.py; ``FusedCall.dtypes``, ``output_dtype``), it runs on kept
 oneDNN primitives that read bf16 and write bf16 or fp32, with no cast of its own; elsewhere
@@ -24,6 +27,7 @@ ATen's oneDNN call with the casts at the op's borders.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -31,9 +35,11 @@ import torch
 import torch.nn.functional as F
 
 from cuvil.backends.cpu.activations import INPLACE_ACTIVATIONS, ONEDNN_ACTIVATIONS
+from cuvil.backends.cpu.bf16_weights import bf16_weight_candidates
 from cuvil.backends.cpu.direct_linear import DirectLinear
 from cuvil.backends.cpu.dnnl import load as load_dnnl
 from cuvil.backends.cpu.kept_primitives import KeptWithFallback
+from cuvil.backends.cpu.kernel_choices import cpuinfo
 from cuvil.backends.cpu.native_calls import (
     bf16_linear_form,
     gated_form,
@@ -53,9 +59,21 @@ mkldnn = torch.ops.mkldnn
 ONE_THREAD_MAX_ROWS = 16  # rows up to which a bf16 GEMM also times a one-thread run
 
 
+# CPU flags (/proc/cpuinfo) of instructions that compute bf16 products natively
+NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "avx_ne_convert"})
+
+
+@functools.cache
 def has_onednn_bf16() -> bool:
-    """oneDNN runs bf16 natively only with AVX512-BF16/AMX (or AVX-NE-CONVERT); checked at load."""
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    """Whether oneDNN computes bf16 GEMMs natively here: with AVX512-BF16, AMX or AVX-NE-CONVERT.
+    ATen's own check also says yes on AVX-512 CPUs without them, where oneDNN emulates bf16:
+    on such a CPU (an Ice Lake Xeon) a bf16 linear of 16 to 128 rows ran 2.5 to 4 times slower
+    that way than the fp32 GEMM on the widened weight. Where /proc/cpuinfo is missing, ATen's
+    answer stands."""
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return False
+    flags = set(cpuinfo().get("flags", "").split())
+    return bool(flags & NATIVE_BF16_FLAGS) if flags else True
 
 
 def compute_precision(weight_dtype: torch.dtype) -> str:
@@ -110,7 +128,7 @@ def linear_kernel(call: FusedCall) -> PreparedKernel:
             kept, lambda: _bf16_linear(weight, bias, activation, residual, low_out).run
         )
         return _kept_rows(aten, weight.shape[-1])
-    fp32 = _fp32_linear(weight.float(), _as_fp32(call.arg("bias")), activation, residual)
+    fp32 = _fp32_linear(weight, _as_fp32(call.arg("bias")), activation, residual)
     if low_out or "bf16" in call.dtypes.values():
         return widened(fp32, low_out)
     return fp32
@@ -133,16 +151,20 @@ def _kept_rows(kernel: KeptWithFallback, in_features: int) -> PreparedKernel:
 def _fp32_linear(
     weight: torch.Tensor, bias: torch.Tensor | None, activation: str, residual: bool
 ) -> PreparedKernel:
-    """The fp32 linear: MKL, oneDNN and split-GEMM paths timed per row bucket."""
-    mkl, mkl_form = _mkl_path(weight, bias, activation, residual)
+    """The fp32 linear: MKL, oneDNN and split-GEMM paths timed per row bucket; for a bf16
+    weight (on a CPU without bf16 GEMMs), the bf16-weight path too, the others on its fp32
+    copy."""
+    wide = weight.float()
+    mkl, mkl_form = _mkl_path(wide, bias, activation, residual)
     if residual:
-        candidates = [("mkl", mkl), ("onednn", _onednn_residual(weight, bias))]
+        candidates = [("mkl", mkl), ("onednn", _onednn_residual(wide, bias))]
     else:
-        candidates = [("mkl", mkl), ("onednn", _onednn_activation(weight, bias, activation))]
+        candidates = [("mkl", mkl), ("onednn", _onednn_activation(wide, bias, activation))]
+    candidates += bf16_weight_candidates(weight, bias, activation)
     return _tactic_linear(
         candidates,
-        weight.shape[-1],
-        _split_candidates(weight, bias, activation, residual),
+        wide.shape[-1],
+        _split_candidates(wide, bias, activation, residual),
         mkl_form,
     )
 
@@ -328,10 +350,11 @@ def swiglu_kernel(call: FusedCall) -> PreparedKernel:
         else:
             gemm = _bf16_linear(weight, None, "none", residual=False)
     else:
-        weight = weight.float()
-        mkl, mkl_form = _mkl_path(weight, None, "none", residual=False)
-        candidates = [("mkl", mkl), ("onednn", _onednn_activation(weight, None, "none"))]
-        gemm = _tactic_linear(candidates, weight.shape[-1], mkl_form=mkl_form)
+        wide = weight.float()
+        mkl, mkl_form = _mkl_path(wide, None, "none", residual=False)
+        candidates = [("mkl", mkl), ("onednn", _onednn_activation(wide, None, "none"))]
+        candidates += bf16_weight_candidates(weight, None, "none")
+        gemm = _tactic_linear(candidates, wide.shape[-1], mkl_form=mkl_form)
         if "bf16" in call.dtypes.values():  # bf16 values on a CPU without bf16 GEMMs
             gemm = widened(gemm, low_out=False)
     project = gemm.run

@@ -105,8 +105,9 @@ def linear_form(
     mkl_form: Callable[[Any, Any, int, int], list[Any]],
 ) -> Callable[[tuple[Any, ...]], Sequence[Any] | None]:
     """``cuvil.linear``'s native form: the decided path of its row bucket, oneDNN's kept inner
-    product, MKL's GEMM (``mkl_form(x_rows, residual_rows, rows, first)``) or the split GEMM's
-    calls; inputs that are already rows are passed as they are, without reshapes."""
+    product, MKL's GEMM (``mkl_form(x_rows, residual_rows, rows, first)``) or the split or
+    bf16-weight GEMM's calls; inputs that are already rows are passed as they are, without
+    reshapes."""
 
     def native(args: tuple[Any, ...]) -> Sequence[Any] | None:
         x, residual = args[0], (args[1] if len(args) > 1 else None)
@@ -122,8 +123,9 @@ def linear_form(
         if name == "onednn" and kept is not None and kept.can_run((rows, in_features)):
             out_features = kept.prepare((rows, in_features)).output_shape[-1]
             return [KeptCall(kept, x, residual, (rows, in_features), (*lead, out_features), False)]
-        split = getattr(path, "native_calls", None) if name == "split" else None
-        if name != "mkl" and split is None:
+        # the split and bf16-weight paths build their own calls
+        own = getattr(path, "native_calls", None) if name not in ("mkl", "onednn") else None
+        if name != "mkl" and own is None:
             return None
         calls: list[Any] = []
         flat_x, flat_residual = x, residual  # already rows: no reshapes either way
@@ -133,8 +135,8 @@ def linear_form(
             if residual is not None:
                 calls.append(op(aten.reshape.default, residual, [rows, -1]))
                 flat_residual = Result(1)
-        if split is not None:
-            calls += split(flat_x, flat_residual, rows, len(calls))
+        if own is not None:
+            calls += own(flat_x, flat_residual, rows, len(calls))
         else:
             calls += mkl_form(flat_x, flat_residual, rows, len(calls))
         if len(lead) != 1:

@@ -1,6 +1,6 @@
 """The native plan loop's library (native/plan_loop.cc, with Cuvil's kernels as dispatcher ops
-from native/kernel_ops.cc, packed_gemm.cc and block_attention.cc): built on first use, loaded
-into torch.
+from native/kernel_ops.cc, packed_gemm.cc, block_attention.cc and bf16_weights.cc): built on
+first use, loaded into torch.
 
 It is C++ against torch's own headers and libraries (a TorchScript custom class and op, no
 Python binding code, so it builds in seconds of compiler time), compiled once per torch version
@@ -8,7 +8,8 @@ and source into the native cache (runtime/native_build.py) and loaded with
 ``torch.ops.load_library``. It is built without ``-march``, so one build serves every x86 CPU:
 decode attention is cloned per level (``target_clones``: x86-64-v3 and the baseline, one picked
 when the library loads), and block attention is built for x86-64-v4 and run only on CPUs with
-AVX-512 (others hand its calls to ATen). It is built with ``-fopenmp``: ATen's
+AVX-512 (others hand its calls to ATen); the bf16-weight GEMM is built for x86-64-v4 and v3
+(tiles of 8 and 4 rows), one picked per call. It is built with ``-fopenmp``: ATen's
 ``at::parallel_for`` is a header template whose OpenMP region compiles to a serial loop
 without it; the library binds to the ``libgomp.so.1`` torch has already loaded, so
 ``torch.set_num_threads`` sizes its regions as it does torch's. Where no C++ compiler exists,
@@ -38,7 +39,13 @@ from cuvil.runtime.native_build import NativeError, cache_dir, compile_into
 NATIVE = Path(__file__).parent / "native"
 SOURCES = tuple(
     NATIVE / name
-    for name in ("plan_loop.cc", "kernel_ops.cc", "packed_gemm.cc", "block_attention.cc")
+    for name in (
+        "plan_loop.cc",
+        "kernel_ops.cc",
+        "packed_gemm.cc",
+        "block_attention.cc",
+        "bf16_weights.cc",
+    )
 )
 HEADERS = (
     NATIVE / "vector_math.h",

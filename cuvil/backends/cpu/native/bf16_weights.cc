@@ -1,0 +1,195 @@
+// fp32 rows times a bf16 weight, computed in fp32 (backends/cpu/bf16_weights.py), as a
+// dispatcher op: the GEMM of a bf16 artifact on a CPU whose oneDNN has no bf16 instructions.
+// There the other paths widen the weight to fp32 once at load; a decode step of a few rows
+// streams every weight from memory, and a bf16 weight is half the bytes.
+//
+// The weight is packed as [blocks of 32 output columns][in features][32] bf16: one block's
+// row for one input feature is one 64-byte line (its columns paired: see ``widen``). The rows
+// are transposed ([in features][rows] floats), so a register tile of ROWS rows by 32 columns
+// sums over the input features with one widened line (two 16-lane vectors, a shift and a
+// mask) and ROWS broadcasts per 2 * ROWS multiply-adds. Threads split the column blocks, and
+// each runs every row tile on its block while the block is in cache. AVX-512 CPUs run tiles
+// of up to 8 rows (16 of the 32 vector registers as sums), AVX2 CPUs up to 4 (8 of 16), and
+// the rows left over in tiles of 4, 2 and 1; older CPUs are not offered the path
+// (``bf16_weights_level`` is 0).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "vector_math.h"
+
+namespace {
+
+typedef float Wide __attribute__((vector_size(64)));
+typedef uint32_t Words __attribute__((vector_size(64)));
+constexpr int64_t LANES = 16;
+constexpr int64_t COLUMNS = 2 * LANES;  // output columns of a packed block
+constexpr int64_t PREFETCH_LINES = 16;
+
+int64_t level() {
+#if defined(__x86_64__)
+  static const int64_t found = __builtin_cpu_supports("x86-64-v4")   ? 4
+                               : __builtin_cpu_supports("x86-64-v3") ? 3
+                                                                     : 0;
+  return found;
+#else
+  return 0;
+#endif
+}
+
+// a packed line's 32 bf16 values widened to fp32, columns 0-15 and 16-31: the line holds them
+// in pairs (column j in the low half of 32-bit word j, column 16 + j in its high half), and a
+// bf16 value is the top half of its fp32, so each vector is one shift or one mask of the line
+__attribute__((always_inline)) inline void widen(const uint16_t *line, Wide &low, Wide &high) {
+  Words words;
+  std::memcpy(&words, line, sizeof words);
+  const Words shifted = words << 16, masked = words & 0xFFFF0000u;
+  std::memcpy(&low, &shifted, sizeof low);
+  std::memcpy(&high, &masked, sizeof high);
+}
+
+struct Operands {
+  const float *columns;    // the rows transposed: [in features][rows]
+  const uint16_t *packed;  // [blocks][in features][COLUMNS]
+  const float *bias;       // [out features] or null
+  const float *residual;   // [rows][out features] or null
+  float *out;              // [rows][out features]
+  int64_t rows, in_features, out_features;
+};
+
+// one register tile: rows [first, first + ROWS) by the block's 32 columns
+template <int64_t ROWS>
+__attribute__((always_inline)) inline void tile(const Operands &o, int64_t block,
+                                                int64_t first) {
+  const float *x = o.columns + first;
+  const uint16_t *w = o.packed + block * o.in_features * COLUMNS;
+  Wide sums[ROWS][2] = {};
+  for (int64_t k = 0; k < o.in_features; k++, x += o.rows, w += COLUMNS) {
+    if (ROWS <= 2) __builtin_prefetch(w + PREFETCH_LINES * COLUMNS);
+    Wide low, high;
+    widen(w, low, high);
+#pragma GCC unroll 8
+    for (int64_t r = 0; r < ROWS; r++) {
+      sums[r][0] += x[r] * low;
+      sums[r][1] += x[r] * high;
+    }
+  }
+  const int64_t column = block * COLUMNS;
+  const int64_t columns = std::min(COLUMNS, o.out_features - column);
+  for (int64_t r = 0; r < ROWS; r++) {
+    const int64_t offset = (first + r) * o.out_features + column;
+    Wide low = sums[r][0], high = sums[r][1];
+    float lanes[COLUMNS] = {};  // a short block's padding columns add zeros
+    if (o.bias) {
+      std::memcpy(lanes, o.bias + column, sizeof(float) * columns);
+      low += load_vector<Wide>(lanes);
+      high += load_vector<Wide>(lanes + LANES);
+    }
+    if (o.residual) {
+      std::memcpy(lanes, o.residual + offset, sizeof(float) * columns);
+      low += load_vector<Wide>(lanes);
+      high += load_vector<Wide>(lanes + LANES);
+    }
+    if (columns == COLUMNS) {
+      store_vector(o.out + offset, low);
+      store_vector(o.out + offset + LANES, high);
+    } else {  // the last block's columns past out_features are padding
+      store_vector(lanes, low);
+      store_vector(lanes + LANES, high);
+      std::memcpy(o.out + offset, lanes, sizeof(float) * columns);
+    }
+  }
+}
+
+// every row of blocks [begin, end): tiles of up to MOST rows, then 4, 2 and 1 for the rest, so
+// a step of one row does one row's arithmetic (it is bounded by reading the weight)
+template <int64_t MOST>
+__attribute__((always_inline)) inline void blocks(const Operands &o, int64_t begin, int64_t end) {
+  for (int64_t block = begin; block < end; block++) {
+    int64_t first = 0;
+    for (; first + MOST <= o.rows; first += MOST) tile<MOST>(o, block, first);
+    if (MOST > 4 && first + 4 <= o.rows) {
+      tile<4>(o, block, first);
+      first += 4;
+    }
+    if (first + 2 <= o.rows) {
+      tile<2>(o, block, first);
+      first += 2;
+    }
+    if (first < o.rows) tile<1>(o, block, first);
+  }
+}
+
+#if defined(__x86_64__)
+__attribute__((target("arch=x86-64-v4"))) void wide_blocks(const Operands &o, int64_t begin,
+                                                           int64_t end) {
+  blocks<8>(o, begin, end);
+}
+
+__attribute__((target("arch=x86-64-v3"))) void narrow_blocks(const Operands &o, int64_t begin,
+                                                             int64_t end) {
+  blocks<4>(o, begin, end);
+}
+#endif
+
+int64_t bf16_weights_level() { return level(); }
+
+// x [rows, in] fp32 times the packed weight, + bias, + residual [rows, out], with the code
+// for ISA level ``isa`` (4: AVX-512, 3: AVX2; at most the CPU's: a test runs either)
+at::Tensor bf16_weight_linear(const at::Tensor &x, const at::Tensor &packed, int64_t out_features,
+                              const std::optional<at::Tensor> &bias,
+                              const std::optional<at::Tensor> &residual, int64_t isa) {
+  TORCH_CHECK(level() > 0, "bf16 weights: the CPU has neither AVX2 nor AVX-512");
+  TORCH_CHECK(isa == 3 || isa == 4, "bf16 weights: ISA level 3 or 4, not ", isa);
+  TORCH_CHECK(isa <= level(), "bf16 weights: this CPU's ISA level is ", level());
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "bf16 weights: fp32 rows expected");
+  const int64_t rows = x.size(0), in_features = x.size(1);
+  const int64_t block_count = (out_features + COLUMNS - 1) / COLUMNS;
+  TORCH_CHECK(packed.is_contiguous() && packed.element_size() == 2 &&
+                  packed.numel() == block_count * in_features * COLUMNS,
+              "bf16 weights: the packed weight does not match the rows");
+  at::Tensor out = at::empty({rows, out_features}, x.options());
+  if (rows == 0 || out_features == 0) return out;
+  // the rows transposed, so a tile's values for one input feature sit side by side
+  const at::Tensor columns = x.t().contiguous();
+  at::Tensor b, r;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(b.numel() == out_features, "bf16 weights: bias size");
+  }
+  if (residual.has_value() && residual->defined()) {
+    r = residual->to(at::kFloat).contiguous();
+    TORCH_CHECK(r.numel() == rows * out_features, "bf16 weights: residual shape");
+  }
+  const Operands o{columns.data_ptr<float>(),
+                   static_cast<const uint16_t *>(packed.data_ptr()),
+                   b.defined() ? b.data_ptr<float>() : nullptr,
+                   r.defined() ? r.data_ptr<float>() : nullptr,
+                   out.data_ptr<float>(),
+                   rows,
+                   in_features,
+                   out_features};
+#if defined(__x86_64__)
+  at::parallel_for(0, block_count, 1, [&](int64_t begin, int64_t end) {
+    if (isa == 4)
+      wide_blocks(o, begin, end);
+    else
+      narrow_blocks(o, begin, end);
+  });
+#endif
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(cuvil_native, m) {
+  m.def("bf16_weights_level() -> int", bf16_weights_level);
+  m.def(
+      "bf16_weight_linear(Tensor x, Tensor packed, int out_features, Tensor? bias, "
+      "Tensor? residual, int isa) -> Tensor",
+      bf16_weight_linear);
+}
