@@ -22,7 +22,6 @@ slows down mid-case slows all alike); each figure is the median ms, with the rat
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -32,7 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from benchmarks.host import cpu_name
+from benchmarks.host import cpu_name, emit
 from cuvil.backends.cpu import packed_gemm, plan_loop
 
 # batch, heads, kv heads, tokens, head dim, causal
@@ -155,11 +154,7 @@ def main() -> None:
         },
         "threads": runs,
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as handle:
-            handle.write(text + "\n")
+    emit(report, args.out)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import http.client
 import itertools
-import json
 import os
 import subprocess
 import sys
@@ -52,7 +51,7 @@ os.environ.setdefault("GOMP_SPINCOUNT", "3000")  # before torch loads libgomp: a
 import torch
 
 from benchmarks import grpc_streams, sse_streams
-from benchmarks.host import cpu_name
+from benchmarks.host import cpu_name, emit
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS: dict[str, dict[str, Any]] = {
@@ -288,10 +287,7 @@ def main() -> None:
         "sidecar_over_static": round(sidecar["tokens_per_s"] / static["tokens_per_s"], 3),
         "matching_streams": matching,
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit(result, args.out)
 
 
 def _engine_threads(log: Path) -> str:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from benchmarks.generate_streams import checkpoint, compiled_artifact
-from benchmarks.host import cpu_name
+from benchmarks.host import cpu_name, emit
 
 REPO = Path(__file__).resolve().parents[1]
 SETTINGS = {"shared": "on", "per_kernel": "off"}
@@ -123,10 +123,7 @@ def main() -> None:
         "shared_over_per_kernel": round(shared["decoded"] / own["decoded"], 3),
         "logits_max_abs_diff": float((logits[0] - logits[1]).abs().max()),
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit(result, args.out)
 
 
 if __name__ == "__main__":

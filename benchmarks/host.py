@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import platform
 from pathlib import Path
+from typing import Any
 
 
 def cpu_name() -> str:
@@ -15,3 +17,11 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
+
+
+def emit(report: Any, out: str | Path | None) -> None:
+    """The report as indented JSON on stdout, and into ``out`` where one is named."""
+    text = json.dumps(report, indent=2)
+    print(text)
+    if out:
+        Path(out).write_text(text + "\n")

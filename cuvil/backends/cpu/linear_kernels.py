@@ -28,6 +28,7 @@ ATen's oneDNN call with the casts at the op's borders.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -65,15 +66,18 @@ NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "avx_ne_convert"})
 
 @functools.cache
 def has_onednn_bf16() -> bool:
-    """Whether oneDNN computes bf16 GEMMs natively here: with AVX512-BF16, AMX or AVX-NE-CONVERT.
-    ATen's own check also says yes on AVX-512 CPUs without them, where oneDNN emulates bf16:
-    on such a CPU (an Ice Lake Xeon) a bf16 linear of 16 to 128 rows ran 2.5 to 4 times slower
-    that way than the fp32 GEMM on the widened weight. Where /proc/cpuinfo is missing, ATen's
-    answer stands."""
+    """Whether bf16 GEMMs run on oneDNN's bf16 here: where it computes them natively, with
+    AVX512-BF16, AMX or AVX-NE-CONVERT. ATen's own check also says yes on AVX-512 CPUs without
+    them, where oneDNN emulates bf16, several times slower than the fp32 GEMMs on the widened
+    weight for prompts and batched decode steps (benchmarks/README.md, ``bf16_compute.py``).
+    ``CUVIL_BF16_GEMM=onednn`` takes oneDNN's bf16 wherever ATen offers it; where
+    /proc/cpuinfo is missing, ATen's answer stands."""
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return False
     flags = set(cpuinfo().get("flags", "").split())
-    return bool(flags & NATIVE_BF16_FLAGS) if flags else True
+    if os.environ.get("CUVIL_BF16_GEMM", "auto") == "onednn" or not flags:
+        return True
+    return bool(flags & NATIVE_BF16_FLAGS)
 
 
 def compute_precision(weight_dtype: torch.dtype) -> str:
