@@ -22,6 +22,7 @@ import torch
 
 from cuvil.backends.cpu.activations import INPLACE_ACTIVATIONS
 from cuvil.backends.cpu.native_calls import INPLACE_OPS, Result, op
+from cuvil.backends.cpu.weight_copies import shared_copy
 
 COLUMNS = 32  # output columns of a packed block
 
@@ -70,7 +71,7 @@ class Bf16WeightLinear:
         if self.isa not in (3, 4):
             raise ValueError("the bf16-weight path is not offered here (bf16_weights.offered())")
         self.features = int(weight.shape[0])
-        self.packed = pack(weight)
+        self.packed = shared_copy(weight, "bf16 blocks", lambda: pack(weight))
         self.bias = bias.float().contiguous() if bias is not None else None
         self.activation = activation
         self.activate = INPLACE_ACTIVATIONS[activation]

@@ -52,6 +52,7 @@ from cuvil.backends.cpu.native_calls import (
 from cuvil.backends.cpu.packed_gemm import packed_linear
 from cuvil.backends.cpu.split_gemm import SPLIT_MAX_ROWS, split_linear, split_parts
 from cuvil.backends.cpu.tactics import Tactics, bucket
+from cuvil.backends.cpu.weight_copies import shared_copy
 from cuvil.runtime.kernels import FusedCall, PreparedKernel
 
 mkldnn = torch.ops.mkldnn
@@ -78,6 +79,14 @@ def has_onednn_bf16() -> bool:
     if os.environ.get("CUVIL_BF16_GEMM", "auto") == "onednn" or not flags:
         return True
     return bool(flags & NATIVE_BF16_FLAGS)
+
+
+def fp32_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The weight in fp32: itself, or one widened copy that every kernel on it shares (and so
+    the packed copies made from it: weight_copies.py)."""
+    if weight.dtype == torch.float32:
+        return weight
+    return shared_copy(weight, "fp32", weight.float)
 
 
 def compute_precision(weight_dtype: torch.dtype) -> str:
@@ -158,7 +167,7 @@ def _fp32_linear(
     """The fp32 linear: MKL, oneDNN and split-GEMM paths timed per row bucket; for a bf16
     weight (on a CPU without bf16 GEMMs), the bf16-weight path too, the others on its fp32
     copy."""
-    wide = weight.float()
+    wide = fp32_weight(weight)
     mkl, mkl_form = _mkl_path(wide, bias, activation, residual)
     if residual:
         candidates = [("mkl", mkl), ("onednn", _onednn_residual(wide, bias))]
@@ -354,7 +363,7 @@ def swiglu_kernel(call: FusedCall) -> PreparedKernel:
         else:
             gemm = _bf16_linear(weight, None, "none", residual=False)
     else:
-        wide = weight.float()
+        wide = fp32_weight(weight)
         mkl, mkl_form = _mkl_path(wide, None, "none", residual=False)
         candidates = [("mkl", mkl), ("onednn", _onednn_activation(wide, None, "none"))]
         candidates += bf16_weight_candidates(weight, None, "none")

@@ -34,8 +34,6 @@ from cuvil.backends.cpu.activations import INPLACE_ACTIVATIONS
 from cuvil.backends.cpu.native_calls import epilogue_form, op
 from cuvil.backends.cpu.weight_copies import shared_copy
 
-aten = torch.ops.aten
-
 _ROW_MAJOR, _TRANS, _B_MATRIX = 101, 112, 162
 # (fewest rows, the row count a packing for them is made for)
 ROW_CLASSES = ((0, 128), (512, 512))

@@ -5,8 +5,9 @@ A generation artifact's prefill and decode graphs are two plans over one set of 
 and each plan prepares kernels of its own. Were each kernel to pack its own copies (MKL's packed
 layout, oneDNN's blocked ones), every weight would be held packed once per graph, the two
 copies identical. Kept here, a layout is packed once per weight, and whichever kernel asks for
-it next takes the same copy (benchmarks/README.md, "Memory": the resident size of a warmed-up
-100M-parameter generation model with and without the sharing).
+it next takes the same copy (benchmarks/README.md, ``generation_memory.py``: the resident size
+of a warmed-up 100M-parameter generation model with and without the sharing). A bf16 weight's
+fp32 widening, on CPUs without bf16 GEMMs, is one such copy too.
 
 Copies are keyed by the weight tensor object (``torch.utils.weak.WeakTensorKeyDictionary``, so
 they live no longer than the weight does), then by the caller's layout key and the weight's

@@ -13,9 +13,10 @@ import torch.nn.functional as F
 
 from cuvil.backends.cpu import bf16_weights, linear_kernels
 from cuvil.backends.cpu.bf16_weights import Bf16WeightLinear, pack
-from cuvil.backends.cpu.linear_kernels import linear_kernel
+from cuvil.backends.cpu.linear_kernels import fp32_weight, linear_kernel
 from cuvil.backends.cpu.native_calls import OpCall, Result
 from cuvil.backends.cpu.tactics import Tactics
+from cuvil.backends.cpu.weight_copies import copies_held
 from tests.cuvil.backends.cpu.calls import prepare
 from tests.cuvil.backends.cpu.test_linear_kernels import REFERENCE
 
@@ -107,3 +108,22 @@ def test_bf16_linears_offer_the_path_where_bf16_gemms_widen(
             calls = kernel.native((x,))
             assert calls is not None
             _close(_run(list(calls)), F.linear(x, weight.bfloat16().float(), bias))
+
+
+def test_kernels_on_one_bf16_weight_share_its_widened_and_packed_copies(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(linear_kernels, "has_onednn_bf16", lambda: False)
+    torch.manual_seed(3)
+    weight = torch.randn(40, 24).bfloat16()
+    kernels = [
+        prepare(linear_kernel, {"weight": weight, "bias": None, "activation": activation})
+        for activation in ("none", "relu")
+    ]
+    paths = [dict(kernel.choices.candidates) for kernel in kernels]  # type: ignore[union-attr]
+    assert paths[0]["bf16_weights"].packed is paths[1]["bf16_weights"].packed
+    assert fp32_weight(weight) is fp32_weight(weight)
+    assert copies_held(weight) == 2  # the fp32 widening and the bf16 blocks, once each
+    x = torch.randn(5, 24)
+    for kernel, activation in zip(kernels, ("none", "relu"), strict=True):
+        _close(kernel.run(x), REFERENCE[activation](F.linear(x, weight.float())))
