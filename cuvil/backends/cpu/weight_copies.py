@@ -55,6 +55,6 @@ def _version(weight: torch.Tensor) -> int:
 
 
 def copies_held(weight: torch.Tensor) -> int:
-    """How many copies of ``weight`` are kept (for tests and ``cuvil inspect``)."""
+    """How many copies of ``weight`` are kept."""
     with _lock:
         return len(_copies.get(weight) or {})
