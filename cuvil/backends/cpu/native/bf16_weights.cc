@@ -6,12 +6,13 @@
 // The weight is packed as [blocks of 32 output columns][in features][32] bf16: one block's
 // row for one input feature is one 64-byte line (its columns paired: see ``widen``). The rows
 // are transposed ([in features][rows] floats), so a register tile of ROWS rows by 32 columns
-// sums over the input features with one widened line (two 16-lane vectors, a shift and a
-// mask) and ROWS broadcasts per 2 * ROWS multiply-adds. Threads split the column blocks, and
-// each runs every row tile on its block while the block is in cache. AVX-512 CPUs run tiles
-// of up to 8 rows (16 of the 32 vector registers as sums), AVX2 CPUs up to 4 (8 of 16), and
-// the rows left over in tiles of 4, 2 and 1; older CPUs are not offered the path
-// (``bf16_weights_level`` is 0).
+// sums over the input features with one widened line (a shift and a mask per pair of vectors)
+// and ROWS broadcasts per ROWS * 32 lanes of multiply-adds. Threads split the column blocks,
+// and each runs every row tile on its block while the block is in cache. AVX-512 CPUs run
+// tiles of up to 8 rows in 16-lane vectors (16 of the 32 vector registers as sums), AVX2 CPUs
+// tiles of 2 rows in 8-lane vectors (8 of the 16 registers as sums, 4 for the widened line:
+// taller tiles spill and measured slower), and the rows left over run in tiles of 4, 2 and 1.
+// Older CPUs are not offered the path (``bf16_weights_level`` is 0).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -24,11 +25,15 @@
 
 namespace {
 
-typedef float Wide __attribute__((vector_size(64)));
-typedef uint32_t Words __attribute__((vector_size(64)));
-constexpr int64_t LANES = 16;
-constexpr int64_t COLUMNS = 2 * LANES;  // output columns of a packed block
+constexpr int64_t COLUMNS = 32;  // output columns of a packed block
 constexpr int64_t PREFETCH_LINES = 16;
+
+// the register widths the kernel is built for: an AVX-512 vector holds 16 floats, an AVX2 one 8
+template <int64_t N>
+struct Lanes {
+  typedef float Floats __attribute__((vector_size(4 * N)));
+  typedef uint32_t Words __attribute__((vector_size(4 * N)));
+};
 
 int64_t level() {
 #if defined(__x86_64__)
@@ -41,15 +46,21 @@ int64_t level() {
 #endif
 }
 
-// a packed line's 32 bf16 values widened to fp32, columns 0-15 and 16-31: the line holds them
-// in pairs (column j in the low half of 32-bit word j, column 16 + j in its high half), and a
-// bf16 value is the top half of its fp32, so each vector is one shift or one mask of the line
-__attribute__((always_inline)) inline void widen(const uint16_t *line, Wide &low, Wide &high) {
-  Words words;
-  std::memcpy(&words, line, sizeof words);
-  const Words shifted = words << 16, masked = words & 0xFFFF0000u;
-  std::memcpy(&low, &shifted, sizeof low);
-  std::memcpy(&high, &masked, sizeof high);
+// a packed line's 32 bf16 values widened to fp32 as COLUMNS / N vectors of N columns, in
+// column order: the line holds them in pairs (column j in the low half of 32-bit word j, column
+// 16 + j in its high half), and a bf16 value is the top half of its fp32, so each vector is one
+// shift (columns 0-15) or one mask (columns 16-31) of N words of the line
+template <int64_t N>
+__attribute__((always_inline)) inline void widen(const uint16_t *line,
+                                                 typename Lanes<N>::Floats (&parts)[COLUMNS / N]) {
+  constexpr int64_t HALF = COLUMNS / N / 2;
+  for (int64_t h = 0; h < HALF; h++) {
+    typename Lanes<N>::Words words;
+    std::memcpy(&words, line + 2 * N * h, sizeof words);
+    const typename Lanes<N>::Words shifted = words << 16, masked = words & 0xFFFF0000u;
+    std::memcpy(&parts[h], &shifted, sizeof shifted);
+    std::memcpy(&parts[HALF + h], &masked, sizeof masked);
+  }
 }
 
 struct Operands {
@@ -61,45 +72,42 @@ struct Operands {
   int64_t rows, in_features, out_features;
 };
 
-// one register tile: rows [first, first + ROWS) by the block's 32 columns
-template <int64_t ROWS>
+// one register tile: rows [first, first + ROWS) by the block's 32 columns, in vectors of N
+template <int64_t N, int64_t ROWS>
 __attribute__((always_inline)) inline void tile(const Operands &o, int64_t block,
                                                 int64_t first) {
+  typedef typename Lanes<N>::Floats Floats;
+  constexpr int64_t PARTS = COLUMNS / N;
   const float *x = o.columns + first;
   const uint16_t *w = o.packed + block * o.in_features * COLUMNS;
-  Wide sums[ROWS][2] = {};
+  Floats sums[ROWS][PARTS] = {};
   for (int64_t k = 0; k < o.in_features; k++, x += o.rows, w += COLUMNS) {
     if (ROWS <= 2) __builtin_prefetch(w + PREFETCH_LINES * COLUMNS);
-    Wide low, high;
-    widen(w, low, high);
+    Floats parts[PARTS];
+    widen<N>(w, parts);
 #pragma GCC unroll 8
     for (int64_t r = 0; r < ROWS; r++) {
-      sums[r][0] += x[r] * low;
-      sums[r][1] += x[r] * high;
+#pragma GCC unroll 4
+      for (int64_t p = 0; p < PARTS; p++) sums[r][p] += x[r] * parts[p];
     }
   }
   const int64_t column = block * COLUMNS;
   const int64_t columns = std::min(COLUMNS, o.out_features - column);
+  float lanes[COLUMNS] = {};  // a short block's padding columns add zeros
   for (int64_t r = 0; r < ROWS; r++) {
     const int64_t offset = (first + r) * o.out_features + column;
-    Wide low = sums[r][0], high = sums[r][1];
-    float lanes[COLUMNS] = {};  // a short block's padding columns add zeros
     if (o.bias) {
       std::memcpy(lanes, o.bias + column, sizeof(float) * columns);
-      low += load_vector<Wide>(lanes);
-      high += load_vector<Wide>(lanes + LANES);
+      for (int64_t p = 0; p < PARTS; p++) sums[r][p] += load_vector<Floats>(lanes + N * p);
     }
     if (o.residual) {
       std::memcpy(lanes, o.residual + offset, sizeof(float) * columns);
-      low += load_vector<Wide>(lanes);
-      high += load_vector<Wide>(lanes + LANES);
+      for (int64_t p = 0; p < PARTS; p++) sums[r][p] += load_vector<Floats>(lanes + N * p);
     }
     if (columns == COLUMNS) {
-      store_vector(o.out + offset, low);
-      store_vector(o.out + offset + LANES, high);
+      for (int64_t p = 0; p < PARTS; p++) store_vector(o.out + offset + N * p, sums[r][p]);
     } else {  // the last block's columns past out_features are padding
-      store_vector(lanes, low);
-      store_vector(lanes + LANES, high);
+      for (int64_t p = 0; p < PARTS; p++) store_vector(lanes + N * p, sums[r][p]);
       std::memcpy(o.out + offset, lanes, sizeof(float) * columns);
     }
   }
@@ -107,32 +115,32 @@ __attribute__((always_inline)) inline void tile(const Operands &o, int64_t block
 
 // every row of blocks [begin, end): tiles of up to MOST rows, then 4, 2 and 1 for the rest, so
 // a step of one row does one row's arithmetic (it is bounded by reading the weight)
-template <int64_t MOST>
+template <int64_t N, int64_t MOST>
 __attribute__((always_inline)) inline void blocks(const Operands &o, int64_t begin, int64_t end) {
   for (int64_t block = begin; block < end; block++) {
     int64_t first = 0;
-    for (; first + MOST <= o.rows; first += MOST) tile<MOST>(o, block, first);
+    for (; first + MOST <= o.rows; first += MOST) tile<N, MOST>(o, block, first);
     if (MOST > 4 && first + 4 <= o.rows) {
-      tile<4>(o, block, first);
+      tile<N, 4>(o, block, first);
       first += 4;
     }
-    if (first + 2 <= o.rows) {
-      tile<2>(o, block, first);
+    if (MOST > 2 && first + 2 <= o.rows) {
+      tile<N, 2>(o, block, first);
       first += 2;
     }
-    if (first < o.rows) tile<1>(o, block, first);
+    if (first < o.rows) tile<N, 1>(o, block, first);
   }
 }
 
 #if defined(__x86_64__)
 __attribute__((target("arch=x86-64-v4"))) void wide_blocks(const Operands &o, int64_t begin,
                                                            int64_t end) {
-  blocks<8>(o, begin, end);
+  blocks<16, 8>(o, begin, end);
 }
 
 __attribute__((target("arch=x86-64-v3"))) void narrow_blocks(const Operands &o, int64_t begin,
                                                              int64_t end) {
-  blocks<4>(o, begin, end);
+  blocks<8, 2>(o, begin, end);
 }
 #endif
 
