@@ -138,9 +138,16 @@ def transport_options(visibility_timeout: float, restore_interval: float = 5.0) 
 
     Workers keep the message of a running task fresh (``cuvil_worker.lease``), so the
     visibility timeout bounds how long a crash goes unnoticed, not how long a compile may run.
+
+    Each sweep that re-queues stale messages runs under a Redis lock that kombu holds for 300 s
+    unless released, so a worker killed mid-sweep would stop every worker's sweeps for five
+    minutes: here the lock lasts one visibility timeout. A sweep takes milliseconds, and two
+    sweeps at once are safe (each message moves back in a transaction watching the unacked
+    hash), so a short lock costs nothing.
     """
     return {
         "visibility_timeout": visibility_timeout,
+        "unacked_mutex_expire": visibility_timeout,
         "unacked_restore_interval": restore_interval,
         "unacked_restore_throttle": 1,
         # Redis emulates priorities with one list per step ("cuvil.cpu", "cuvil.cpu:6"):

@@ -6,6 +6,7 @@ recovery, retries, permanent failures, gates, traces and parallel speed-up.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import time
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 from celery import Celery
 from celery.result import AsyncResult
 from cuvil_worker import contract
@@ -264,6 +266,19 @@ def test_cancel_stops_a_running_compile(
     assert not re.search(r"ERROR.*TaskRevokedError", worker.log), "a cancel logged as an error"
 
 
+def compiling_on(app: Celery, request: dict[str, Any], worker: WorkerProcess) -> str:
+    """The id of a target task of ``request`` that ``worker`` is compiling, once one is."""
+    ids = [contract.target_task_id(request, t) for t in contract.targets_of(request)]
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        for task_id in ids:
+            meta = app.backend.get_task_meta(task_id)
+            if meta["status"] == "COMPILING" and meta["result"]["worker"] == f"{worker.name}@test":
+                return task_id
+        time.sleep(0.01)
+    raise AssertionError(f"{worker.name} compiled nothing in 60 s:\n{worker.log[-3000:]}")
+
+
 def test_a_worker_killed_mid_compile_loses_nothing(
     app: Celery, env_for: Any, registry: RunningRegistry, logs: Path
 ) -> None:
@@ -277,21 +292,7 @@ def test_a_worker_killed_mid_compile_loses_nothing(
         request = compilation_request(spec)
         contract.submit_compilation(app, request)
         second = start_worker(env, logs, queues=queue, name="rescuer")  # starts meanwhile
-        ids = [contract.target_task_id(request, t) for t in TWO_TARGETS]
-        running = None
-        deadline = time.monotonic() + 60
-        while running is None and time.monotonic() < deadline:
-            metas = {i: app.backend.get_task_meta(i) for i in ids}
-            running = next(
-                (
-                    i
-                    for i, m in metas.items()
-                    if m["status"] == "COMPILING" and m["result"]["worker"] == "doomed@test"
-                ),
-                None,
-            )
-            time.sleep(0.01)
-        assert running is not None, first.log[-3000:]
+        running = compiling_on(app, request, first)
         first.kill_hard()
         assert AsyncResult(running, app=app).state == "COMPILING"
         killed_at = time.monotonic()
@@ -311,6 +312,50 @@ def test_a_worker_killed_mid_compile_loses_nothing(
         first.kill_hard()
         if second is not None:
             second.stop()
+
+
+def test_a_worker_killed_holding_the_sweep_lock_holds_back_redelivery_one_timeout_at_most(
+    app: Celery, env_for: Any, registry: RunningRegistry, logs: Path
+) -> None:
+    """kombu re-queues a dead worker's messages in sweeps, each under a Redis lock that a
+    worker killed mid-sweep leaves behind: its expiry, not kombu's 300 s, bounds the wait."""
+    queue = "cuvil.test.sweep"
+    env = env_for()
+    visibility_timeout = float(env["CUVIL_VISIBILITY_TIMEOUT"])
+    workers_app = contract.create_app(
+        env["CUVIL_BROKER_URL"], env["CUVIL_RESULT_BACKEND"], visibility_timeout=visibility_timeout
+    )
+    first = start_worker(env, logs, queues=queue, name="sweeper")
+    second: WorkerProcess | None = None
+    lock = None
+    try:
+        first.wait_ready()
+        request = compilation_request(mlp_spec(registry, queue=queue))
+        contract.submit_compilation(app, request)
+        running = compiling_on(app, request, first)
+        with workers_app.connection_for_write() as connection:  # the lock as the sweep takes it
+            channel = connection.default_channel
+            lock = channel.client.lock(
+                channel.unacked_mutex_key, timeout=channel.unacked_mutex_expire
+            )
+            assert lock.acquire(blocking=False), "a sweep holds the lock already"
+        first.kill_hard()  # mid-compile and, as far as Redis can tell, mid-sweep
+        killed_at = time.monotonic()
+        second = start_worker(env, logs, queues=queue, name="after-sweeper")
+        progress = wait_done(app, request, timeout=60, workers=[first, second])
+        recovery = time.monotonic() - killed_at
+        assert progress.phase == contract.PHASE_SUCCEEDED, progress.error
+        assert f"cuvil.compile[{running}] received" in second.log, "not redelivered"
+        # one timeout for the message to go stale, at most one more for the lock to expire
+        assert recovery < 2 * visibility_timeout + 30, f"redelivered {recovery:.1f} s after"
+    finally:
+        first.kill_hard()
+        if second is not None:
+            second.stop()
+        if lock is not None:  # not left to hold back the other tests' sweeps
+            with contextlib.suppress(redis.exceptions.LockError):
+                lock.release()
+        workers_app.close()
 
 
 def test_two_workers_share_four_compiles(
