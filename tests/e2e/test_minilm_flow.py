@@ -17,7 +17,8 @@ those ids it exports when the compile ends; both are checked.
 
 The example names its registry as 127.0.0.1:5000: the test runs its registry there and applies
 the example file as it is; when port 5000 is taken, it applies a copy pointed at a free port.
-About 2-3 minutes on two cores.
+About 30 s on two cores once the native kernels are built (the first part to need them
+builds them into the shared cache: about two minutes more).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import numpy as np
 import pytest
 import yaml
 
+from cuvil.runtime import native_build
 from tests.cuvil_operator.conftest import BIN, Process, get_mc, wait_for
 from tests.fixtures.kube import REPO, KubeApi, kube_api, kubectl_binary
 from tests.fixtures.otlp import OtlpReceiver, ReceivedSpan, otlp_receiver
@@ -88,9 +90,12 @@ SENTENCES = [
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    """This process's environment without CUVIL_* and OTEL_* (each part gets only its own)."""
+    """This process's environment without CUVIL_* and OTEL_* (each part gets only its own),
+    with the native kernels' cache of the test session: the images carry their kernels
+    prebuilt in one (``CUVIL_NATIVE_CACHE`` in the Dockerfiles), so a part starts without
+    compiling them, as it does in a pod."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CUVIL_", "OTEL_"))}
-    return env | extra
+    return env | {"CUVIL_NATIVE_CACHE": str(native_build.cache_dir())} | extra
 
 
 def otel_env(receiver: OtlpReceiver, service: str) -> dict[str, str]:
