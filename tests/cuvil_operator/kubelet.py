@@ -3,9 +3,9 @@
 kmock stores pods but runs nothing. ``PodSidecar`` does what a kubelet does for the
 ``cuvil-sidecar`` container the injection webhook added: it gives each volume the container
 mounts a folder (downward API volumes hold the files their ``fieldRef`` items name, from the
-pod as stored in the API), starts ``cuvil-sidecar`` with the container's environment (paths
-under a mount point moved to that folder; ports moved to free loopback ports, as the pod's own
-network namespace would keep them apart), reports the pod Ready once the sidecar is, and keeps
+pod as stored in the API), starts ``cuvil-sidecar`` with the image's environment and the
+container's on top (paths under a mount point moved to that folder; ports moved to free
+loopback ports, as the pod's own network namespace would keep them apart), reports the pod Ready once the sidecar is, and keeps
 syncing: when the pod's annotations change in the API, the downward API files are rewritten
 in place by an atomic rename, as the kubelet's atomic writer does.
 """
@@ -18,6 +18,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from cuvil.runtime import native_build
 from tests.cuvil_operator.conftest import wait_for
 from tests.cuvil_sidecar.conftest import Sidecar
 from tests.fixtures.kube import KubeApi
@@ -25,6 +26,13 @@ from tests.fixtures.kube import KubeApi
 CONTAINER = "cuvil-sidecar"
 PORTS = ("CUVIL_GRPC_HOST", "CUVIL_GRPC_PORT", "CUVIL_HTTP_PORT", "CUVIL_METRICS_PORT")
 _ANNOTATION_FIELD = re.compile(r"^metadata\.annotations\['([^']+)'\]$")
+
+
+def image_env() -> dict[str, str]:
+    """What the sidecar image's own environment gives the container before the pod's env
+    (``runtime_sidecar/Dockerfile``'s ENV): its native kernels prebuilt in a cache, for which
+    the test session's cache stands in, so the sidecar starts without compiling them."""
+    return {"CUVIL_NATIVE_CACHE": str(native_build.cache_dir())}
 
 
 def _field(pod: dict[str, Any], path: str) -> str:
@@ -64,7 +72,7 @@ class PodSidecar:
             else _field(pod, e["valueFrom"]["fieldRef"]["fieldPath"])
             for e in container.get("env") or []
         }
-        self.env = {k: v for k, v in env.items() if k not in PORTS}
+        self.env = image_env() | {k: v for k, v in env.items() if k not in PORTS}
         self.sidecar = Sidecar(self.env.pop("CUVIL_MODEL"), folder / "sidecar.log", **self.env)
         self._stop = threading.Event()
         self._sync = threading.Thread(target=self._sync_loop, daemon=True)
