@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 
@@ -31,9 +31,45 @@ def compile_into(target: Path, command: Callable[[Path], list[str]]) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
-        arguments = command(built)
-        result = subprocess.run(arguments, capture_output=True, text=True, check=False)
-        if result.returncode != 0:
-            source = next((Path(a).name for a in arguments if a.endswith((".c", ".cc"))), "")
-            raise NativeError(f"compiling {source} failed: {result.stderr.strip()[:500]}")
+        run_compilers([command(built)])
         os.replace(built, target)
+
+
+def link_into(
+    target: Path, compiler: str, sources: Sequence[Path], flags: Sequence[str], links: Sequence[str]
+) -> None:
+    """A library of several sources: each compiled to an object on its own, side by side (at
+    most one compiler per CPU: the headers of torch make each source take tens of seconds),
+    then linked into ``target``; as ``compile_into``, renamed into place when whole."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        objects = [Path(scratch) / f"{i}-{source.stem}.o" for i, source in enumerate(sources)]
+        run_compilers(
+            [
+                [compiler, *flags, "-c", str(source), "-o", str(built)]
+                for source, built in zip(sources, objects, strict=True)
+            ]
+        )
+        built = Path(scratch) / target.name
+        run_compilers([[compiler, *flags, *map(str, objects), "-o", str(built), *links]])
+        os.replace(built, target)
+
+
+def run_compilers(commands: Sequence[list[str]]) -> None:
+    """Runs the compiler commands, as many at once as there are CPUs to run them; the first
+    that fails raises ``NativeError`` with its source's name and its message, once all end."""
+    slots = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
+    failures: list[str] = []
+    for start in range(0, len(commands), slots):
+        batch = commands[start : start + slots]
+        running = [
+            subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            for c in batch
+        ]
+        for arguments, process in zip(batch, running, strict=True):
+            _, errors = process.communicate()
+            if process.returncode != 0:
+                source = next((Path(a).name for a in arguments if a.endswith((".c", ".cc"))), "")
+                failures.append(f"compiling {source} failed: {errors.strip()[:500]}")
+    if failures:
+        raise NativeError(failures[0])

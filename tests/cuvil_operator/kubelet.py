@@ -5,9 +5,10 @@ kmock stores pods but runs nothing. ``PodSidecar`` does what a kubelet does for 
 mounts a folder (downward API volumes hold the files their ``fieldRef`` items name, from the
 pod as stored in the API), starts ``cuvil-sidecar`` with the image's environment and the
 container's on top (paths under a mount point moved to that folder; ports moved to free
-loopback ports, as the pod's own network namespace would keep them apart), reports the pod Ready once the sidecar is, and keeps
-syncing: when the pod's annotations change in the API, the downward API files are rewritten
-in place by an atomic rename, as the kubelet's atomic writer does.
+loopback ports, as the pod's own network namespace would keep them apart), reports the pod
+Ready once the sidecar is, and keeps syncing: when the pod's annotations change in the API,
+the downward API files are rewritten in place by an atomic rename, as the kubelet's atomic
+writer does.
 """
 
 from __future__ import annotations

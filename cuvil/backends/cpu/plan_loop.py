@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from cuvil.backends.cpu.dnnl import load as load_dnnl
-from cuvil.runtime.native_build import NativeError, cache_dir, compile_into
+from cuvil.runtime.native_build import NativeError, cache_dir, link_into
 
 NATIVE = Path(__file__).parent / "native"
 SOURCES = tuple(
@@ -104,8 +104,7 @@ def build_against_torch(
     compiler = compiler_name()
     if compiler is None:
         raise NativeError("no C++ compiler (c++ or g++) on PATH")
-    command = [compiler, *flags, *map(str, sources)]
-    compile_into(target, lambda built: [*command, "-o", str(built), *link_flags(), *links])
+    link_into(target, compiler, sources, flags, [*link_flags(), *links])
     return target
 
 
