@@ -77,15 +77,18 @@ def shielded() -> Iterator[None]:
             os.kill(os.getpid(), signal.SIGTERM)
 
 
-def undo_push(refs: list[str], registry_config: Any = None) -> None:
+def undo_push(refs: list[str], registry_config: Any = None) -> list[str]:
     """Delete manifests pushed by digest (``host/repo@sha256:…``), each with its referrers
-    and their referrers-tag index. Tags pointing at a deleted manifest go with it."""
+    and their referrers-tag index. Tags pointing at a deleted manifest go with it. Returns
+    the refs that were in the registry: a ref is recorded before its push, so one whose push
+    never happened (or was undone already) is absent, which is no error."""
     from cuvil.artifact import NotFoundError, RegistryConfig
     from cuvil.artifact.manifests import referrers_tag
     from cuvil.artifact.reference import parse_target_reference
     from cuvil.artifact.registry import RegistryStore
     from cuvil.artifact.store import open_store
 
+    deleted = []
     for ref in refs:
         reference = parse_target_reference(ref)
         store = open_store(reference, RegistryConfig.coerce(registry_config))
@@ -98,10 +101,14 @@ def undo_push(refs: list[str], registry_config: Any = None) -> None:
             data, _ = store.get_manifest(referrers_index)
             doomed += [m["digest"] for m in json.loads(data).get("manifests", [])]
             doomed.append(referrers_index)
-        doomed.append(digest)
         for manifest in doomed:
             store.delete_manifest(manifest)
-        log.info("deleted %s and %d referrer manifest(s)", ref, len(doomed) - 1)
+        if store.delete_manifest(digest):
+            deleted.append(ref)
+            log.info("deleted %s and %d referrer manifest(s)", ref, len(doomed))
+        else:
+            log.info("%s is not in the registry (never pushed, or deleted already)", ref)
+    return deleted
 
 
 class PushLedger:

@@ -358,8 +358,8 @@ def cleanup_task(
         credentials = registry_config_for(app, request, config.work_dir)
     except CompileFailed:
         credentials = None
-    undo_push(refs, credentials)
+    deleted = undo_push(refs, credentials)
     ledger.drop(refs)
-    log.info("%s: deleted %d manifest(s) of cancelled %s", self.name, len(refs),
-             chord_task_id(request))  # fmt: skip
-    return {"deleted": refs}
+    log.info("%s: deleted %d of the %d manifest(s) recorded for cancelled %s", self.name,
+             len(deleted), len(refs), chord_task_id(request))  # fmt: skip
+    return {"deleted": deleted, "absent": [ref for ref in refs if ref not in deleted]}

@@ -13,7 +13,6 @@ bearer-token ones) and the request-with-authentication loop. Three of its habits
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import time
 from pathlib import Path
@@ -222,10 +221,14 @@ class RegistryStore:
             raise DigestMismatchError(f"registry stored manifest as {reported}, expected {digest}")
         return digest
 
-    def delete_manifest(self, digest: str) -> None:
-        """Delete a manifest by digest (tags on it go too); one already gone is no error."""
-        with contextlib.suppress(NotFoundError):
+    def delete_manifest(self, digest: str) -> bool:
+        """Delete a manifest by digest (tags on it go too); whether it was there (one already
+        gone, or never pushed, is no error)."""
+        try:
             self._request("DELETE", f"{self.base}/manifests/{digest}")
+        except NotFoundError:
+            return False
+        return True
 
     # -- blobs ---------------------------------------------------------------------------------
     def has_blob(self, digest: str) -> bool:

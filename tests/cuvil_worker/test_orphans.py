@@ -12,12 +12,14 @@ import json
 import re
 import time
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from celery import Celery
 from cuvil_worker import contract
+from cuvil_worker.cancellation import undo_push
 
 import cuvil
 from cuvil.artifact import push_artifact
@@ -234,3 +236,19 @@ def test_a_worker_sigkilled_after_its_artifact_push_leaves_one_manifest(
     kept |= _referrers(registry, repository, artifact["digest"])
     assert registry.manifests(repository) == kept, f"left by the killed attempt: {left - kept}"
     assert left - kept, "the redelivered compile pushed the same digest: nothing was orphaned"
+
+
+def test_undoing_a_push_tells_deleted_manifests_from_ones_never_pushed(
+    registry: RunningRegistry,
+) -> None:
+    """The ledger records a ref before its push, so a cancel may find refs whose push never
+    happened: undo_push deletes what is there and returns only those refs."""
+    model = mlp()
+    compiled = cuvil.jit(model.model, model.example_inputs, dynamic_shapes=model.dynamic_shapes)
+    repository = f"{registry.host}/models/undo-{uuid.uuid4().hex[:6]}"
+    pushed = push_artifact(compiled.contents, repository, annotations={"t": "pushed"})
+    never = f"{repository}@sha256:{'0' * 64}"
+    assert registry.manifests(repository) == {pushed.digest}
+    assert undo_push([pushed.ref, never]) == [pushed.ref]
+    assert registry.manifests(repository) == set()
+    assert undo_push([pushed.ref]) == []  # deleted already
