@@ -25,7 +25,12 @@ read by one thread of this process (``sse_streams.py``: a selector over the sock
 padded, in arrival order), each batch generating its longest request's token count with no
 stop token (as ``ignore_eos``: an eos token is picked like any other, not suppressed);
 ``tokens_per_s`` counts only the tokens requests asked for, over the total time.
-``matching_streams``: requests whose sidecar tokens equal the static batch's.
+Each side runs the whole set of requests once untimed, then ``--rounds`` times, the two sides
+alternating round by round (the sidecar stays up, idle, while transformers runs); each side's
+figures are its round of median tokens/s (``rounds_tokens_per_s``: every round's), and
+``sidecar_over_static`` the ratio of the two medians.
+``matching_streams``: requests whose sidecar tokens equal the static batch's;
+``sidecar_outputs_stable``: every sidecar round gave every stream the same tokens.
 The client shares the machine's cores with the sidecar; ``load_average`` is the host's before
 and after. ``sidecar_engine_threads``: the compiled engine's intra-op threads, as the sidecar
 chose them at load (``--threads`` or one fewer, leaving a core to its frontend), and why.
@@ -43,6 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -166,7 +172,6 @@ def through_sidecar(
             return grpc_streams.read_streams(f"127.0.0.1:{ports['grpc']}", model, batch)
         return sse_streams.read_streams(ports["http"], f"/v2/models/{model}/generate_stream", batch)
 
-    read([{"input_ids": [5, 6, 7], "parameters": {"max_tokens": 4}}])
     cpu_before = time.process_time()
     started = time.perf_counter()
     results = read(requests)
@@ -187,10 +192,7 @@ def through_sidecar(
     }
 
 
-def static_batches(model_path: Path, requests: list[dict[str, Any]], batch: int) -> dict[str, Any]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True).eval()
+def static_batches(model: Any, requests: list[dict[str, Any]], batch: int) -> dict[str, Any]:
     outputs: list[list[int]] = []
     wanted = sum(r["parameters"]["max_tokens"] for r in requests)
     started = time.perf_counter()
@@ -218,6 +220,33 @@ def static_batches(model_path: Path, requests: list[dict[str, Any]], batch: int)
         "seconds": round(seconds, 3),
         "tokens_per_s": round(wanted / seconds, 1),
         "outputs": outputs,
+    }
+
+
+def interleaved(
+    rounds: int, sidecar: Callable[[], dict[str, Any]], static: Callable[[], dict[str, Any]]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Each side's rounds: one untimed round each first (the sidecar's first full burst and
+    transformers' first ``generate`` pay one-time costs), then ``rounds`` each, alternating
+    which side goes first, so that the host's drift hits both alike."""
+    sidecar(), static()
+    sidecar_rounds, static_rounds = [], []
+    for index in range(rounds):
+        if index % 2 == 0:
+            sidecar_rounds.append(sidecar())
+            static_rounds.append(static())
+        else:
+            static_rounds.append(static())
+            sidecar_rounds.append(sidecar())
+    return sidecar_rounds, static_rounds
+
+
+def median_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """The round of median tokens/s (the lower of the two middle ones), with every round's
+    tokens/s beside it."""
+    ordered = sorted(rounds, key=lambda r: r["tokens_per_s"])
+    return ordered[(len(ordered) - 1) // 2] | {
+        "rounds_tokens_per_s": [r["tokens_per_s"] for r in rounds]
     }
 
 
@@ -252,21 +281,33 @@ def main() -> None:
     parser.add_argument(
         "--precision", choices=("fp32", "bf16"), default="fp32", help="the compiled engine's"
     )
+    parser.add_argument(
+        "--rounds", type=int, default=3,
+        help="timed rounds per side, interleaved, after one untimed round each",
+    )  # fmt: skip
     args = parser.parse_args()
+    from transformers import AutoModelForCausalLM
+
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="cuvil-generate-") as folder:
         path = checkpoint(args.model, Path(folder))
         requests = requests_for(args, int(MODELS[args.model]["vocab_size"]))
         served = path if args.engine == "eager" else compiled_artifact(path, args)
+        static_model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True).eval()
         process, ports = start_sidecar(served, args, Path(folder) / "log")
         try:
-            sidecar = through_sidecar(ports, args.protocol, path.name, requests)
+            sidecar_rounds, static_rounds = interleaved(
+                args.rounds,
+                lambda: through_sidecar(ports, args.protocol, path.name, requests),
+                lambda: static_batches(static_model, requests, args.static_batch),
+            )
         finally:
             process.terminate()
             process.wait(30)
         engine_threads = _engine_threads(Path(folder) / "log")
-        static = static_batches(path, requests, args.static_batch)
+    sidecar, static = median_round(sidecar_rounds), median_round(static_rounds)
+    stable = all(r["outputs"] == sidecar_rounds[0]["outputs"] for r in sidecar_rounds)
     matching = sum(
         a == b for a, b in zip(sidecar.pop("outputs"), static.pop("outputs"), strict=True)
     )
@@ -286,6 +327,7 @@ def main() -> None:
         "transformers_static": static,
         "sidecar_over_static": round(sidecar["tokens_per_s"] / static["tokens_per_s"], 3),
         "matching_streams": matching,
+        "sidecar_outputs_stable": stable,
     }
     emit(result, args.out)
 

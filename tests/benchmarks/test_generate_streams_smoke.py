@@ -1,7 +1,7 @@
 """The concurrent-streams benchmark end to end on the tiny Llama: compiled for generation, served
 by a sidecar subprocess, four streams sharing their first 12 tokens (written once: the
 sidecar's prefix reuse) read by the one-thread SSE client, the same requests through
-transformers' static batch, one JSON document."""
+transformers' static batch, two rounds a side, one JSON document."""
 
 from __future__ import annotations
 
@@ -13,11 +13,14 @@ def test_four_compiled_streams_match_the_static_batch() -> None:
         "benchmarks.generate_streams",
         *("--model", "tiny", "--engine", "compiled", "--streams", "4", "--static-batch", "2"),
         *("--prompt-min", "4", "--prompt-max", "20", "--tokens-min", "3", "--tokens-max", "9"),
-        *("--threads", "1", "--shared-prefix", "12"),
+        *("--threads", "1", "--shared-prefix", "12", "--rounds", "2"),
     )
     sidecar, static = report["sidecar"], report["transformers_static"]
     assert sidecar["tokens"] == static["tokens"] == 9 + 7 + 5 + 3  # tokens-max down to -min
     assert report["matching_streams"] == 4  # greedy: every stream's tokens as transformers'
+    assert report["sidecar_outputs_stable"]  # and the same in every round
+    assert len(sidecar["rounds_tokens_per_s"]) == len(static["rounds_tokens_per_s"]) == 2
+    assert sidecar["tokens_per_s"] in sidecar["rounds_tokens_per_s"]
     assert sidecar["tokens_per_s"] > 0 and static["tokens_per_s"] > 0
     # events read in one receive share its time: gaps may be 0, not all of them
     assert sidecar["inter_token_ms"]["p99"] > 0 and sidecar["client_cpu_s"] >= 0
