@@ -43,7 +43,7 @@ def _run(calls: list[Any]) -> torch.Tensor:
     return results[-1]
 
 
-# the ISA levels this CPU runs: AVX2's code (tiles of up to 4 rows) runs on AVX-512 CPUs too
+# the ISA levels this CPU runs: AVX2's code (tiles of up to 2 rows) runs on AVX-512 CPUs too
 LEVELS = [level for level in (3, 4) if level <= bf16_weights.isa_level()]
 
 
@@ -61,6 +61,18 @@ def test_bf16_weight_gemm_matches_linear_on_the_widened_weight(
     _close(Bf16WeightLinear(weight, bias, "none", isa)(x), expected)
     _close(Bf16WeightLinear(weight, bias, "none", isa)(x, residual), expected + residual)
     _close(Bf16WeightLinear(weight, None, "none", isa)(x), F.linear(x, weight.float()))
+
+
+@pytest.mark.parametrize("isa", LEVELS)
+def test_rows_that_are_a_view_are_read_as_their_values(isa: int) -> None:
+    """Each tile reads its rows from a panel of its own: a transposed or strided view of the
+    rows gives what its contiguous copy gives."""
+    torch.manual_seed(0)
+    weight = torch.randn(70, 40).bfloat16()
+    x = torch.randn(40, 13).t()  # [13, 40], not contiguous
+    _close(Bf16WeightLinear(weight, None, "none", isa)(x), F.linear(x, weight.float()))
+    rows = torch.randn(26, 40)[::2]  # every other row
+    _close(Bf16WeightLinear(weight, None, "none", isa)(rows), F.linear(rows, weight.float()))
 
 
 @pytest.mark.parametrize("activation", ["relu", "gelu", "silu"])
