@@ -20,7 +20,9 @@ Per peer: time to first token (prefill), inter-token p50/p99 (decode steps), dec
 
 ``--streams N`` adds aggregate tokens/s for N concurrent streams of different prompt lengths
 (``STREAM_PEERS``): transformers in static batches (left-padded, all streams in one batch) and
-Cuvil's in-process ``generate`` on the same batch, fp32 and bf16. The same streams through the
+Cuvil's in-process ``generate`` on the same batch, fp32 and bf16: each run once untimed, then
+``--stream-rounds`` runs each, interleaved, the median shown (``rounds_seconds``: every run). The
+same streams through the
 sidecar's continuous batching, over HTTP, are ``benchmarks/generate_streams.py`` (``--engine
 compiled`` for this compiled model).
 """
@@ -259,52 +261,74 @@ def _left_padded(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tenso
     return ids, mask
 
 
-def transformers_static_batches(case: Case, prompts: list[torch.Tensor]) -> dict[str, Any]:
+def transformers_static_batches(case: Case, prompts: list[torch.Tensor]) -> Callable[[], None]:
     """All streams in one left-padded batch through ``model.generate``."""
     ids, mask = _left_padded(prompts)
-    started = time.perf_counter()
-    with torch.inference_mode():
-        case.model.generate(ids, attention_mask=mask, **_greedy_options(case))
-    seconds = time.perf_counter() - started
-    return {"seconds": round(seconds, 3), "tokens_per_s": len(prompts) * case.new_tokens / seconds}
+
+    def run() -> None:
+        with torch.inference_mode():
+            case.model.generate(ids, attention_mask=mask, **_greedy_options(case))
+
+    return run
 
 
 def cuvil_in_process(
     case: Case, prompts: list[torch.Tensor], precision: str = "fp32"
-) -> dict[str, Any]:
+) -> Callable[[], None]:
     """Cuvil's ``generate`` on the same left-padded batch (groups of its slots)."""
     compiled = _compiled(case, precision)
     ids, mask = _left_padded(prompts)
     options = {**_greedy_options(case), "eos_token_id": None, "pad_token_id": 0}
-    compiled.generate(ids[:1], attention_mask=mask[:1], **options)  # warm-up
-    started = time.perf_counter()
-    compiled.generate(ids, attention_mask=mask, **options)
-    seconds = time.perf_counter() - started
-    return {"seconds": round(seconds, 3), "tokens_per_s": len(prompts) * case.new_tokens / seconds}
+
+    def run() -> None:
+        compiled.generate(ids, attention_mask=mask, **options)
+
+    return run
 
 
-STREAM_PEERS: dict[str, Callable[[Case, list[torch.Tensor]], dict[str, Any]]] = {
+STREAM_PEERS: dict[str, Callable[[Case, list[torch.Tensor]], Callable[[], None]]] = {
     "transformers_static_batches": transformers_static_batches,
     "cuvil_in_process": cuvil_in_process,
     "cuvil_bf16_in_process": partial(cuvil_in_process, precision="bf16"),
 }
 
 
-def concurrent_streams(case: Case, streams: int) -> dict[str, Any]:
+def concurrent_streams(case: Case, streams: int, rounds: int) -> dict[str, Any]:
+    """Each peer prepared and run once untimed on the whole batch (first calls at its size pay
+    one-time costs), then ``rounds`` runs each, round by round, the peer that goes first
+    rotating; each peer's median run."""
     prompts = _stream_prompts(case, streams)
+    runs: dict[str, Callable[[], None]] = {}
     results: dict[str, Any] = {}
     for name, peer in STREAM_PEERS.items():
         try:
-            result = peer(case, prompts)
+            runs[name] = peer(case, prompts)
+            runs[name]()
         except Exception as error:
-            result = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
-        results[name] = result
+            results[name] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+            runs.pop(name, None)
+    taken: dict[str, list[float]] = {name: [] for name in runs}
+    order = list(runs)
+    for index in range(rounds):
+        shift = index % max(1, len(order))
+        for name in order[shift:] + order[:shift]:
+            started = time.perf_counter()
+            runs[name]()
+            taken[name].append(time.perf_counter() - started)
+    tokens = len(prompts) * case.new_tokens
+    for name, times in taken.items():
+        median = statistics.median(times)
+        results[name] = {
+            "seconds": round(median, 3),
+            "tokens_per_s": round(tokens / median, 1),
+            "rounds_seconds": [round(t, 3) for t in times],
+        }
     base = results.get("transformers_static_batches", {}).get("tokens_per_s")
     for result in results.values():
         if base and "tokens_per_s" in result:
-            result["tokens_per_s"] = round(result["tokens_per_s"], 1)
             result["ratio_vs_transformers"] = round(result["tokens_per_s"] / base, 2)
-    return {"streams": streams, "new_tokens": case.new_tokens, **results}
+    ordered = {name: results[name] for name in STREAM_PEERS if name in results}
+    return {"streams": streams, "new_tokens": case.new_tokens, "rounds": rounds, **ordered}
 
 
 def main() -> None:
@@ -316,6 +340,9 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--peers", default=",".join(PEERS))
     parser.add_argument("--streams", type=int, default=0, help="concurrent streams (0: off)")
+    parser.add_argument(
+        "--stream-rounds", type=int, default=3, help="timed runs per peer of the streams"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     document: dict[str, Any] = {
@@ -341,7 +368,7 @@ def main() -> None:
         entry: dict[str, Any] = {"parameters": parameters}
         entry["batch_1"] = batch_one(case, args.runs, args.peers.split(","))
         if args.streams:
-            entry["concurrent"] = concurrent_streams(case, args.streams)
+            entry["concurrent"] = concurrent_streams(case, args.streams, args.stream_rounds)
         document["models"][name] = entry
     document["load_average_after"] = os.getloadavg()
     print(json.dumps(document, indent=2))
