@@ -329,7 +329,9 @@ def test_cancelled_unary_calls_never_run(
 ) -> None:
     """Sixty ModelInfer calls, cancelled by their client once the first is answered and the
     server holds others it has not run (a loaded host may hand them over late): those are
-    dropped unrun (counted as cancelled)."""
+    dropped unrun (counted as cancelled). Each call carries 64 rows, so that the server runs
+    them slower than they arrive on any host (one row's call ran faster than the grpcio front
+    end hands calls over, and a backlog of two was never seen)."""
     sidecar = Sidecar(
         slow_artifact,
         tmp_path / "sidecar.log",
@@ -337,7 +339,7 @@ def test_cancelled_unary_calls_never_run(
         CUVIL_GRPC_FRONTEND=frontend,
     )
     sent = 60
-    x = np.ones((1, 256), dtype=np.float32)
+    x = np.ones((64, 256), dtype=np.float32)
     with ready_sidecar(sidecar):
         before = scrape(sidecar)
 
@@ -364,7 +366,8 @@ def test_cancelled_unary_calls_never_run(
         )
         time.sleep(0.5)
         after = scrape(sidecar)
-    executed = labelled(after, "nv_inference_count") - labelled(before, "nv_inference_count")
+    run = "nv_inference_request_success"  # calls answered (nv_inference_count counts rows)
+    executed = labelled(after, run) - labelled(before, run)
     cancelled = labelled(after, "cuvil_inference_rejected", reason="cancelled") - labelled(
         before, "cuvil_inference_rejected", reason="cancelled"
     )
