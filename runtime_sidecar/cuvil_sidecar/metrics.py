@@ -115,6 +115,16 @@ class Metrics:
             self._values["nv_inference_request_failure"][labels] += 1
             self._values[FAILURE_DURATION][labels] += request_us
 
+    def token_generated(self, model: str, version: str, inter_token_s: float | None) -> None:
+        """One streamed token: ``cuvil_generation_tokens`` and, for all but a stream's first,
+        its gap in ``cuvil_inter_token_latency_seconds``, under one lock (per token, per
+        stream: the event loop's commonest metric update)."""
+        labels = (("model", model), ("version", version))
+        with self._lock:
+            self._values["cuvil_generation_tokens"][labels] += 1
+            if inter_token_s is not None:
+                self._observe("cuvil_inter_token_latency_seconds", labels, inter_token_s)
+
     def observe(self, name: str, model: str, version: str, seconds: float) -> None:
         """One value of the histogram ``name`` (one of ``HISTOGRAMS``)."""
         with self._lock:

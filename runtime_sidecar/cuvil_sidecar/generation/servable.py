@@ -224,11 +224,9 @@ class GenerationStream:
         piece = ""
         if event.token is not None:
             self.tokens.append(event.token)
-            servable.metrics.add("cuvil_generation_tokens", name, version)
-            if self._last_ns:
-                gap = (event.at_ns - self._last_ns) / 1e9
-                servable.metrics.observe("cuvil_inter_token_latency_seconds", name, version, gap)
-            else:
+            gap = (event.at_ns - self._last_ns) / 1e9 if self._last_ns else None
+            servable.metrics.token_generated(name, version, gap)
+            if gap is None:
                 first = (event.at_ns - self._started_ns) / 1e9
                 servable.metrics.observe("cuvil_time_to_first_token_seconds", name, version, first)
                 if self.reused_tokens:
