@@ -8,8 +8,8 @@ Attention cases: MiniLM's (12 heads of 32, 128 tokens, batch 1 and 8, an additiv
 queries, keys and values read from one fused QKV projection as the compiled model reads them)
 and causal prompts with grouped KV heads (the tiny Llama's 8 / 2 heads of 32, the ~100M
 Llama's 12 / 4 heads of 64). ``cuvil``: ``torch.ops.cuvil_native.block_attention``, which runs
-the call itself on AVX-512 CPUs (``native`` says whether it did) and hands it to ATen's kernel
-elsewhere; ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention``.
+the call itself on AVX-512 and AVX2 CPUs (``native`` says whether it did) and hands it to ATen's
+kernel elsewhere; ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention``.
 
 GEMM cases: a fused linear's ``x W^T + b`` through ``torch.addmm`` on a transposed copy of
 ``W`` (MKL packs ``W`` inside every call) against ``cblas_sgemm_compute`` on a copy packed

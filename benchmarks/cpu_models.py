@@ -94,6 +94,10 @@ def load_spec(factory: str) -> ModelSpec:
 
 
 BURST_MS = 20.0  # one peer's turn in a round of interleaved timing
+# full bursts a peer fast enough for several calls a burst gets at least, its ``--runs`` raised
+# to match: its calls then come from several rounds and shuffled positions, not from one turn
+# that a peer's lingering threads may all slow
+MIN_TURNS = 5
 
 
 def percentile(sorted_ms: list[float], q: float) -> float:
@@ -126,19 +130,25 @@ def time_interleaved(
     ResNet-50 runs of ONNX Runtime, OpenVINO and Cuvil, without and with it: every median 8-12 %
     lower, Cuvil/ORT 1.21 -> 1.19; a drifting host makes that a rough comparison). Stops after
     ``runs`` calls per peer or once ``max_seconds`` times the peer count are spent (every peer
-    still gets >= 1 call)."""
+    still gets >= 1 call). A peer whose burst holds several calls times at least ``MIN_TURNS``
+    full bursts (its ``runs`` raised to that), each a steady run of calls as a busy server
+    makes them."""
     times: dict[str, list[float]] = {name: [] for name in prepared}
     bursts = {name: max(1, int(BURST_MS / max(warm_ms[name], 1e-3))) for name in prepared}
+    wanted = {
+        name: options.runs if burst == 1 else max(options.runs, MIN_TURNS * burst)
+        for name, burst in bursts.items()
+    }
     deadline = time.perf_counter() + options.max_seconds * max(1, len(prepared))
     names, shuffler = list(prepared), random.Random(0)
     gc.disable()
     try:
-        while any(len(t) < options.runs for t in times.values()):
+        while any(len(times[name]) < wanted[name] for name in names):
             shuffler.shuffle(names)  # no peer always follows the same one
             for name in names:
                 peer = prepared[name]
                 peer.call()  # untimed: each turn starts from this peer's own threads and caches
-                for _ in range(min(bursts[name], options.runs - len(times[name]))):
+                for _ in range(min(bursts[name], wanted[name] - len(times[name]))):
                     start = time.perf_counter()
                     peer.call()
                     times[name].append((time.perf_counter() - start) * 1000.0)

@@ -30,6 +30,8 @@ def test_mlp_eager_and_cuvil(tmp_path: Path, capsys: pytest.CaptureFixture[str])
         assert 0 < row["median_ms"] <= row["p90_ms"]
     assert cuvil["rel_err"] < 1e-4
     assert cuvil["setup_seconds"] > 0
+    # a row of several calls a burst is timed over several full bursts, whatever --runs says
+    assert cuvil["runs"] >= cpu_models.MIN_TURNS and eager["runs"] >= cpu_models.MIN_TURNS
     # bf16 either runs or records why not; it never stops the benchmark
     bf16 = result["rows"]["cuvil_bf16"]
     assert "error" in bf16 or bf16["precision"] == "bf16"

@@ -5,12 +5,14 @@
 //
 // Each task is one (batch, head) pair's block of up to BLOCK_ROWS query rows. A thread
 // transposes a KV head's keys once into a dim-major buffer for its tasks on that head, so a
-// register tile of ROWS query rows by 32 keys sums over the head dim with two vector loads and
-// ROWS broadcasts per 2 * ROWS multiply-adds, scaling, masking and taking each row's maximum as
-// it stores; each row's scores then become softmax weights in place (the whole row at once: at
-// these lengths it fits in L2, so no running maximum is needed), and the weighted sum of value rows is a
-// second register tile of ROWS rows by 32 columns, 16-lane vectors in AVX-512 registers. On
-// CPUs without AVX-512 every call goes to ATen's kernel.
+// register tile of R query rows by 2 N keys sums over the head dim with two vector loads and
+// R broadcasts per 2 R multiply-adds, scaling, masking and taking each row's maximum as it
+// stores; each row's scores then become softmax weights in place (the whole row at once: at
+// these lengths it fits in L2, so no running maximum is needed), and the weighted sum of value
+// rows is a second register tile of R rows by 2 N columns. The code is built twice: N = 16
+// lanes and R = 8 rows for AVX-512 (x86-64-v4: the tiles take 16 of its 32 vector registers),
+// N = 8 and R = 4 for AVX2 (x86-64-v3: 8 of its 16), and run where the CPU has one of them; on
+// other CPUs every call goes to ATen's kernel.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -25,33 +27,40 @@
 
 namespace {
 
-typedef float Wide __attribute__((vector_size(64)));
-typedef int32_t WideInt __attribute__((vector_size(64)));
-constexpr int64_t LANES = 16;
+// the vector types of an N-lane build
+template <int64_t N>
+struct Lanes {
+  typedef float Floats __attribute__((vector_size(4 * N)));
+  typedef int32_t Ints __attribute__((vector_size(4 * N)));
+};
 
-// the kernel is built for AVX-512 (x86-64-v4) and run only where the CPU has it: its register
-// tiles take 16 of the 32 vector registers there, and would spill from AVX2's 16
+// which build this CPU runs: 4 (AVX-512), 3 (AVX2 with FMA), 0 (none: ATen's kernel)
+int64_t level() {
 #if defined(__x86_64__)
-#define CUVIL_WIDE __attribute__((target("arch=x86-64-v4")))
-bool wide_vectors() {
-  static const bool has = __builtin_cpu_supports("x86-64-v4");
-  return has;
-}
+  static const int64_t found = __builtin_cpu_supports("x86-64-v4")   ? 4
+                               : __builtin_cpu_supports("x86-64-v3") ? 3
+                                                                     : 0;
+  return found;
 #else
-#define CUVIL_WIDE
-bool wide_vectors() { return false; }
+  return 0;
 #endif
+}
 
-constexpr int64_t ROWS = 8;         // query rows of a register tile
 constexpr int64_t BLOCK_ROWS = 32;  // query rows of a task
 constexpr int64_t MAX_KEYS = 2048;  // longer sequences go to ATen's blocked (flash) kernel
 constexpr int64_t MAX_DIM = 256;
+constexpr int64_t DIM_STEP = 16;  // head dims are a multiple of this (an output tile's width)
+constexpr int64_t KEY_STEP = 32;  // score rows are padded to a multiple of this (both builds)
 
-__attribute__((always_inline)) inline Wide load(const float *from) {
-  return load_vector<Wide>(from);
+template <int64_t N>
+__attribute__((always_inline)) inline typename Lanes<N>::Floats load(const float *from) {
+  return load_vector<typename Lanes<N>::Floats>(from);
 }
 
-__attribute__((always_inline)) inline void store(float *to, Wide lanes) { store_vector(to, lanes); }
+template <int64_t N>
+__attribute__((always_inline)) inline void store(float *to, typename Lanes<N>::Floats lanes) {
+  store_vector(to, lanes);
+}
 
 // one task's operands: row pointers and strides in floats
 struct Block {
@@ -87,48 +96,51 @@ inline int64_t seen(const Block &b, int64_t row) {
 }
 
 // the largest of a vector's lanes
-__attribute__((always_inline)) inline float lane_max(Wide lanes) {
+template <int64_t N>
+__attribute__((always_inline)) inline float lane_max(typename Lanes<N>::Floats lanes) {
   float top = lanes[0];
-  for (int64_t l = 1; l < LANES; l++) top = std::max(top, lanes[l]);
+  for (int64_t l = 1; l < N; l++) top = std::max(top, lanes[l]);
   return top;
 }
 
-// the scores of ROWS query rows by 32 keys from ``t`` (a short quad repeats its last row), the
+// the scores of R query rows by 2 N keys from ``t`` (a short tile repeats its last row), the
 // scale and mask applied as they are stored, and each row's running maximum; lanes past what
 // a row sees are -inf
+template <int64_t N, int64_t R>
 __attribute__((always_inline)) inline void score_tile(const Block &b, const float *const *q,
                                                       const float *const *mask, int64_t r0,
                                                       int64_t count, int64_t t, const float *kt,
                                                       int64_t padded, float *scores,
-                                                      Wide *tops) {
-  Wide sums[ROWS][2] = {};
+                                                      typename Lanes<N>::Floats *tops) {
+  typedef typename Lanes<N>::Floats V;
+  V sums[R][2] = {};
   for (int64_t d = 0; d < b.dim; d++) {
-    const Wide k0 = load(kt + d * padded + t), k1 = load(kt + d * padded + t + LANES);
+    const V k0 = load<N>(kt + d * padded + t), k1 = load<N>(kt + d * padded + t + N);
 #pragma GCC unroll 8
-    for (int64_t r = 0; r < ROWS; r++) {
+    for (int64_t r = 0; r < R; r++) {
       sums[r][0] += q[r][d] * k0;
       sums[r][1] += q[r][d] * k1;
     }
   }
   for (int64_t r = 0; r < count; r++) {
     float *into = scores + (r0 + r) * padded + t;
-    Wide s0 = sums[r][0] * b.scale, s1 = sums[r][1] * b.scale;
+    V s0 = sums[r][0] * b.scale, s1 = sums[r][1] * b.scale;
     const int64_t sees = seen(b, r0 + r);
-    if (t + 2 * LANES <= sees) {
+    if (t + 2 * N <= sees) {
       if (mask[r]) {
-        s0 += load(mask[r] + t);
-        s1 += load(mask[r] + t + LANES);
+        s0 += load<N>(mask[r] + t);
+        s1 += load<N>(mask[r] + t + N);
       }
-      store(into, s0);
-      store(into + LANES, s1);
+      store<N>(into, s0);
+      store<N>(into + N, s1);
     } else {  // the row's last keys (or past them), lane by lane
-      store(into, s0);
-      store(into + LANES, s1);
-      for (int64_t l = 0; l < 2 * LANES; l++)
+      store<N>(into, s0);
+      store<N>(into + N, s1);
+      for (int64_t l = 0; l < 2 * N; l++)
         into[l] = t + l < sees ? into[l] + (mask[r] ? mask[r][t + l] : 0.f)
                                : -std::numeric_limits<float>::infinity();
-      s0 = load(into);
-      s1 = load(into + LANES);
+      s0 = load<N>(into);
+      s1 = load<N>(into + N);
     }
     tops[r] = s0 > tops[r] ? s0 : tops[r];
     tops[r] = s1 > tops[r] ? s1 : tops[r];
@@ -137,76 +149,97 @@ __attribute__((always_inline)) inline void score_tile(const Block &b, const floa
 
 // one row's scores into softmax weights in place, zero from what it sees to ``padded``;
 // returns 1 / their sum (0 for a row that sees nothing, whose weights are all zero, as ATen's)
+template <int64_t N>
 __attribute__((always_inline)) inline float softmax_row(float *row, int64_t sees, float top,
                                                         int64_t padded) {
+  typedef typename Lanes<N>::Floats V;
   const float lowest = -std::numeric_limits<float>::infinity();
   if (top == lowest) {
     std::fill(row, row + padded, 0.f);
     return 0.f;
   }
-  const int64_t whole = sees - sees % LANES;
-  const Wide tops = Wide{} + top;
-  Wide sums = {};
-  for (int64_t t = 0; t < whole; t += LANES) {
-    const Wide weights = exp_at_most_zero<Wide, WideInt>(load(row + t) - tops);
-    store(row + t, weights);
+  const int64_t whole = sees - sees % N;
+  const V tops = V{} + top;
+  V sums = {};
+  for (int64_t t = 0; t < whole; t += N) {
+    const V weights = exp_at_most_zero<V, typename Lanes<N>::Ints>(load<N>(row + t) - tops);
+    store<N>(row + t, weights);
     sums += weights;
   }
   float total = 0.f;
-  for (int64_t l = 0; l < LANES; l++) total += sums[l];
+  for (int64_t l = 0; l < N; l++) total += sums[l];
   for (int64_t t = whole; t < sees; t++) total += (row[t] = std::exp(row[t] - top));
   std::fill(row + sees, row + padded, 0.f);
   return 1.f / total;
 }
 
-// ``kt``: the block's keys as transpose_keys leaves them; ``scores``: BLOCK_ROWS rows of
-// ``padded`` floats
-CUVIL_WIDE void attend_block(const Block &b, const float *kt, float *scores) {
-  const int64_t padded = (b.keys + 2 * LANES - 1) / (2 * LANES) * (2 * LANES);
+// ``kt``: the block's keys as transpose_keys leaves them, ``padded`` floats a dim; ``scores``:
+// BLOCK_ROWS rows of ``padded`` floats
+template <int64_t N, int64_t R>
+__attribute__((always_inline)) inline void attend_block(const Block &b, const float *kt,
+                                                        int64_t padded, float *scores) {
+  typedef typename Lanes<N>::Floats V;
   float inverse[BLOCK_ROWS];
-  for (int64_t r0 = 0; r0 < b.rows; r0 += ROWS) {
-    const int64_t count = std::min(ROWS, b.rows - r0);
+  for (int64_t r0 = 0; r0 < b.rows; r0 += R) {
+    const int64_t count = std::min(R, b.rows - r0);
     const int64_t limit = seen(b, r0 + count - 1);  // causal: later keys are never read
-    const float *q[ROWS], *mask[ROWS];
-    for (int64_t r = 0; r < ROWS; r++) {
+    const float *q[R], *mask[R];
+    for (int64_t r = 0; r < R; r++) {
       q[r] = b.q + (r0 + std::min(r, count - 1)) * b.q_row;
       mask[r] = b.mask ? b.mask + (r0 + r) * b.mask_row : nullptr;
     }
-    Wide tops[ROWS];
-    for (int64_t r = 0; r < ROWS; r++) tops[r] = Wide{} - std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < limit; t += 2 * LANES)
-      score_tile(b, q, mask, r0, count, t, kt, padded, scores, tops);
+    V tops[R];
+    for (int64_t r = 0; r < R; r++) tops[r] = V{} - std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < limit; t += 2 * N)
+      score_tile<N, R>(b, q, mask, r0, count, t, kt, padded, scores, tops);
     for (int64_t r = 0; r < count; r++)
-      inverse[r0 + r] =
-          softmax_row(scores + (r0 + r) * padded, seen(b, r0 + r), lane_max(tops[r]), padded);
+      inverse[r0 + r] = softmax_row<N>(scores + (r0 + r) * padded, seen(b, r0 + r),
+                                       lane_max<N>(tops[r]), padded);
   }
-  // outputs: ROWS rows by 32 (or 16) columns per register tile over the value rows
-  for (int64_t r0 = 0; r0 < b.rows; r0 += ROWS) {
-    const int64_t count = std::min(ROWS, b.rows - r0);
+  // outputs: R rows by 2 N (or N) columns per register tile over the value rows
+  for (int64_t r0 = 0; r0 < b.rows; r0 += R) {
+    const int64_t count = std::min(R, b.rows - r0);
     const int64_t limit = seen(b, r0 + count - 1);
-    const float *weights[ROWS];
-    for (int64_t r = 0; r < ROWS; r++)
-      weights[r] = scores + (r0 + std::min(r, count - 1)) * padded;
-    for (int64_t column = 0; column < b.dim; column += 2 * LANES) {
-      const bool pair = column + 2 * LANES <= b.dim;
-      Wide sums[ROWS][2] = {};
+    const float *weights[R];
+    for (int64_t r = 0; r < R; r++) weights[r] = scores + (r0 + std::min(r, count - 1)) * padded;
+    for (int64_t column = 0; column < b.dim; column += 2 * N) {
+      const bool pair = column + 2 * N <= b.dim;
+      V sums[R][2] = {};
       for (int64_t t = 0; t < limit; t++) {
         const float *value = b.v + t * b.v_row + column;
-        const Wide v0 = load(value), v1 = pair ? load(value + LANES) : Wide{};
+        const V v0 = load<N>(value), v1 = pair ? load<N>(value + N) : V{};
 #pragma GCC unroll 8
-        for (int64_t r = 0; r < ROWS; r++) {
+        for (int64_t r = 0; r < R; r++) {
           sums[r][0] += weights[r][t] * v0;
           sums[r][1] += weights[r][t] * v1;
         }
       }
       for (int64_t r = 0; r < count; r++) {
         float *into = b.out + (r0 + r) * b.out_row + column;
-        store(into, sums[r][0] * inverse[r0 + r]);
-        if (pair) store(into + LANES, sums[r][1] * inverse[r0 + r]);
+        store<N>(into, sums[r][0] * inverse[r0 + r]);
+        if (pair) store<N>(into + N, sums[r][1] * inverse[r0 + r]);
       }
     }
   }
 }
+
+#if defined(__x86_64__)
+__attribute__((target("arch=x86-64-v4"))) void attend_block_wide(const Block &b,
+                                                                 const float *kt,
+                                                                 int64_t padded, float *scores) {
+  attend_block<16, 8>(b, kt, padded, scores);
+}
+
+__attribute__((target("arch=x86-64-v3"))) void attend_block_narrow(const Block &b,
+                                                                   const float *kt,
+                                                                   int64_t padded,
+                                                                   float *scores) {
+  attend_block<8, 4>(b, kt, padded, scores);
+}
+#else
+void attend_block_wide(const Block &, const float *, int64_t, float *) {}
+void attend_block_narrow(const Block &, const float *, int64_t, float *) {}
+#endif
 
 // the mask as fp32 [batch or 1, heads or 1, queries or 1, keys] with a unit key stride, or an
 // undefined tensor where there is none; false where it does not broadcast so
@@ -233,7 +266,7 @@ bool takes(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v) {
   for (const at::Tensor *t : {&q, &k, &v})
     if (t->scalar_type() != at::kFloat || !t->device().is_cpu() || t->dim() != 4) return false;
   const int64_t dim = q.size(3);
-  return dim % LANES == 0 && dim <= MAX_DIM && k.size(3) == dim && v.size(3) == dim &&
+  return dim % DIM_STEP == 0 && dim <= MAX_DIM && k.size(3) == dim && v.size(3) == dim &&
          k.size(0) == q.size(0) && v.size(0) == q.size(0) && v.size(1) == k.size(1) &&
          v.size(2) == k.size(2) && k.size(2) >= 1 && k.size(2) <= MAX_KEYS &&
          k.size(1) >= 1 && q.size(1) % k.size(1) == 0;
@@ -245,7 +278,7 @@ bool runs_natively(const at::Tensor &query, const at::Tensor &key, const at::Ten
                    const std::optional<at::Tensor> &mask_in, bool causal, bool gqa,
                    at::Tensor &mask) {
   const bool grouped = key.size(1) != query.size(1);
-  return wide_vectors() && takes(query, key, value) && (!grouped || gqa) &&
+  return level() >= 3 && takes(query, key, value) && (!grouped || gqa) &&
          !(causal && mask_in.has_value() && mask_in->defined()) &&
          additive_mask(mask_in, {query.size(0), query.size(1), query.size(2), key.size(2)}, mask);
 }
@@ -273,7 +306,8 @@ at::Tensor attend(const at::Tensor &query, const at::Tensor &key, const at::Tens
   // ATen's CPU kernel does: the heads' usual merge after it is then a view
   at::Tensor out = at::empty({batch, queries, heads, dim}, q.options());
   const int64_t blocks = (queries + BLOCK_ROWS - 1) / BLOCK_ROWS;
-  const int64_t padded = (keys + 2 * LANES - 1) / (2 * LANES) * (2 * LANES);
+  const int64_t padded = (keys + KEY_STEP - 1) / KEY_STEP * KEY_STEP;
+  const auto block_kernel = level() == 4 ? attend_block_wide : attend_block_narrow;
   at::parallel_for(0, batch * heads * blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> kt(dim * padded), scores(BLOCK_ROWS * padded);
     int64_t held = -1;  // the (batch, KV head) whose keys kt holds: a thread's tasks run in order
@@ -306,7 +340,7 @@ at::Tensor attend(const at::Tensor &query, const at::Tensor &key, const at::Tens
         transpose_keys(b, padded, kt.data());
         held = n * k.size(1) + kvh;
       }
-      attend_block(b, kt.data(), scores.data());
+      block_kernel(b, kt.data(), padded, scores.data());
     }
   });
   return out.transpose(1, 2);
