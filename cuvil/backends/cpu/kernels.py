@@ -304,8 +304,8 @@ def rope_kernel(call: FusedCall) -> PreparedKernel:
 def attention_kernel(call: FusedCall) -> PreparedKernel:
     """``cuvil.attention(query, key, value, mask, scale, causal, gqa)``: Cuvil's block attention
     (native/block_attention.cc) where the native library is loaded, which runs the calls it
-    takes on AVX-512 and AVX2 and hands the rest to ATen's; ATen's CPU attention (flash: blocked, fused
-    softmax; the math path where that does not apply) otherwise."""
+    takes on AVX-512 and AVX2 and hands the rest to ATen's; ATen's CPU attention (flash:
+    blocked, fused softmax; the math path where that does not apply) otherwise."""
     scale = call.arg("scale")
     causal = bool(call.arg("causal", False))
     gqa = bool(call.arg("gqa", False))
