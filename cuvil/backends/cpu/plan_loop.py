@@ -7,9 +7,9 @@ Python binding code, so it builds in seconds of compiler time), compiled once pe
 and source into the native cache (runtime/native_build.py) and loaded with
 ``torch.ops.load_library``. It is built without ``-march``, so one build serves every x86 CPU:
 decode attention is cloned per level (``target_clones``: x86-64-v3 and the baseline, one picked
-when the library loads), and block attention is built for x86-64-v4 and run only on CPUs with
-AVX-512 (others hand its calls to ATen); the bf16-weight GEMM is built for x86-64-v4 and v3
-(tiles of 8 and 4 rows), one picked per call. It is built with ``-fopenmp``: ATen's
+when the library loads), and block attention and the bf16-weight GEMM are built for
+x86-64-v4 and v3 (16-lane and 8-lane code), one picked per call (CPUs with neither hand block
+attention's calls to ATen). It is built with ``-fopenmp``: ATen's
 ``at::parallel_for`` is a header template whose OpenMP region compiles to a serial loop
 without it; the library binds to the ``libgomp.so.1`` torch has already loaded, so
 ``torch.set_num_threads`` sizes its regions as it does torch's. Where no C++ compiler exists,
