@@ -71,9 +71,9 @@ def next_tokens(
     """The next token of each row of ``logits`` [rows, vocab]: one argmax over all rows for the
     greedy ones (a step's per-row Python is what a small model's decode pays for; an all-greedy
     step has none), each sampled row from its own generator, as ``next_token``."""
-    if not any(row_params.do_sample for row_params in params):
-        return greedy_picks(logits)
     picks = greedy_picks(logits)
+    if not any(row_params.do_sample for row_params in params):
+        return picks
     return [
         next_token(logits[row], row_params, generator) if row_params.do_sample else picks[row]
         for row, (row_params, generator) in enumerate(zip(params, generators, strict=True))
@@ -86,10 +86,8 @@ def greedy_picks(logits: torch.Tensor) -> list[int]:
     argmax is vectorised: ATen's row-wise argmax takes several times as long, a cost every
     decode step pays (a tenth of a small model's step at 16 rows)."""
     if logits.device.type != "cpu" or logits.dtype not in _NUMPY_ARGMAX:
-        picks: list[int] = torch.argmax(logits, dim=-1).tolist()
-        return picks
-    picks = logits.detach().numpy().argmax(axis=-1).tolist()
-    return picks
+        return list(torch.argmax(logits, dim=-1).tolist())
+    return list(logits.detach().numpy().argmax(axis=-1).tolist())
 
 
 _NUMPY_ARGMAX = (torch.float32, torch.float64, torch.float16)

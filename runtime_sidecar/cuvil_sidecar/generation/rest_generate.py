@@ -90,14 +90,13 @@ async def generate_stream(
 
 
 async def _events(stream: GenerationStream) -> AsyncIterator[bytes]:
-    event = token_event_writer(_header(stream))
-    with_text = stream.with_text
+    event = token_event_writer(_header(stream), stream.with_text)
     try:
         async for token in stream:
             if token.finish in (FINISH_ERROR, FINISH_SHUTDOWN):
                 yield sse_event({"error": str(ended_error(token.finish, token.error))})
                 return
-            yield event(token, with_text)
+            yield event(token)
     finally:
         stream.close()
 
@@ -106,14 +105,16 @@ def sse_event(value: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(value, separators=(",", ":")).encode() + b"\n\n"
 
 
-def token_event_writer(header: dict[str, Any]) -> Callable[[GeneratedToken, bool], bytes]:
+def token_event_writer(
+    header: dict[str, Any], with_text: bool
+) -> Callable[[GeneratedToken], bytes]:
     """One stream's per-token event as ``sse_event`` writes it (``header`` | ``output_ids``,
     ``index``, ``finish_reason``, then ``text_output`` with a tokenizer), from the header's
     JSON encoded once: a stream sends an event per token, and encoding the whole object each
     time was most of the event loop's CPU per token beside the socket write."""
     opening = b"data: " + json.dumps(header, separators=(",", ":")).encode()[:-1] + b","
 
-    def event(token: GeneratedToken, with_text: bool) -> bytes:
+    def event(token: GeneratedToken) -> bytes:
         ids = b"[]" if token.token is None else b"[%d]" % token.token
         finish = b"null" if token.finish is None else json.dumps(token.finish).encode()
         text = b',"text_output":' + json.dumps(token.text).encode() if with_text else b""

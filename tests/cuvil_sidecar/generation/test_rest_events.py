@@ -27,7 +27,7 @@ TOKENS = [
 def test_a_token_event_is_what_encoding_the_whole_object_gives(
     header: dict[str, str], with_text: bool
 ) -> None:
-    write = token_event_writer(header)
+    write = token_event_writer(header, with_text)
     for token in TOKENS:
         whole = header | {
             "output_ids": [] if token.token is None else [token.token],
@@ -36,7 +36,7 @@ def test_a_token_event_is_what_encoding_the_whole_object_gives(
         }
         if with_text:
             whole["text_output"] = token.text
-        event = write(token, with_text)
+        event = write(token)
         assert event == sse_event(whole)
         assert event.startswith(b"data: ") and event.endswith(b"\n\n")
         assert json.loads(event[6:]) == whole
