@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks import cpu_models
+from benchmarks.peers import Prepared
 
 
 def test_mlp_eager_and_cuvil(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -30,8 +33,6 @@ def test_mlp_eager_and_cuvil(tmp_path: Path, capsys: pytest.CaptureFixture[str])
         assert 0 < row["median_ms"] <= row["p90_ms"]
     assert cuvil["rel_err"] < 1e-4
     assert cuvil["setup_seconds"] > 0
-    # a row of several calls a burst is timed over several full bursts, whatever --runs says
-    assert cuvil["runs"] >= cpu_models.MIN_TURNS and eager["runs"] >= cpu_models.MIN_TURNS
     # bf16 either runs or records why not; it never stops the benchmark
     bf16 = result["rows"]["cuvil_bf16"]
     assert "error" in bf16 or bf16["precision"] == "bf16"
@@ -42,6 +43,29 @@ def test_mlp_eager_and_cuvil(tmp_path: Path, capsys: pytest.CaptureFixture[str])
         cuvil["median_ms"] / eager["median_ms"], rel=1e-2, abs=1e-3
     )
     assert ratios["cuvil_fp32 / onnxruntime"] is None  # not selected
+
+
+def test_a_fast_row_is_timed_over_several_full_bursts_a_slow_one_over_its_runs() -> None:
+    """Bursts are sized from the warm-up times given, so what each row gets is fixed: a row
+    of several calls a burst gets ``MIN_TURNS`` full bursts whatever ``--runs`` says."""
+    calls = {"fast": 0, "slow": 0}
+
+    def peer(name: str) -> Prepared:
+        def call() -> None:
+            calls[name] += 1
+
+        return Prepared(call, lambda result: torch.zeros(1), 0.0, "fp32")
+
+    prepared = {"fast": peer("fast"), "slow": peer("slow")}
+    warm_ms = {"fast": 0.1, "slow": 50.0}  # a burst of 200 calls, and of one
+    options = argparse.Namespace(runs=2, max_seconds=60.0)
+    times = cpu_models.time_interleaved(prepared, warm_ms, options)
+    burst = int(cpu_models.BURST_MS / warm_ms["fast"])
+    assert len(times["fast"]) == cpu_models.MIN_TURNS * burst
+    assert len(times["slow"]) == 2
+    # each turn starts with one untimed call
+    assert calls["fast"] == len(times["fast"]) + cpu_models.MIN_TURNS
+    assert calls["slow"] == len(times["slow"]) + cpu_models.MIN_TURNS
 
 
 def test_select_expands_prefixes() -> None:
