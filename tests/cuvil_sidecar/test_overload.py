@@ -239,12 +239,17 @@ def test_requests_of_clients_that_hung_up_never_run(
     slow_artifact: Path, tmp_path: Path, batch: str
 ) -> None:
     """Sixty REST clients send an infer request and hang up at once: those not yet run when
-    their connection goes are dropped (counted as cancelled), and the server serves on."""
+    their connection goes are dropped (counted as cancelled), and the server serves on. Each
+    request carries as many rows as a batch may hold (64 unbatched), so that the server runs
+    them slower than they arrive on any host (one row's ran before a loaded host saw the
+    hang-ups)."""
     sidecar = Sidecar(slow_artifact, tmp_path / "sidecar.log", CUVIL_MAX_BATCH_SIZE=batch)
     sent = 60
+    rows = 64 if batch == "1" else int(batch)
     body = json.dumps(
-        {"inputs": [{"name": "x", "shape": [1, 256], "datatype": "FP32", "data": [0.5] * 256}]}
-    ).encode()
+        {"inputs": [{"name": "x", "shape": [rows, 256], "datatype": "FP32",
+                     "data": [0.5] * (rows * 256)}]}
+    ).encode()  # fmt: skip
     request = (
         f"POST /v2/models/slow/infer HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n"
     ).encode() + body
@@ -261,7 +266,8 @@ def test_requests_of_clients_that_hung_up_never_run(
         )
         time.sleep(0.5)
         after = scrape(sidecar)
-        executed = labelled(after, "nv_inference_count") - labelled(before, "nv_inference_count")
+        run = "nv_inference_request_success"  # requests answered (nv_inference_count: rows)
+        executed = labelled(after, run) - labelled(before, run)
         cancelled = labelled(after, "cuvil_inference_rejected", reason="cancelled") - labelled(
             before, "cuvil_inference_rejected", reason="cancelled"
         )
