@@ -283,8 +283,10 @@ def test_requests_of_clients_that_hung_up_never_run(
 @pytest.mark.parametrize("frontend", ["native", "grpcio"])
 def test_a_cancelled_stream_stops(slow_artifact: Path, tmp_path: Path, frontend: str) -> None:
     """A ModelStreamInfer stream of 300 messages, cancelled by its client once the first answer
-    has come: the messages the server had read but not yet run are dropped unrun (counted as
-    cancelled), and those that ran are all that reached the model."""
+    has come and the server holds messages it has not run: those are dropped unrun (counted as
+    cancelled), and those that ran are all that reached the model. Each message carries 64 rows,
+    so that the server runs them slower than it reads them on a loaded host too (one row's
+    message ran faster than the grpcio front end read the next, and nothing was ever held)."""
     import queue
 
     import tritonclient.grpc as grpcclient
@@ -301,12 +303,18 @@ def test_a_cancelled_stream_stops(slow_artifact: Path, tmp_path: Path, frontend:
         client = grpcclient.InferenceServerClient(sidecar.url)
         answers: queue.Queue = queue.Queue()
         client.start_stream(callback=lambda result, error: answers.put((result, error)))
-        item = grpcclient.InferInput("x", [1, 256], "FP32")
-        item.set_data_from_numpy(np.ones((1, 256), dtype=np.float32))
+        item = grpcclient.InferInput("x", [64, 256], "FP32")
+        item.set_data_from_numpy(np.ones((64, 256), dtype=np.float32))
         for index in range(sent):
             client.async_stream_infer("slow", [item], request_id=str(index))
         _, error = answers.get(timeout=60)
         assert error is None, error
+        deadline = time.monotonic() + 30
+        while (
+            time.monotonic() < deadline
+            and labelled(scrape(sidecar), "nv_inference_pending_request_count") < 2
+        ):
+            time.sleep(0.01)
         client.stop_stream(cancel_requests=True)
         sidecar.wait_until(
             lambda: labelled(scrape(sidecar), "nv_inference_pending_request_count") == 0
@@ -320,7 +328,7 @@ def test_a_cancelled_stream_stops(slow_artifact: Path, tmp_path: Path, frontend:
         return labelled(after, name, **labels) - labelled(before, name, **labels)
 
     executed, cancelled = (
-        moved("nv_inference_count"),
+        moved("nv_inference_request_success"),  # messages answered (nv_inference_count: rows)
         moved("cuvil_inference_rejected", reason="cancelled"),
     )
     assert ready
