@@ -10,8 +10,10 @@ read). Bodies need a ``Content-Length``; a chunked one is answered 411. Connecti
 alive as HTTP/1.1 says, and ``Expect: 100-continue`` is honoured (curl sends it for large
 bodies). A client that hangs up while its request is served has the request cancelled: one
 still queued for the model never runs. A response may stream (``HttpResponse.stream``, for
-server-sent events): its parts go out as HTTP/1.1 chunks as they come, and a client that
-hangs up meanwhile has the stream closed (``aclose``), which ends whatever produced it.
+server-sent events): its parts go out as HTTP/1.1 chunks as they come, pulled by the server
+(an async iterator) or pushed by their producer (``PushedStream``: no task wakes per part),
+and a client that hangs up meanwhile has the stream closed (``aclose``), which ends whatever
+produced it.
 Errors of the server's own (bad framing) are answered
 ``{"error": "..."}`` with a 4xx status, and the connection is closed where its framing can no
 longer be trusted.
@@ -25,7 +27,7 @@ import logging
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 log = logging.getLogger("cuvil_sidecar.http")
 
@@ -62,6 +64,19 @@ class HttpRequest:
     peer: Any = None  # the client's address, as the socket gives it
 
 
+class PushedStream(Protocol):
+    """A response body whose parts are pushed as they come, rather than pulled by the server
+    with ``async for``: ``start(write)`` hands over the function that sends a part (as one
+    chunk, at once, on the event loop) and returns what completes when the last part is
+    written; ``aclose()`` ends it early (the client hung up). The transport holds parts the
+    client has not read yet, so a pushed stream's parts must be bounded in all (a generation's
+    tokens are)."""
+
+    def start(self, write: Callable[[bytes], None]) -> Awaitable[None]: ...
+
+    async def aclose(self) -> None: ...
+
+
 @dataclass
 class HttpResponse:
     status: int
@@ -69,7 +84,7 @@ class HttpResponse:
     content_type: str = "application/json"
     headers: dict[str, str] = field(default_factory=dict)
     # parts sent as chunks as they come, instead of ``body``; closed when the client hangs up
-    stream: AsyncIterator[bytes] | None = None
+    stream: AsyncIterator[bytes] | PushedStream | None = None
 
 
 Handler = Callable[[HttpRequest], Awaitable[HttpResponse]]
@@ -259,7 +274,10 @@ class HttpServer:
         ]
         try:
             writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
-            pumping = asyncio.ensure_future(self._pump(writer, stream))
+            if isinstance(stream, AsyncIterator):
+                pumping = asyncio.ensure_future(self._pump(writer, stream))
+            else:
+                pumping = asyncio.ensure_future(self._pushed(writer, stream))
             await asyncio.wait((pumping, hung_up), return_when=asyncio.FIRST_COMPLETED)
             if not pumping.done():  # the client hung up: the stream is cancelled where it waits
                 pumping.cancel()
@@ -284,6 +302,22 @@ class HttpServer:
                 if transport.get_write_buffer_size():
                     async with asyncio.timeout(self._limits.timeout_s):
                         await writer.drain()
+        await self._last_chunk(writer)
+
+    async def _pushed(self, writer: asyncio.StreamWriter, stream: PushedStream) -> None:
+        """A pushed stream's parts as chunks, each written as it is pushed, then the last
+        chunk. Parts pushed once the connection is closing are dropped (the hang-up ends the
+        stream soon after)."""
+        transport = writer.transport
+
+        def write(part: bytes) -> None:
+            if part and not transport.is_closing():
+                transport.write(b"%x\r\n%s\r\n" % (len(part), part))
+
+        await stream.start(write)
+        await self._last_chunk(writer)
+
+    async def _last_chunk(self, writer: asyncio.StreamWriter) -> None:
         writer.write(b"0\r\n\r\n")
         async with asyncio.timeout(self._limits.timeout_s):
             await writer.drain()

@@ -121,3 +121,88 @@ def test_a_client_hanging_up_mid_stream_closes_the_stream_and_the_server_goes_on
             await server.stop()
 
     assert asyncio.run(run())
+
+
+class _Pushed:
+    """A pushed stream (http_server.PushedStream): ``parts`` parts pushed from loop callbacks,
+    one per ``interval_s``, the last ending it; ``None``: it never ends by itself."""
+
+    def __init__(self, parts: int | None, interval_s: float = 0.001) -> None:
+        self.parts, self.interval_s = parts, interval_s
+        self.pushed = 0
+        self.closed = asyncio.Event()
+        self._ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._timer: asyncio.TimerHandle | None = None
+
+    def start(self, write):  # type: ignore[no-untyped-def]
+        self._write = write
+        self._next()
+        return self._ended
+
+    def _next(self) -> None:
+        self._write(_part(self.pushed)[:64])
+        self.pushed += 1
+        if self.parts is not None and self.pushed == self.parts:
+            self._ended.set_result(None)
+            return
+        self._timer = asyncio.get_running_loop().call_later(self.interval_s, self._next)
+
+    async def aclose(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self.closed.set()
+
+
+def test_pushed_parts_arrive_in_order_then_the_last_chunk() -> None:
+    async def run() -> tuple[list[bytes], bool]:
+        pushed: list[_Pushed] = []
+
+        async def handler(request: HttpRequest) -> HttpResponse:
+            pushed.append(_Pushed(40))
+            return HttpResponse(200, content_type="text/event-stream", stream=pushed[-1])
+
+        server = HttpServer(handler, HttpLimits(timeout_s=10.0))
+        port = await server.start("127.0.0.1", 0)
+        try:
+            reader, writer = await _request(port, "/pushed")
+            chunks = await _read_chunks(reader)
+            writer.close()
+            await asyncio.wait_for(pushed[0].closed.wait(), 5.0)  # closed once ended too
+            return chunks, pushed[0].pushed == 40
+        finally:
+            await server.stop()
+
+    chunks, all_pushed = asyncio.run(run())
+    assert chunks == [_part(index)[:64] for index in range(40)]
+    assert all_pushed
+
+
+def test_a_client_hanging_up_closes_a_pushed_stream_and_the_server_goes_on() -> None:
+    async def run() -> tuple[bool, list[bytes]]:
+        pushed: list[_Pushed] = []
+
+        async def handler(request: HttpRequest) -> HttpResponse:
+            pushed.append(_Pushed(None if request.path == "/endless" else 3))
+            return HttpResponse(200, content_type="text/event-stream", stream=pushed[-1])
+
+        server = HttpServer(handler, HttpLimits(timeout_s=10.0))
+        port = await server.start("127.0.0.1", 0)
+        try:
+            reader, writer = await _request(port, "/endless")
+            await reader.readuntil(b"\r\n\r\n")
+            await reader.readuntil(b"\r\n")  # the stream is running
+            writer.close()
+            await asyncio.wait_for(pushed[0].closed.wait(), 5.0)
+            stopped_at = pushed[0].pushed
+            await asyncio.sleep(0.05)
+            still = pushed[0].pushed == stopped_at  # nothing pushed once closed
+            reader, writer = await _request(port, "/three")
+            chunks = await _read_chunks(reader)
+            writer.close()
+            return still, chunks
+        finally:
+            await server.stop()
+
+    still, chunks = asyncio.run(run())
+    assert still
+    assert chunks == [_part(index)[:64] for index in range(3)]

@@ -1,5 +1,6 @@
 """Token events from the engine thread to the streams reading them on an event loop, delivered
-in batches.
+in batches: each event handed to its stream's delivery function (an ``asyncio.Queue``'s
+``put_nowait``, or a stream's own, which may write the event out at once) on the loop.
 
 A decode step picks a token for every running stream at once; handing each to its stream with
 its own ``call_soon_threadsafe`` would wake the loop (a write to its self-pipe) once per stream
@@ -14,9 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
+
+log = logging.getLogger("cuvil_sidecar.generation")
 
 _held = threading.local()  # ``inboxes``: those put into within this thread's held block
 
@@ -42,15 +46,15 @@ class LoopInbox:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._lock = threading.Lock()
-        self._pending: list[tuple[asyncio.Queue[Any], Any]] = []
+        self._pending: list[tuple[Callable[[Any], None], Any]] = []
         self._due = False  # a delivery is scheduled on the loop and has not run yet
 
-    def put(self, queue: asyncio.Queue[Any], item: Any) -> None:
-        """From any thread: ``item`` into ``queue`` on the loop, soon (dropped once the loop
-        is closed: nobody reads its queues); within ``held_deliveries``, once the block ends."""
+    def put(self, deliver: Callable[[Any], None], item: Any) -> None:
+        """From any thread: ``deliver(item)`` on the loop, soon (dropped once the loop is
+        closed: nobody reads its streams); within ``held_deliveries``, once the block ends."""
         held = getattr(_held, "inboxes", None)
         with self._lock:
-            self._pending.append((queue, item))
+            self._pending.append((deliver, item))
             if self._due:
                 return
             if held is None:
@@ -81,8 +85,11 @@ class LoopInbox:
         with self._lock:
             pending, self._pending = self._pending, []
             self._due = False
-        for queue, item in pending:
-            queue.put_nowait(item)
+        for deliver, item in pending:
+            try:
+                deliver(item)
+            except Exception:  # one stream's failure is its own; the others get theirs
+                log.exception("a token event's delivery failed")
 
 
 class LoopInboxes:

@@ -17,6 +17,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from cuvil_sidecar import tracing
@@ -27,6 +28,7 @@ from cuvil_sidecar.generation.loader import GenerationModel
 from cuvil_sidecar.generation.requests import GenerateRequest
 from cuvil_sidecar.generation.scheduler import (
     FINISH_CANCELLED,
+    FINISH_ERROR,
     FINISH_STOP,
     Scheduler,
     Sequence,
@@ -155,8 +157,9 @@ class GenerationServable:
 
 
 class GenerationStream:
-    """One request's tokens, read with ``async for`` on the event loop; ``close`` it. It holds
-    the servable it was opened on (acquired by the caller) until it ends."""
+    """One request's tokens, read with ``async for`` on the event loop, or handed as they are
+    delivered to a function (``push``); ``close`` it. It holds the servable it was opened on
+    (acquired by the caller) until it ends."""
 
     def __init__(
         self, servable: GenerationServable, request: GenerateRequest, prompt: tuple[int, ...]
@@ -169,6 +172,7 @@ class GenerationStream:
         self.finish: str | None = None
         self._inbox = servable.inboxes.of(asyncio.get_running_loop())
         self._events: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self._push: Callable[[GeneratedToken], None] | None = None
         self._started_ns = time.perf_counter_ns()
         self._last_ns = 0
         self._detokenizer: Detokenizer | None = (
@@ -206,7 +210,33 @@ class GenerationStream:
         return self._detokenizer is not None
 
     def _sink(self, event: TokenEvent) -> None:  # on the engine thread
-        self._inbox.put(self._events, event)
+        self._inbox.put(self._deliver, event)
+
+    def push(self, on_token: Callable[[GeneratedToken], None]) -> None:
+        """On the loop, instead of ``async for``: each token to ``on_token`` as the inbox
+        delivers it (those delivered already first), with no task woken per token: what a
+        stream that only writes each token out needs (rest_generate.py). A failure reading an
+        event ends the stream with an error token."""
+        self._push = on_token
+        while not self._events.empty():
+            self._deliver(self._events.get_nowait())
+
+    def _deliver(self, event: TokenEvent) -> None:  # on the loop
+        push = self._push
+        if push is None:
+            self._events.put_nowait(event)
+            return
+        if self.finish is not None:  # closed, or already ended: nothing more goes out
+            return
+        try:
+            token = self._received(event)
+        except Exception as error:
+            log.exception("a generation stream failed to read its token")
+            if self.finish is None:
+                self._servable.scheduler.cancel(self._sequence)
+                self._finished(FINISH_ERROR, f"the stream failed: {error}")
+            token = GeneratedToken(None, event.index, "", FINISH_ERROR, str(error))
+        push(token)
 
     def __aiter__(self) -> GenerationStream:
         return self

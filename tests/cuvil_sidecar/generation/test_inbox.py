@@ -33,8 +33,8 @@ def test_events_from_another_thread_arrive_in_order_with_few_wake_ups() -> None:
 
         def engine() -> None:  # steps of two streams' tokens, as a scheduler emits them
             for step in range(200):
-                inbox.put(left, step)
-                inbox.put(right, step)
+                inbox.put(left.put_nowait, step)
+                inbox.put(right.put_nowait, step)
 
         thread = threading.Thread(target=engine)
         thread.start()
@@ -64,7 +64,7 @@ def test_a_held_block_wakes_each_loop_once_with_all_its_events() -> None:
             for step in range(5):
                 with held_deliveries():
                     for queue in queues:
-                        inbox.put(queue, step)
+                        inbox.put(queue.put_nowait, step)
                         threading.Event().wait(0.001)  # a loop woken now would see a few
                 assert step_done.wait(10)
                 step_done.clear()
@@ -91,7 +91,7 @@ def test_a_closed_loop_drops_events_without_raising() -> None:
     inboxes = LoopInboxes()
     inbox = inboxes.of(loop)
     loop.close()
-    inbox.put(asyncio.Queue(), 1)  # the engine thread goes on; nobody reads that stream
+    inbox.put(asyncio.Queue().put_nowait, 1)  # the engine thread goes on; nobody reads that stream
     fresh = asyncio.new_event_loop()
     try:
         assert inboxes.of(fresh) is not inbox and inboxes.of(fresh) is inboxes.of(fresh)
