@@ -41,6 +41,14 @@ async def _request(port: int, path: str) -> tuple[asyncio.StreamReader, asyncio.
     return reader, writer
 
 
+async def _hang_up_mid_stream(port: int, path: str) -> None:
+    """Request ``path``, read up to its first chunk's size line (the stream is running), hang up."""
+    reader, writer = await _request(port, path)
+    await reader.readuntil(b"\r\n\r\n")
+    await reader.readuntil(b"\r\n")
+    writer.close()
+
+
 def test_parts_arrive_whole_and_in_order_past_the_socket_buffers() -> None:
     closed: list[str] = []
     produced: list[int] = []
@@ -106,10 +114,7 @@ def test_a_client_hanging_up_mid_stream_closes_the_stream_and_the_server_goes_on
         server = HttpServer(handler, HttpLimits(timeout_s=10.0))
         port = await server.start("127.0.0.1", 0)
         try:
-            reader, writer = await _request(port, "/first")
-            await reader.readuntil(b"\r\n\r\n")
-            await reader.readuntil(b"\r\n")  # the stream is running
-            writer.close()
+            await _hang_up_mid_stream(port, "/first")
             await asyncio.wait_for(events["/first"].wait(), 5.0)
             reader, writer = await _request(port, "/second")
             await reader.readuntil(b"\r\n\r\n")
@@ -188,10 +193,7 @@ def test_a_client_hanging_up_closes_a_pushed_stream_and_the_server_goes_on() -> 
         server = HttpServer(handler, HttpLimits(timeout_s=10.0))
         port = await server.start("127.0.0.1", 0)
         try:
-            reader, writer = await _request(port, "/endless")
-            await reader.readuntil(b"\r\n\r\n")
-            await reader.readuntil(b"\r\n")  # the stream is running
-            writer.close()
+            await _hang_up_mid_stream(port, "/endless")
             await asyncio.wait_for(pushed[0].closed.wait(), 5.0)
             stopped_at = pushed[0].pushed
             await asyncio.sleep(0.05)
