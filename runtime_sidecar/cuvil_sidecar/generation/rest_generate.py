@@ -109,11 +109,17 @@ class TokenEvents:
         return self._ended
 
     def _token(self, token: GeneratedToken) -> None:
-        if token.finish in (FINISH_ERROR, FINISH_SHUTDOWN):
-            self._write(sse_event({"error": str(ended_error(token.finish, token.error))}))
-        else:
-            self._write(self._event(token))
-        if token.finish is not None and not self._ended.done():
+        if self._ended.done():
+            return
+        try:
+            if token.finish in (FINISH_ERROR, FINISH_SHUTDOWN):
+                self._write(sse_event({"error": str(ended_error(token.finish, token.error))}))
+            else:
+                self._write(self._event(token))
+        except Exception as error:  # the response ends with it, rather than wait for more
+            self._ended.set_exception(error)
+            return
+        if token.finish is not None:
             self._ended.set_result(None)
 
     async def aclose(self) -> None:

@@ -1,12 +1,16 @@
 """generate_stream's per-token events: written from a header encoded once, byte for byte what
-encoding the whole event object gives, and parsed back to the same fields."""
+encoding the whole event object gives, and parsed back to the same fields; pushed as each token
+is delivered until the stream's last, an error as an error event, a failed write ending the
+response."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from typing import Any
 
 import pytest
-from cuvil_sidecar.generation.rest_generate import sse_event, token_event_writer
+from cuvil_sidecar.generation.rest_generate import TokenEvents, sse_event, token_event_writer
 from cuvil_sidecar.generation.servable import GeneratedToken
 from cuvil_sidecar.metrics import Metrics
 
@@ -51,3 +55,62 @@ def test_a_streamed_token_counts_and_its_gap_lands_in_the_histogram() -> None:
     assert f"cuvil_generation_tokens{{{labels}}} 2\n" in text
     assert f"cuvil_inter_token_latency_seconds_count{{{labels}}} 1" in text
     assert f"cuvil_inter_token_latency_seconds_sum{{{labels}}} 0.004" in text
+
+
+class _Stream:
+    """What TokenEvents reads of a GenerationStream: its header fields, ``push`` and ``close``."""
+
+    model_name, model_version, request_id, with_text = "tiny", "1", "", False
+
+    def __init__(self) -> None:
+        self.on_token: Any = None
+        self.closed = False
+
+    def push(self, on_token: Any) -> None:
+        self.on_token = on_token
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _pushed(tokens: list[GeneratedToken], write: Any) -> tuple[Any, _Stream]:
+    """TokenEvents over a stand-in stream, started with ``write``, handed ``tokens``; returns
+    what its start returned (done, or not) and the stream."""
+
+    async def run() -> tuple[Any, _Stream]:
+        stream = _Stream()
+        events = TokenEvents(stream)  # type: ignore[arg-type]
+        ended = events.start(write)
+        for token in tokens:
+            stream.on_token(token)
+        await asyncio.sleep(0)
+        await events.aclose()
+        return ended, stream
+
+    return asyncio.run(run())
+
+
+def test_pushed_events_are_written_until_the_last_token_and_no_further() -> None:
+    written: list[bytes] = []
+    tokens = [GeneratedToken(5, 0, "", None), GeneratedToken(7, 1, "", "length")]
+    ended, stream = _pushed([*tokens, GeneratedToken(9, 2, "", None)], written.append)
+    header = {"model_name": "tiny", "model_version": "1"}
+    assert written == [token_event_writer(header, False)(token) for token in tokens]
+    assert ended.done() and ended.exception() is None
+    assert stream.closed
+
+
+def test_an_error_token_is_written_as_an_error_event_and_ends_the_stream() -> None:
+    written: list[bytes] = []
+    ended, _ = _pushed([GeneratedToken(None, 0, "", "error", "the model failed")], written.append)
+    assert written == [sse_event({"error": "the model failed"})]
+    assert ended.done() and ended.exception() is None
+
+
+def test_a_failing_write_ends_the_response_with_its_error() -> None:
+    def broken(part: bytes) -> None:
+        raise ConnectionResetError("gone")
+
+    ended, stream = _pushed([GeneratedToken(5, 0, "", None)], broken)
+    assert isinstance(ended.exception(), ConnectionResetError)
+    assert stream.closed
