@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,12 +32,17 @@ from cuvil_sidecar.dataplane import DataPlane
 from cuvil_sidecar.errors import InvalidInput, SidecarError, http_status
 from cuvil_sidecar.generation.chat import read_messages, render_chat
 from cuvil_sidecar.generation.requests import GenerateRequest, read_parameters, read_prompt
-from cuvil_sidecar.generation.rest_generate import ended_error, sse_event
+from cuvil_sidecar.generation.rest_generate import TokenEvents, ended_error, sse_event
 from cuvil_sidecar.generation.scheduler import FINISH_ERROR, FINISH_SHUTDOWN
-from cuvil_sidecar.generation.servable import GenerationServable, GenerationStream
+from cuvil_sidecar.generation.servable import (
+    GeneratedToken,
+    GenerationServable,
+    GenerationStream,
+)
 from cuvil_sidecar.http_server import HttpRequest, HttpResponse, json_response
 from cuvil_sidecar.json_body import json_object
 
+DONE = b"data: [DONE]\n\n"  # the last event of a streamed answer, as OpenAI sends it
 COMPLETION_DEFAULT_TOKENS = 16  # OpenAI's default max_tokens for completions
 SAMPLING = frozenset({"max_tokens", "temperature", "top_p", "seed", "stop", "top_k"})
 VLLM = frozenset({"ignore_eos", "stop_token_ids"})
@@ -133,9 +138,13 @@ async def _answer(dataplane: DataPlane, request: HttpRequest, kind: Kind) -> Htt
     return json_response(200, answer)
 
 
-async def _chunks(
+def _chunks(
     stream: GenerationStream, header: dict[str, Any], kind: Kind, usage_chunk: bool
-) -> AsyncIterator[bytes]:
+) -> TokenEvents:
+    """The streamed answer: for a chat, a first chunk with the assistant's role; a chunk per
+    token that completes text or ends the answer; the usage chunk where asked; ``[DONE]``. An
+    error after the stream began comes as an error object, then ``[DONE]``."""
+
     def chunk(text: str | None, finish: str | None, role: bool = False) -> bytes:
         if kind.chat:
             delta = ({"role": "assistant"} if role else {}) | (
@@ -147,22 +156,20 @@ async def _chunks(
         choice |= {"logprobs": None, "finish_reason": finish}
         return sse_event(header | {"choices": [choice]})
 
-    try:
-        if kind.chat:
-            yield chunk("", None, role=True)
-        async for token in stream:
-            if token.finish in (FINISH_ERROR, FINISH_SHUTDOWN):
-                error = ended_error(token.finish, token.error)
-                yield sse_event(_error_body(str(error), http_status(error)))
-                break
-            if token.text or token.finish is not None:
-                yield chunk(token.text or None if kind.chat else token.text, token.finish)
-        else:
+    def frames(token: GeneratedToken) -> list[bytes]:
+        if token.finish in (FINISH_ERROR, FINISH_SHUTDOWN):
+            error = ended_error(token.finish, token.error)
+            return [sse_event(_error_body(str(error), http_status(error))), DONE]
+        parts = []
+        if token.text or token.finish is not None:
+            parts.append(chunk(token.text or None if kind.chat else token.text, token.finish))
+        if token.finish is not None:
             if usage_chunk:
-                yield sse_event(header | {"choices": [], "usage": _usage(stream)})
-        yield b"data: [DONE]\n\n"
-    finally:
-        stream.close()
+                parts.append(sse_event(header | {"choices": [], "usage": _usage(stream)}))
+            parts.append(DONE)
+        return parts
+
+    return TokenEvents(stream, frames, (chunk("", None, role=True),) if kind.chat else ())
 
 
 def _completion_reader(

@@ -87,24 +87,47 @@ async def generate_stream(
     dataplane: DataPlane, request: HttpRequest, model: str, version: str
 ) -> HttpResponse:
     stream = dataplane.open_generation(model, version, reader(request.body))
-    return HttpResponse(200, content_type="text/event-stream", stream=TokenEvents(stream))
+    events = TokenEvents(stream, event_frames(stream))
+    return HttpResponse(200, content_type="text/event-stream", stream=events)
+
+
+def event_frames(stream: GenerationStream) -> Callable[[GeneratedToken], list[bytes]]:
+    """``generate_stream``'s events per token: the token's event, or an ``{"error": ...}``
+    event for a generation that failed or was stopped by a shutdown."""
+    event = token_event_writer(_header(stream), stream.with_text)
+
+    def frames(token: GeneratedToken) -> list[bytes]:
+        if token.finish in (FINISH_ERROR, FINISH_SHUTDOWN):
+            return [sse_event({"error": str(ended_error(token.finish, token.error))})]
+        return [event(token)]
+
+    return frames
 
 
 class TokenEvents:
-    """``generate_stream``'s body (an http_server ``PushedStream``): each token's event written
-    as the inbox delivers it, on the event loop, with no task per stream woken per token (of
-    the event loop's CPU per streamed token, waking a reader task through a queue and two
-    async iterators took about as much as the socket write); an error as an ``{"error": ...}``
-    event, which ends the stream."""
+    """A generation stream's server-sent events as an http_server ``PushedStream``: ``opening``
+    first, then each token's ``frames(token)`` written as the inbox delivers the token, on the
+    event loop, with no task per stream woken per token (of the event loop's CPU per streamed
+    token, waking a reader task through a queue and two async iterators took about as much as
+    the socket write). The stream's last token (an end, an error, a shutdown) ends it; a write
+    that fails ends the response with its error."""
 
-    def __init__(self, stream: GenerationStream) -> None:
+    def __init__(
+        self,
+        stream: GenerationStream,
+        frames: Callable[[GeneratedToken], list[bytes]],
+        opening: tuple[bytes, ...] = (),
+    ) -> None:
         self._stream = stream
-        self._event = token_event_writer(_header(stream), stream.with_text)
+        self._frames = frames
+        self._opening = opening
         self._ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._write: Callable[[bytes], None] = lambda part: None
 
     def start(self, write: Callable[[bytes], None]) -> asyncio.Future[None]:
         self._write = write
+        for part in self._opening:
+            write(part)
         self._stream.push(self._token)
         return self._ended
 
@@ -112,10 +135,8 @@ class TokenEvents:
         if self._ended.done():
             return
         try:
-            if token.finish in (FINISH_ERROR, FINISH_SHUTDOWN):
-                self._write(sse_event({"error": str(ended_error(token.finish, token.error))}))
-            else:
-                self._write(self._event(token))
+            for part in self._frames(token):
+                self._write(part)
         except Exception as error:  # the response ends with it, rather than wait for more
             self._ended.set_exception(error)
             return

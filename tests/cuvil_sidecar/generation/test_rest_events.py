@@ -10,7 +10,12 @@ import json
 from typing import Any
 
 import pytest
-from cuvil_sidecar.generation.rest_generate import TokenEvents, sse_event, token_event_writer
+from cuvil_sidecar.generation.rest_generate import (
+    TokenEvents,
+    event_frames,
+    sse_event,
+    token_event_writer,
+)
 from cuvil_sidecar.generation.servable import GeneratedToken
 from cuvil_sidecar.metrics import Metrics
 
@@ -79,7 +84,7 @@ def _pushed(tokens: list[GeneratedToken], write: Any) -> tuple[Any, _Stream]:
 
     async def run() -> tuple[Any, _Stream]:
         stream = _Stream()
-        events = TokenEvents(stream)  # type: ignore[arg-type]
+        events = TokenEvents(stream, event_frames(stream))  # type: ignore[arg-type]
         ended = events.start(write)
         for token in tokens:
             stream.on_token(token)
@@ -114,3 +119,24 @@ def test_a_failing_write_ends_the_response_with_its_error() -> None:
     ended, stream = _pushed([GeneratedToken(5, 0, "", None)], broken)
     assert isinstance(ended.exception(), ConnectionResetError)
     assert stream.closed
+
+
+def test_the_opening_goes_first_and_a_token_may_write_several_frames() -> None:
+    """The OpenAI-compatible streams' form: a role chunk first, the last token's chunk then the
+    usage chunk and ``[DONE]``; a token with no frames writes nothing."""
+    written: list[bytes] = []
+
+    def frames(token: GeneratedToken) -> list[bytes]:
+        parts = [b"token %d" % token.index] if token.token is not None else []
+        return parts + ([b"usage", b"[DONE]"] if token.finish is not None else [])
+
+    async def run() -> Any:
+        stream = _Stream()
+        ended = TokenEvents(stream, frames, (b"role",)).start(written.append)  # type: ignore[arg-type]
+        for token in (GeneratedToken(1, 0, "", None), GeneratedToken(None, 1, "", "stop")):
+            stream.on_token(token)
+        return ended
+
+    ended = asyncio.run(run())
+    assert written == [b"role", b"token 0", b"usage", b"[DONE]"]
+    assert ended.done()
