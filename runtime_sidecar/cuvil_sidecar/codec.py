@@ -44,6 +44,7 @@ DATATYPES: dict[str, Datatype] = {
         Datatype("FP64", torch.float64, "f64", "fp64_contents", "float64"),
     )
 }
+INDEXABLE_BYTES = 2**63 - 1  # a tensor's strides and byte offsets are signed 64-bit
 BY_CUVIL_NAME: dict[str, Datatype] = {d.cuvil: d for d in DATATYPES.values()}
 BY_TORCH: dict[torch.dtype, Datatype] = {d.torch: d for d in DATATYPES.values()}
 
@@ -69,6 +70,11 @@ def decode_input(item: InferInput, *, max_bytes: int) -> torch.Tensor:
         raise RequestTooLarge(
             f"input {item.name!r}: shape {list(item.shape)} {item.datatype} declares "
             f"{elements * itemsize} bytes, more than the {max_bytes}-byte message limit"
+        )
+    if math.prod(max(dim, 1) for dim in item.shape) * itemsize > INDEXABLE_BYTES:
+        # no elements, but dims whose strides a tensor cannot hold ([0, 2, 2**62])
+        raise InvalidInput(
+            f"input {item.name!r}: shape {list(item.shape)} has dims past what a tensor indexes"
         )
     if item.raw is not None:
         return _from_raw(item, datatype, elements, itemsize)

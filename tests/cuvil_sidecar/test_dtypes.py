@@ -137,6 +137,9 @@ def test_codec_round_trip(datatype: str) -> None:
         (InferInput("t", "BOOL", (2,), raw=bytes([1, 7])), "must be 0 or 1"),
         (InferInput("t", "FP32", (2,), typed={"int64_contents": [1, 2]}), "goes in fp32"),
         (InferInput("t", "FP32", (2, -1), raw=b""), "negative dim"),
+        # no elements, but strides past 64 bits (the malformed-request fuzzing found it)
+        (InferInput("t", "FP32", (0, 2, 2**62), raw=b""), "past what a tensor indexes"),
+        (InferInput("t", "INT8", (2**31, 0, 2**32)), "past what a tensor indexes"),
         (InferInput("t", "STRING", (1,), raw=b"x"), "not supported"),
         (InferInput("t", "FP32", (1,)), "carries no data"),
     ],
