@@ -16,3 +16,11 @@ def test_ports_are_free_distinct_and_below_the_ephemeral_range() -> None:
     with socket.socket() as server:  # each is free: a server can listen on it
         server.bind(("127.0.0.1", handed[-1]))
         server.listen()
+
+
+def test_each_test_worker_takes_ports_of_its_own_residue(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "3")
+    for index in range(3):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", f"gw{index}")
+        handed = [ports.free_port() for _ in range(20)]
+        assert all(port % 3 == index and port >= ports.LOWEST for port in handed)
