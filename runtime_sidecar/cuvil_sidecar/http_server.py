@@ -298,7 +298,7 @@ class HttpServer:
         transport = writer.transport
         async for part in stream:
             if part:
-                writer.write(b"%x\r\n%s\r\n" % (len(part), part))
+                writer.write(_chunk(part))
                 if transport.get_write_buffer_size():
                     async with asyncio.timeout(self._limits.timeout_s):
                         await writer.drain()
@@ -312,7 +312,7 @@ class HttpServer:
 
         def write(part: bytes) -> None:
             if part and not transport.is_closing():
-                transport.write(b"%x\r\n%s\r\n" % (len(part), part))
+                transport.write(_chunk(part))
 
         await stream.start(write)
         await self._last_chunk(writer)
@@ -321,6 +321,11 @@ class HttpServer:
         writer.write(b"0\r\n\r\n")
         async with asyncio.timeout(self._limits.timeout_s):
             await writer.drain()
+
+
+def _chunk(part: bytes) -> bytes:
+    """One part of a streamed response in HTTP/1.1's chunked framing."""
+    return b"%x\r\n%s\r\n" % (len(part), part)
 
 
 class _Connection(asyncio.StreamReaderProtocol):
