@@ -129,7 +129,7 @@ def _native(servicer: InferenceServicer, config: SidecarConfig) -> Frontend:
         Method(
             f"/{service.full_name}/ModelStreamInfer",
             infer,
-            servicer.stream_message,
+            functools.partial(servicer.stream_message, pushed=True),
             split,
             streaming=True,
         )

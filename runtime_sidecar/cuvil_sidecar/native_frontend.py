@@ -20,12 +20,13 @@ twice more.
 A method marked ``streaming`` (ModelStreamInfer) is a bidirectional stream on the native side;
 each message read from it comes here as a call of its own, answered by ``handler`` like a unary
 call, and the answer is written to the stream (an abort status ends the stream). A handler may
-answer a message with an async generator instead (a generation model's answers, one per token:
-Triton's decoupled mode): each answer is written to the stream as it comes
+answer a message with several answers instead (a generation model's, one per token: Triton's
+decoupled mode), as an async generator or as a ``PushedAnswers`` that writes each as it comes
+(no task woken per answer): each answer is written to the stream as it comes
 (``cuvil_frontend_write``; those of one turn of the event loop are sent together, ``TurnWrites``),
-and the message is finished with nothing more once the generator ends; the generator is
-closed as soon as a write finds the stream cancelled or failed, which frees what it holds (a
-generation's KV slot). Whether a call's client is gone (a unary call cancelled, a stream
+and the message is finished with nothing more once the answers end; they are closed as soon
+as a write finds the stream cancelled or failed, which frees what they hold (a generation's
+KV slot). Whether a call's client is gone (a unary call cancelled, a stream
 cancelled, a hang-up, a deadline past) is asked of the native side through the call's context
 (``NativeContext.client_gone``): the data plane drops a request unrun whose client is gone
 when its turn comes, so a cancelled stream stops instead of running the messages it had
@@ -48,7 +49,7 @@ import time
 import weakref
 from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Protocol, runtime_checkable
 
 import grpc
 import numpy as np
@@ -94,6 +95,18 @@ class Aborted(Exception):
         super().__init__(details)
         self.code = code
         self.details = details
+
+
+@runtime_checkable
+class PushedAnswers(Protocol):
+    """A stream message's answers written by their producer as they come, rather than pulled
+    with ``async for``: ``start(write)`` hands over the function that writes one (serialized;
+    False once the stream takes no more) and returns what completes after the last;
+    ``aclose()`` ends it early."""
+
+    def start(self, write: Callable[[bytes], bool]) -> Awaitable[None]: ...
+
+    async def aclose(self) -> None: ...
 
 
 class TurnWrites:
@@ -461,6 +474,9 @@ class NativeFrontend:
             if isinstance(response, AsyncGenerator):
                 await _write_answers(response, context)
                 return grpc.StatusCode.OK, "", None
+            if isinstance(response, PushedAnswers):
+                await _write_pushed(response, context)
+                return grpc.StatusCode.OK, "", None
         except Aborted as aborted:
             return aborted.code, aborted.details, b""
         except Exception as error:
@@ -482,5 +498,15 @@ async def _write_answers(answers: AsyncGenerator[Any, None], context: NativeCont
         async for answer in answers:
             if not context.write(answer.SerializeToString()):
                 return
+    finally:
+        await answers.aclose()
+
+
+async def _write_pushed(answers: PushedAnswers, context: NativeContext) -> None:
+    """A stream's message answered by what ``answers`` writes as it comes; closed once it has
+    written its last, or a write found the stream gone, or if the call is cancelled."""
+    assert context.write is not None
+    try:
+        await answers.start(context.write)
     finally:
         await answers.aclose()

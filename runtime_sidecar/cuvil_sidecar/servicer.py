@@ -7,8 +7,9 @@ configured ``policy.Policies`` see the call (its metadata and peer) and may refu
 ModelStreamInfer's messages are answered by ``stream_message``, which never aborts: errors go
 into the stream, one per request. A generation model's requests are answered with one
 response per token instead (``generation/grpc_generate.py``, Triton's decoupled mode):
-``stream_message`` returns them as an async generator, which both front ends write to the
-stream as its answers come.
+``stream_message`` hands the native front end's stream a ``PushedAnswers``, which writes each
+token's answer as the engine's tokens are delivered to the event loop, and grpcio's an async
+generator of them.
 A client's gRPC deadline goes with its request to the data plane, which drops the request unrun
 once the deadline has passed, and so does, on the native front end, the call's ``client_gone``
 (grpcio cancels the call's task instead, which drops the request as well).
@@ -34,7 +35,7 @@ from cuvil_sidecar.peer_credentials import grpc_peer_uid
 from cuvil_sidecar.policy import Call, Policies, grpc_peer_host, is_local_peer
 from cuvil_sidecar.repository import index_pb, statistics_pb
 from cuvil_sidecar.streaming import serve_stream
-from cuvil_sidecar.wire import EncodedInferResponse, EncodedStreamResponse, encode_response_header
+from cuvil_sidecar.wire import EncodedStreamResponse, stream_error
 
 log = logging.getLogger("cuvil_sidecar.servicer")
 
@@ -141,33 +142,60 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def _stream_answers(self, request: Any, context: Any) -> AsyncIterator[Any]:
         answer = await self.stream_message(request, context)
-        if isinstance(answer, EncodedStreamResponse):
+        if not isinstance(answer, AsyncGenerator):  # one answer (grpcio never asks for pushed)
             yield answer
             return
         async for token in answer:
             yield token
 
     async def _generation_answers(self, request: Any, context: Any) -> AsyncGenerator[Any, None]:
-        if self.policies.active:
-            try:
-                self.policies.check(_call_of(context, "ModelStreamInfer"))
-            except SidecarError as refused:
-                yield _stream_error(request, str(refused))
-                return
+        refused = self._refusal(request, context)
+        if refused is not None:
+            yield refused
+            return
         gone = getattr(context, "client_gone", None)  # the native front end's; grpcio cancels
         try:
             async for answer in grpc_generate.stream_answers(self.dataplane, request, gone):
                 yield answer
         except Exception as failure:  # a bug: answered in the stream, which goes on
             log.exception("ModelStreamInfer failed")
-            yield _stream_error(request, f"internal error in ModelStreamInfer: {failure!r}")
+            yield stream_error(request, f"internal error in ModelStreamInfer: {failure!r}")
+
+    def _pushed_generation(
+        self, request: Any, context: Any
+    ) -> grpc_generate.PushedAnswers | EncodedStreamResponse:
+        """A generation's answers pushed to the stream as its tokens come (``PushedAnswers``),
+        or the one answer refusing it."""
+        refused = self._refusal(request, context)
+        if refused is not None:
+            return refused
+        try:
+            answers = grpc_generate.open_answers(self.dataplane, request, context.client_gone)
+        except Exception as failure:  # a bug: answered in the stream, which goes on
+            log.exception("ModelStreamInfer failed")
+            return stream_error(request, f"internal error in ModelStreamInfer: {failure!r}")
+        if isinstance(answers, grpc_generate.TokenAnswers):
+            return grpc_generate.PushedAnswers(answers)
+        return answers
+
+    def _refusal(self, request: Any, context: Any) -> EncodedStreamResponse | None:
+        """The policies' refusal of a generation request, as its answer; None: allowed."""
+        if self.policies.active:
+            try:
+                self.policies.check(_call_of(context, "ModelStreamInfer"))
+            except SidecarError as refused:
+                return stream_error(request, str(refused))
+        return None
 
     async def stream_message(
-        self, request: Any, context: Any
-    ) -> EncodedStreamResponse | AsyncGenerator[Any, None]:
+        self, request: Any, context: Any, *, pushed: bool = False
+    ) -> EncodedStreamResponse | AsyncGenerator[Any, None] | grpc_generate.PushedAnswers:
         """One message of ModelStreamInfer: its response, or its error in the stream; for a
-        generation model, its answers (one per token) as an async generator."""
+        generation model, its answers (one per token): with ``pushed`` (the native front end,
+        whose context writes them) a ``PushedAnswers``, else an async generator."""
         if self.dataplane.is_generation(request.model_name):
+            if pushed:
+                return self._pushed_generation(request, context)
             return self._generation_answers(request, context)
         try:
             return EncodedStreamResponse("", await self.ModelInfer(request, _InStream(context)))
@@ -176,7 +204,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         except Exception as failure:  # answered in the stream all the same
             log.exception("ModelStreamInfer failed")
             error = f"internal error in ModelStreamInfer: {failure!r}"
-        return _stream_error(request, error)
+        return stream_error(request, error)
 
     @_rpc
     async def SystemSharedMemoryRegister(self, request: Any, context: Any) -> Any:
@@ -214,11 +242,6 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 for region in self.dataplane.shared_memory_status(request.name)
             }
         )
-
-
-def _stream_error(request: Any, error: str) -> EncodedStreamResponse:
-    header = encode_response_header(request.model_name, request.model_version, request.id, [])
-    return EncodedStreamResponse(error, EncodedInferResponse(header, []))
 
 
 class _StreamAbort(Exception):

@@ -30,7 +30,7 @@ several times what writing its few fields by hand does.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from google.protobuf.message import DecodeError
@@ -40,6 +40,7 @@ SPLIT_FROM = 64 * 1024  # request bytes from which the tensors are cut out
 # No generated module is imported here: tests load NVIDIA's, and the two cannot share a process.
 RAW_INPUT_CONTENTS = 7  # ModelInferRequest.raw_input_contents
 RAW_OUTPUT_CONTENTS = 6  # ModelInferResponse.raw_output_contents
+_PARAMETERS = 4  # ModelInferResponse.parameters
 _OUTPUTS = 5  # ModelInferResponse.outputs
 _LENGTH_DELIMITED = 2
 _INT64 = 2**64 - 1
@@ -81,17 +82,34 @@ class EncodedStreamResponse:
         return b"".join(parts)
 
 
+def stream_error(request: Any, message: str) -> EncodedStreamResponse:
+    """A ModelStreamInfer message's error as its answer in the stream (whose messages carry
+    no status): the message, with the request's model, version and id (``request``: a
+    ModelInferRequest, or anything with those three fields)."""
+    header = encode_response_header(request.model_name, request.model_version, request.id, [])
+    return EncodedStreamResponse(message, EncodedInferResponse(header, []))
+
+
 def encode_response_header(
-    model_name: str, model_version: str, id: str, outputs: Sequence[tuple[str, str, Sequence[int]]]
+    model_name: str,
+    model_version: str,
+    id: str,
+    outputs: Sequence[tuple[str, str, Sequence[int]]],
+    parameters: Mapping[str, bool | str] | None = None,
 ) -> bytes:
-    """A ModelInferResponse with no parameters and no raw_output_contents, serialized as protobuf
-    serializes it (fields in order, proto3's empty values left out); ``outputs``: each
-    InferOutputTensor's name, datatype and shape."""
+    """A ModelInferResponse without raw_output_contents, serialized as protobuf serializes it
+    (fields in order, proto3's empty values left out); ``outputs``: each InferOutputTensor's
+    name, datatype and shape; ``parameters``: the response's, each a ``bool_param`` or a
+    ``string_param``."""
     parts = [
         _string_field(number, text)
         for number, text in ((1, model_name), (2, model_version), (3, id))
         if text
     ]
+    for key, value in (parameters or {}).items():
+        parts.append(
+            _sized_field(_PARAMETERS, _string_field(1, key) + _sized_field(2, _param(value)))
+        )
     for name, datatype, shape in outputs:
         tensor = _string_field(1, name) if name else b""
         if datatype:
@@ -100,6 +118,13 @@ def encode_response_header(
             tensor += _sized_field(3, b"".join(encode_varint(dim & _INT64) for dim in shape))
         parts.append(_sized_field(_OUTPUTS, tensor))
     return b"".join(parts)
+
+
+def _param(value: bool | str) -> bytes:
+    """An InferParameter: a member of its oneof is written even when it holds its default."""
+    if isinstance(value, bool):
+        return b"\x08\x01" if value else b"\x08\x00"  # bool_param = 1, a varint
+    return _string_field(3, value)  # string_param = 3
 
 
 def _string_field(number: int, text: str) -> bytes:

@@ -191,6 +191,7 @@ def test_output_tensors_are_encoded_from_views_and_read_back_equal() -> None:
         max_size=3,
     ),
     st.lists(st.binary(max_size=300), min_size=3, max_size=3),
+    st.dictionaries(names, st.booleans() | names, max_size=3),
 )
 def test_a_hand_written_response_header_is_what_protobuf_writes(
     model_name: str,
@@ -198,13 +199,21 @@ def test_a_hand_written_response_header_is_what_protobuf_writes(
     request_id: str,
     outputs: list[tuple[str, str, list[int]]],
     raws: list[bytes],
+    parameters: dict[str, bool | str],
 ) -> None:
     expected = pb.ModelInferResponse(model_name=model_name, model_version=model_version)
     expected.id = request_id
+    for key, value in parameters.items():
+        if isinstance(value, bool):
+            expected.parameters[key].bool_param = value
+        else:
+            expected.parameters[key].string_param = value
     for name, datatype, shape in outputs:
         expected.outputs.add(name=name, datatype=datatype, shape=shape)
-    header = wire.encode_response_header(model_name, model_version, request_id, outputs)
-    assert header == expected.SerializeToString()  # byte for byte
+    header = wire.encode_response_header(model_name, model_version, request_id, outputs, parameters)
+    assert pb.ModelInferResponse.FromString(header) == expected
+    if len(parameters) < 2:  # a map's entries come in no fixed order
+        assert header == expected.SerializeToString()  # byte for byte
     entries = raws[: len(outputs)]
     expected.raw_output_contents.extend(entries)
     encoded = wire.EncodedInferResponse(header, entries).SerializeToString()

@@ -17,8 +17,10 @@ messages carry no status code), and the stream goes on.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
+import logging
 import struct
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
@@ -34,29 +36,31 @@ from cuvil_sidecar.generation.servable import (
     OUTPUT_IDS,
     TEXT_INPUT,
     TEXT_OUTPUT,
+    GeneratedToken,
     GenerationServable,
+    GenerationStream,
 )
 from cuvil_sidecar.messages import InferInput, InferRequest
+from cuvil_sidecar.wire import (
+    EncodedInferResponse,
+    EncodedStreamResponse,
+    encode_response_header,
+    stream_error,
+)
+
+log = logging.getLogger("cuvil_sidecar.generation")
 
 SAMPLING_INPUT, STREAM_INPUT = "sampling_parameters", "stream"
 FINAL = "triton_final_response"
 EMPTY_FINAL = "triton_enable_empty_final_response"
 
 
-async def stream_answers(
+def open_answers(
     dataplane: DataPlane, request: Any, client_gone: Callable[[], bool] | None = None
-) -> AsyncIterator[Any]:
-    """The responses (ModelStreamInferResponse messages) to one request of the stream;
-    ``client_gone``: the call's check, for a front end that cannot cancel this generator when
-    the client goes (asked by the scheduler before it runs the request's prompt)."""
-    from cuvil_sidecar._generated import grpc_service_pb2 as pb
-
-    def error(message: str) -> Any:
-        infer = pb.ModelInferResponse(
-            model_name=request.model_name, model_version=request.model_version, id=request.id
-        )
-        return pb.ModelStreamInferResponse(error_message=message, infer_response=infer)
-
+) -> TokenAnswers | EncodedStreamResponse:
+    """The request's generation opened: its ``TokenAnswers``, or the refusal as its one
+    answer. ``client_gone``: the call's check, for a front end that cannot cancel the request
+    when the client goes (asked by the scheduler before it runs the request's prompt)."""
     try:
         neutral = InferRequest.from_pb(request)
         streaming = _stream_flag(neutral)
@@ -66,61 +70,147 @@ async def stream_answers(
             lambda model: dataclasses.replace(_read(model, neutral), client_gone=client_gone),
         )
     except SidecarError as refused:  # the status code leads the message: streams carry none
-        yield error(f"{grpc_status(refused).name}: {refused}")
+        return stream_error(request, f"{grpc_status(refused).name}: {refused}")
+    return TokenAnswers(stream, neutral, streaming)
+
+
+async def stream_answers(
+    dataplane: DataPlane, request: Any, client_gone: Callable[[], bool] | None = None
+) -> AsyncIterator[Any]:
+    """The responses (ModelStreamInferResponse messages) to one request of the stream, read
+    from its generation with ``async for`` (grpcio's stream takes its answers so)."""
+    answers = open_answers(dataplane, request, client_gone)
+    if not isinstance(answers, TokenAnswers):
+        yield answers
         return
-    empty_final = neutral.parameters.get(EMPTY_FINAL) is True
     try:
-        held: list[int] = []
-        text = []
-        async for token in stream:
-            if token.finish in (FINISH_ERROR, FINISH_SHUTDOWN):
-                yield error(token.error or f"the generation ended: {token.finish}")
+        async for token in answers.stream:
+            for answer in answers.of(token):
+                yield answer
+            if answers.ended:
                 return
-            ids = [] if token.token is None else [token.token]
-            if not streaming:
-                held += ids
-                text.append(token.text)
-                if token.finish is None:
-                    continue
-                ids, pieces = held, ["".join(text)]
-            else:
-                pieces = [token.text]
-            last = token.finish is not None
-            yield _response(
-                pb, neutral, stream.model_name, stream.model_version, ids,
-                pieces if stream.with_text else None,
-                final=last and not empty_final, finish=token.finish,
-            )  # fmt: skip
-            if last and empty_final:
-                yield _response(
-                    pb, neutral, stream.model_name, stream.model_version, [], None, final=True
-                )
     finally:
-        stream.close()
+        answers.stream.close()
 
 
-def _response(
-    pb: Any,
-    request: InferRequest,
-    model: str,
-    version: str,
-    ids: list[int],
-    pieces: list[str] | None,
-    *,
-    final: bool,
-    finish: str | None = None,
-) -> Any:
-    response = pb.ModelInferResponse(model_name=model, model_version=version, id=request.id)
-    response.parameters[FINAL].bool_param = final
-    if finish is not None:
-        response.parameters["finish_reason"].string_param = finish
-    if ids or pieces is not None:
-        response.outputs.add(name=OUTPUT_IDS, datatype="INT64", shape=[len(ids)])
-        response.raw_output_contents.append(np.asarray(ids, dtype="<i8").tobytes())
-    if pieces is not None:
-        response.outputs.add(name=TEXT_OUTPUT, datatype="BYTES", shape=[len(pieces)])
-        response.raw_output_contents.append(b"".join(_bytes_element(p) for p in pieces))
-    return pb.ModelStreamInferResponse(infer_response=response)
+class TokenAnswers:
+    """One request's answers, token by token: with ``stream`` (the default) one per token, the
+    token's id and, with a tokenizer, the text it completes; without it one answer with every
+    token at the end; its error instead where the generation fails or the sidecar stops. The
+    answers are written field by field (``wire.encode_response_header``), and a token's answer,
+    but the last, is the request's header encoded once with the token's entries joined after
+    it: a stream sends one per token, and building and serializing a protobuf message each
+    time cost several times as much."""
+
+    def __init__(self, stream: GenerationStream, request: InferRequest, streaming: bool) -> None:
+        self.stream = stream
+        self.request = request
+        self.ended = False
+        self._streaming = streaming
+        self._empty_final = request.parameters.get(EMPTY_FINAL) is True
+        self._held: list[int] = []
+        self._text: list[str] = []
+        self._token_header = self._header(1, 1 if stream.with_text else None, {FINAL: False})
+
+    def of(self, token: GeneratedToken) -> list[EncodedStreamResponse]:
+        """The answers ``token`` gives (none while one whole answer is held back); ``ended``
+        once the last is among them."""
+        if token.finish in (FINISH_ERROR, FINISH_SHUTDOWN):
+            self.ended = True
+            message = token.error or f"the generation ended: {token.finish}"
+            return [stream_error(self.request, message)]
+        ids = [] if token.token is None else [token.token]
+        if token.finish is None:
+            if not self._streaming:
+                self._held += ids
+                self._text.append(token.text)
+                return []
+            if ids:
+                raw = [struct.pack("<q", ids[0])]
+                if self.stream.with_text:
+                    raw.append(_bytes_element(token.text))
+                return [EncodedStreamResponse("", EncodedInferResponse(self._token_header, raw))]
+            return [self._answer(ids, self._pieces([token.text]), {FINAL: False})]
+        self.ended = True
+        pieces = [token.text]
+        if not self._streaming:
+            ids, pieces = self._held + ids, ["".join([*self._text, token.text])]
+        final = not self._empty_final
+        parameters: dict[str, bool | str] = {FINAL: final, "finish_reason": token.finish}
+        answers = [self._answer(ids, self._pieces(pieces), parameters)]
+        if not final:
+            answers.append(self._answer([], None, {FINAL: True}))
+        return answers
+
+    def _answer(
+        self, ids: list[int], pieces: list[str] | None, parameters: dict[str, bool | str]
+    ) -> EncodedStreamResponse:
+        """An answer with ``ids`` and the text ``pieces`` (None: no text output; no outputs at
+        all without ids either)."""
+        count = len(ids) if ids or pieces is not None else None
+        raw = [] if count is None else [np.asarray(ids, dtype="<i8").tobytes()]
+        if pieces is not None:
+            raw.append(b"".join(_bytes_element(piece) for piece in pieces))
+        header = self._header(count, None if pieces is None else len(pieces), parameters)
+        return EncodedStreamResponse("", EncodedInferResponse(header, raw))
+
+    def _header(
+        self, ids: int | None, texts: int | None, parameters: dict[str, bool | str]
+    ) -> bytes:
+        """The answer's fields but its raw contents: ``ids`` token ids and ``texts`` text
+        pieces (None: that output left out)."""
+        outputs = [] if ids is None else [(OUTPUT_IDS, "INT64", [ids])]
+        if texts is not None:
+            outputs.append((TEXT_OUTPUT, "BYTES", [texts]))
+        stream = self.stream
+        return encode_response_header(
+            stream.model_name, stream.model_version, self.request.id, outputs, parameters
+        )
+
+    def _pieces(self, pieces: list[str]) -> list[str] | None:
+        return pieces if self.stream.with_text else None
+
+
+class PushedAnswers:
+    """A request's ``TokenAnswers`` written as the inbox delivers each token
+    (``GenerationStream.push``), on the event loop, with no task woken per token: how the
+    native front end's streams take them (``native_frontend.PushedAnswers``). ``start(write)``
+    returns what completes after the last answer, or once ``write`` says the stream takes no
+    more (its client went away): the generation is closed then, which frees its KV slot."""
+
+    def __init__(self, answers: TokenAnswers) -> None:
+        self._answers = answers
+        self._ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._write: Callable[[bytes], bool] = lambda answer: False
+
+    def start(self, write: Callable[[bytes], bool]) -> asyncio.Future[None]:
+        self._write = write
+        self._answers.stream.push(self._token)
+        return self._ended
+
+    def _token(self, token: GeneratedToken) -> None:
+        if self._ended.done():
+            return
+        try:
+            for answer in self._answers.of(token):
+                if not self._write(answer.SerializeToString()):
+                    self._end()
+                    return
+        except Exception as failure:  # a bug: answered in the stream, which goes on
+            log.exception("ModelStreamInfer failed")
+            message = f"internal error in ModelStreamInfer: {failure!r}"
+            self._write(stream_error(self._answers.request, message).SerializeToString())
+            self._end()
+            return
+        if self._answers.ended:
+            self._end()
+
+    def _end(self) -> None:
+        self._answers.stream.close()
+        self._ended.set_result(None)
+
+    async def aclose(self) -> None:
+        self._answers.stream.close()
 
 
 def _read(model: GenerationServable, request: InferRequest) -> GenerateRequest:
