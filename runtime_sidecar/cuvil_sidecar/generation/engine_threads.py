@@ -27,9 +27,11 @@ import torch
 
 log = logging.getLogger("cuvil_sidecar.generation")
 
-# CPU the sidecar's frontend spends per streamed token, outside the engine: measured at 90 to 115
-# µs on a 2-core AVX2 EPYC serving 16 REST streams (the event loop thread's CPU time over the
-# tokens it sent); the rule below only needs it roughly
+# CPU the sidecar's frontend spends per streamed token, outside the engine, rounded up: on a 2-core
+# AVX2 EPYC serving 16 streams (its threads' CPU time over the tokens sent) 33 to 36 µs of the
+# event loop for REST server-sent events, and 40 µs of the loop plus about 20 µs of gRPC's own
+# threads for a native gRPC stream; the rule below needs it only roughly, and a figure on the
+# high side leaves the core to the frontend when the two counts are close
 FRONTEND_TOKEN_S = 100e-6
 
 
