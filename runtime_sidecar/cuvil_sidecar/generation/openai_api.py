@@ -123,11 +123,11 @@ async def _answer(dataplane: DataPlane, request: HttpRequest, kind: Kind) -> Htt
         chunks = _chunks(stream, header | {"object": kind.chunk}, kind, usage_chunk)
         return HttpResponse(200, content_type="text/event-stream", stream=chunks)
     try:
-        async for token in stream:
-            if token.finish in (FINISH_ERROR, FINISH_SHUTDOWN):
-                return error_answer(ended_error(token.finish, token.error))
+        last = await stream.last()
     finally:
         stream.close()
+    if last.finish in (FINISH_ERROR, FINISH_SHUTDOWN):
+        return error_answer(ended_error(last.finish, last.error))
     choice: dict[str, Any] = {"index": 0}
     if kind.chat:
         choice["message"] = {"role": "assistant", "content": stream.text}

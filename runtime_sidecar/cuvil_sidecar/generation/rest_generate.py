@@ -72,11 +72,11 @@ async def generate(
 ) -> HttpResponse:
     stream = dataplane.open_generation(model, version, reader(request.body))
     try:
-        async for token in stream:
-            if token.finish in (FINISH_ERROR, FINISH_SHUTDOWN):
-                raise ended_error(token.finish, token.error)
+        last = await stream.last()
     finally:
         stream.close()
+    if last.finish in (FINISH_ERROR, FINISH_SHUTDOWN):
+        raise ended_error(last.finish, last.error)
     answer = _header(stream) | {"output_ids": stream.tokens, "finish_reason": stream.finish}
     if stream.with_text:
         answer["text_output"] = stream.text

@@ -238,6 +238,21 @@ class GenerationStream:
             token = GeneratedToken(None, event.index, "", FINISH_ERROR, str(error))
         push(token)
 
+    async def last(self) -> GeneratedToken:
+        """The stream's last token, once delivered: every token is taken as the inbox
+        delivers it (``push``), with no task woken per token, for an answer made of the whole
+        (``tokens``, ``text``, ``finish``). Cancelled, it leaves the stream to ``close``."""
+        if self.finish is not None:  # closed, or already read to its end
+            return GeneratedToken(None, len(self.tokens) - 1, "", self.finish)
+        ended: asyncio.Future[GeneratedToken] = asyncio.get_running_loop().create_future()
+
+        def take(token: GeneratedToken) -> None:
+            if token.finish is not None and not ended.done():
+                ended.set_result(token)
+
+        self.push(take)
+        return await ended
+
     def __aiter__(self) -> GenerationStream:
         return self
 

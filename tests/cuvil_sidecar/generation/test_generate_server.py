@@ -479,6 +479,29 @@ def test_a_disconnected_client_frees_its_slot_and_a_full_cache_refuses(
     assert status == 200 and "text_output" not in answer and len(answer["output_ids"]) <= 3
 
 
+def test_a_client_gone_before_its_whole_answer_frees_its_slot(one_slot: Sidecar) -> None:
+    """A non-streaming generate whose client hangs up while its tokens are generated: the
+    generation is cancelled (far fewer tokens than asked), its slot freed, the next one runs."""
+    before = metric(one_slot, "cuvil_generation_tokens")
+    host, port = one_slot.http_url.split(":")
+    long = {"input_ids": [7, 8, 9], "parameters": {"max_tokens": LONG, "ignore_eos": True}}
+    connection = http.client.HTTPConnection(host, int(port), timeout=WAIT_S)
+    connection.request("POST", "/v2/models/tiny-ids/generate", json.dumps(long))
+    deadline = time.monotonic() + WAIT_S
+    while not metric(one_slot, "cuvil_generation_running") and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert metric(one_slot, "cuvil_generation_running") == 1
+    connection.close()  # the client goes away before the answer
+    while metric(one_slot, "cuvil_generation_running") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric(one_slot, "cuvil_generation_running") == 0
+    assert metric(one_slot, "cuvil_kv_cache_usage") == 0
+    assert metric(one_slot, "cuvil_generation_tokens") - before < LONG
+    short = {"input_ids": [7, 8, 9], "parameters": {"max_tokens": 3}}
+    status, answer = post(one_slot, "/v2/models/tiny-ids/generate", short)
+    assert status == 200 and len(answer["output_ids"]) <= 3, answer
+
+
 def test_a_cancelled_grpc_stream_frees_its_slot(one_slot: Sidecar) -> None:
     client = grpcclient.InferenceServerClient(one_slot.url)
     results: queue.Queue[Any] = queue.Queue()
