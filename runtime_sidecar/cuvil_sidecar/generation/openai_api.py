@@ -22,6 +22,7 @@ scheduler's) as ``prompt_tokens_details.cached_tokens``, as OpenAI counts its pr
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Callable
@@ -145,16 +146,7 @@ def _chunks(
     token that completes text or ends the answer; the usage chunk where asked; ``[DONE]``. An
     error after the stream began comes as an error object, then ``[DONE]``."""
 
-    def chunk(text: str | None, finish: str | None, role: bool = False) -> bytes:
-        if kind.chat:
-            delta = ({"role": "assistant"} if role else {}) | (
-                {} if text is None else {"content": text}
-            )
-            choice: dict[str, Any] = {"index": 0, "delta": delta}
-        else:
-            choice = {"index": 0, "text": text or ""}
-        choice |= {"logprobs": None, "finish_reason": finish}
-        return sse_event(header | {"choices": [choice]})
+    chunk = chunk_writer(header, kind.chat)
 
     def frames(token: GeneratedToken) -> list[bytes]:
         if token.finish in (FINISH_ERROR, FINISH_SHUTDOWN):
@@ -170,6 +162,34 @@ def _chunks(
         return parts
 
     return TokenEvents(stream, frames, (chunk("", None, role=True),) if kind.chat else ())
+
+
+def chunk_writer(header: dict[str, Any], chat: bool) -> Callable[..., bytes]:
+    """A streamed answer's chunk, ``chunk(text, finish, role=False)``: the event ``sse_event``
+    writes for ``header | {"choices": [choice]}``, the choice a chat's ``delta`` (the role
+    where asked, the text unless None) or a completion's ``text``, then ``logprobs`` and
+    ``finish_reason``; written from the header's JSON encoded once, as a stream sends a chunk
+    per token."""
+    opening = b"data: " + _json(header)[:-1] + b',"choices":[{"index":0,'
+
+    def chunk(text: str | None, finish: str | None, role: bool = False) -> bytes:
+        if chat:
+            fields = [b'"role":"assistant"'] if role else []
+            if text is not None:
+                fields.append(b'"content":' + _json(text))
+            choice = b'"delta":{' + b",".join(fields) + b"}"
+        else:
+            choice = b'"text":' + _json(text or "")
+        return opening + choice + b',"logprobs":null,"finish_reason":' + _json(finish) + b"}]}\n\n"
+
+    return chunk
+
+
+def _json(value: Any) -> bytes:
+    return _ENCODER.encode(value).encode()
+
+
+_ENCODER = json.JSONEncoder(separators=(",", ":"))  # json.dumps's, made once rather than per call
 
 
 def _completion_reader(

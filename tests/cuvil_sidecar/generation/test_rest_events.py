@@ -10,6 +10,7 @@ import json
 from typing import Any
 
 import pytest
+from cuvil_sidecar.generation.openai_api import chunk_writer
 from cuvil_sidecar.generation.rest_generate import (
     TokenEvents,
     event_frames,
@@ -49,6 +50,27 @@ def test_a_token_event_is_what_encoding_the_whole_object_gives(
         assert event == sse_event(whole)
         assert event.startswith(b"data: ") and event.endswith(b"\n\n")
         assert json.loads(event[6:]) == whole
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_an_openai_chunk_is_what_encoding_the_whole_object_gives(chat: bool) -> None:
+    header = {"id": "chatcmpl-1", "created": 17, "model": 'a "mödel"', "object": "chunk"}
+    chunk = chunk_writer(header, chat)
+    for token in TOKENS:
+        for text in (token.text, None, ""):
+            for role in (False, True) if chat else (False,):
+                if chat:
+                    delta = ({"role": "assistant"} if role else {}) | (
+                        {} if text is None else {"content": text}
+                    )
+                    choice: dict[str, object] = {"index": 0, "delta": delta}
+                else:
+                    choice = {"index": 0, "text": text or ""}
+                choice |= {"logprobs": None, "finish_reason": token.finish}
+                whole = header | {"choices": [choice]}
+                written = chunk(text, token.finish, role=role)
+                assert written == sse_event(whole)
+                assert json.loads(written[6:]) == whole
 
 
 def test_a_streamed_token_counts_and_its_gap_lands_in_the_histogram() -> None:
