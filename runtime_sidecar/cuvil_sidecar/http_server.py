@@ -135,7 +135,13 @@ class HttpServer:
         self._server = await loop.create_server(connection, host, port, ssl=tls)
         return int(self._server.sockets[0].getsockname()[1])
 
+    def stop_accepting(self) -> None:
+        """Take no new connection; those open go on (``stop`` ends them)."""
+        if self._server is not None:
+            self._server.close()
+
     async def stop(self) -> None:
+        """End every connection, answered or not, and stop listening."""
         if self._server is None:
             return
         self._server.close()

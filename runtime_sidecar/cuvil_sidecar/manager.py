@@ -240,10 +240,12 @@ class ModelManager:
             await asyncio.sleep(interval_s)
             await self.load(only_if=lambda digest: digest != self._tried_digest, quiet=True)
 
-    async def close(self) -> None:
+    async def close(self, grace_s: float | None = None) -> None:
+        """Retire the model served (a generation model's streams get ``grace_s``, or its
+        default, to finish before they are ended) and those still retiring."""
         current, self.current = self.current, None
         if current is not None:
-            await current.retire()
+            await (current.retire() if grace_s is None else current.retire(grace_s))
         await asyncio.gather(*self._retiring, *self._publishing, return_exceptions=True)
         self._loader.shutdown(wait=False, cancel_futures=True)
 

@@ -111,8 +111,9 @@ class ServedModel:
         with self._in_flight_lock:
             self.in_flight -= 1
 
-    async def retire(self) -> None:
-        """Let in-flight requests finish, then stop the batcher and its threads."""
+    async def retire(self, grace_s: float | None = None) -> None:
+        """Let in-flight requests finish, then stop the batcher and its threads (``grace_s``
+        is a generation model's: a call here ends within the front ends' own grace)."""
         while self.in_flight:
             await asyncio.sleep(RETIRE_POLL_S)
         await self.batcher.close()

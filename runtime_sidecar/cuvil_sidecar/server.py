@@ -2,8 +2,10 @@
 
 Order matters for readiness: the gRPC port and the metrics port open first (live, not ready),
 then the model loads in the background; health turns SERVING and ServerReady true only once the
-model passed warm-up and the golden check. SIGHUP asks for a reload; SIGTERM drains: the server
-stops taking calls, in-flight calls get a grace period, then the model is retired.
+model passed warm-up and the golden check. SIGHUP asks for a reload; SIGTERM drains: readiness
+goes false, the gRPC and REST servers take no new calls or connections, in-flight calls and
+generation streams get ``GRACE_S`` (streams still running then end with a shutdown error in the
+stream rather than a cut connection), then the model is retired and the process exits.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from cuvil_sidecar.source import ModelSource
 
 log = logging.getLogger("cuvil_sidecar")
 
-GRACE_S = 5.0
+GRACE_S = 5.0  # what in-flight calls and streams get once SIGTERM came (within Kubernetes' 30 s)
+STREAM_NOTICE_S = 1.0  # a stream still running is ended this long before the grace ends
 
 
 async def serve(config: SidecarConfig) -> None:
@@ -89,11 +92,15 @@ async def serve(config: SidecarConfig) -> None:
     await stop.wait()
     log.info("stopping: draining in-flight calls (up to %.0f s)", GRACE_S)
     await on_ready(False)
-    await server.stop(GRACE_S)
     for task in list(tasks):
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-    await manager.close()
+    http_servers["REST"][0].stop_accepting()
+    # every call, stream or not, gets the grace; a generation stream still running before its
+    # end is told the sidecar stops (an error event or answer) while gRPC still carries it
+    grpc_stopped = asyncio.ensure_future(server.stop(GRACE_S))
+    await manager.close(grace_s=GRACE_S - STREAM_NOTICE_S)
+    await grpc_stopped
     dataplane.close()
     for http, _, _ in http_servers.values():
         await http.stop()

@@ -12,7 +12,8 @@ carries ``finish_reason``. With the request parameter ``triton_enable_empty_fina
 the last token's response is not final, and an empty response flagged final follows it, as
 Triton does. A request the model refuses is answered with its error in the stream
 (``error_message``, led by its gRPC status name: ``RESOURCE_EXHAUSTED: ...``, since a stream's
-messages carry no status code), and the stream goes on.
+messages carry no status code), and the stream goes on; so is a generation the engine fails
+(``INTERNAL: ...``) or a stopping sidecar ends (``UNAVAILABLE: ...``).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from cuvil_sidecar.generation.servable import (
     GeneratedToken,
     GenerationServable,
     GenerationStream,
+    ended_error,
 )
 from cuvil_sidecar.messages import InferInput, InferRequest
 from cuvil_sidecar.wire import (
@@ -117,8 +119,8 @@ class TokenAnswers:
         once the last is among them."""
         if token.finish in (FINISH_ERROR, FINISH_SHUTDOWN):
             self.ended = True
-            message = token.error or f"the generation ended: {token.finish}"
-            return [stream_error(self.request, message)]
+            error = ended_error(token.finish, token.error)
+            return [stream_error(self.request, f"{grpc_status(error).name}: {error}")]
         ids = [] if token.token is None else [token.token]
         if token.finish is None:
             if not self._streaming:

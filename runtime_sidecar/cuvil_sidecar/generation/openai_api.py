@@ -33,12 +33,13 @@ from cuvil_sidecar.dataplane import DataPlane
 from cuvil_sidecar.errors import InvalidInput, SidecarError, http_status
 from cuvil_sidecar.generation.chat import read_messages, render_chat
 from cuvil_sidecar.generation.requests import GenerateRequest, read_parameters, read_prompt
-from cuvil_sidecar.generation.rest_generate import TokenEvents, ended_error, sse_event
+from cuvil_sidecar.generation.rest_generate import TokenEvents, sse_event
 from cuvil_sidecar.generation.scheduler import FINISH_ERROR, FINISH_SHUTDOWN
 from cuvil_sidecar.generation.servable import (
     GeneratedToken,
     GenerationServable,
     GenerationStream,
+    ended_error,
 )
 from cuvil_sidecar.http_server import HttpRequest, HttpResponse, json_response
 from cuvil_sidecar.json_body import json_object

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cuvil_sidecar.dataplane import DataPlane
-from cuvil_sidecar.errors import InvalidInput, ShuttingDown, SidecarError
+from cuvil_sidecar.errors import InvalidInput
 from cuvil_sidecar.generation.requests import GenerateRequest, read_parameters, read_prompt
 from cuvil_sidecar.generation.scheduler import FINISH_ERROR, FINISH_SHUTDOWN
 from cuvil_sidecar.generation.servable import (
@@ -32,6 +32,7 @@ from cuvil_sidecar.generation.servable import (
     GeneratedToken,
     GenerationServable,
     GenerationStream,
+    ended_error,
 )
 from cuvil_sidecar.http_server import HttpRequest, HttpResponse, json_response
 from cuvil_sidecar.json_body import json_object
@@ -183,9 +184,3 @@ def _header(stream: GenerationStream) -> dict[str, Any]:
     if stream.request_id:
         header["id"] = stream.request_id
     return header
-
-
-def ended_error(finish: str, error: str) -> SidecarError:
-    if finish == FINISH_SHUTDOWN:
-        return ShuttingDown("the sidecar is stopping; the generation ended early")
-    return SidecarError(error or "the generation failed")

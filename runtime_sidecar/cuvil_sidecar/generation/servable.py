@@ -22,13 +22,14 @@ from dataclasses import dataclass
 
 from cuvil_sidecar import tracing
 from cuvil_sidecar.config import SidecarConfig
-from cuvil_sidecar.errors import InvalidInput
+from cuvil_sidecar.errors import InvalidInput, ShuttingDown, SidecarError
 from cuvil_sidecar.generation.inbox import LoopInboxes
 from cuvil_sidecar.generation.loader import GenerationModel
 from cuvil_sidecar.generation.requests import GenerateRequest
 from cuvil_sidecar.generation.scheduler import (
     FINISH_CANCELLED,
     FINISH_ERROR,
+    FINISH_SHUTDOWN,
     FINISH_STOP,
     Scheduler,
     Sequence,
@@ -146,10 +147,10 @@ class GenerationServable:
         with self._in_flight_lock:
             self.in_flight -= 1
 
-    async def retire(self) -> None:
-        """Let running streams finish for up to ``RETIRE_GRACE_S``, then stop the scheduler:
-        streams still running end with ``shutdown`` (their clients are told)."""
-        deadline = time.monotonic() + RETIRE_GRACE_S
+    async def retire(self, grace_s: float = RETIRE_GRACE_S) -> None:
+        """Let running streams finish for up to ``grace_s``, then stop the scheduler: streams
+        still running end with ``shutdown`` (their clients are told)."""
+        deadline = time.monotonic() + grace_s
         while self.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(RETIRE_POLL_S)
         await asyncio.get_running_loop().run_in_executor(None, self.scheduler.close)
@@ -323,3 +324,10 @@ class GenerationStream:
         if self.finish is None:
             self._servable.scheduler.cancel(self._sequence)
             self._finished(FINISH_CANCELLED, "")
+
+
+def ended_error(finish: str, error: str) -> SidecarError:
+    """What ended a stream that did not finish (an engine failure, a shutdown), as an error."""
+    if finish == FINISH_SHUTDOWN:
+        return ShuttingDown("the sidecar is stopping; the generation ended early")
+    return SidecarError(error or "the generation failed")

@@ -502,6 +502,54 @@ def test_a_client_gone_before_its_whole_answer_frees_its_slot(one_slot: Sidecar)
     assert status == 200 and len(answer["output_ids"]) <= 3, answer
 
 
+@pytest.mark.parametrize("frontend", FRONT_ENDS)
+def test_a_stopped_sidecar_ends_running_streams_with_a_shutdown_error(
+    ids_checkpoint: Path, tmp_path: Path, frontend: str
+) -> None:
+    """SIGTERM while a REST and a gRPC stream run far from their ends: within the stop's grace
+    each ends with the shutdown error in its stream (an error event; an UNAVAILABLE answer),
+    not a cut connection, and the process exits 0."""
+    sidecar = Sidecar(
+        ids_checkpoint, tmp_path / "sidecar.log", CUVIL_GRPC_FRONTEND=frontend,
+        CUVIL_GENERATION_SLOTS="2", CUVIL_GENERATION_MAX_SEQ="16384",
+    )  # fmt: skip
+    client = grpcclient.InferenceServerClient(sidecar.url)
+    try:
+        sidecar.wait_ready(client)
+    finally:
+        client.close()
+    long = {"input_ids": [7, 8, 9], "parameters": {"max_tokens": 16000, "ignore_eos": True}}
+    events: list[dict[str, Any]] = []
+    answered = threading.Event()
+    ended: dict[str, BaseException | None] = {}
+
+    def read_events() -> None:
+        events.extend(EventStream(sidecar, "tiny-ids", long))
+
+    def read_answers() -> None:
+        try:
+            grpc_stream(sidecar, long, first=answered.set, model="tiny-ids")
+        except BaseException as error:  # the stream's end, as the client saw it
+            ended["grpc"] = error
+
+    readers = [threading.Thread(target=read_events), threading.Thread(target=read_answers)]
+    for reader in readers:
+        reader.start()
+    deadline = time.monotonic() + WAIT_S
+    while not (events and answered.is_set()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert events and answered.is_set()
+    started = time.monotonic()
+    code = sidecar.stop()
+    took = time.monotonic() - started
+    for reader in readers:
+        reader.join(WAIT_S)
+    assert code == 0 and took < 15, (code, took, sidecar.log())
+    assert events[-1] == {"error": "the sidecar is stopping; the generation ended early"}
+    assert all("output_ids" in event for event in events[:-1]) and len(events) < 16000
+    assert "UNAVAILABLE: the sidecar is stopping" in str(ended.get("grpc")), ended
+
+
 def test_a_cancelled_grpc_stream_frees_its_slot(one_slot: Sidecar) -> None:
     client = grpcclient.InferenceServerClient(one_slot.url)
     results: queue.Queue[Any] = queue.Queue()

@@ -105,13 +105,18 @@ def test_without_stream_every_token_comes_in_one_answer(with_text: bool) -> None
 
 
 @pytest.mark.parametrize(
-    ("finish", "error"), [("error", "the model failed: boom"), ("shutdown", "")]
+    ("finish", "error", "message"),
+    [
+        ("error", "the model failed: boom", "INTERNAL: the model failed: boom"),
+        ("shutdown", "", "UNAVAILABLE: the sidecar is stopping; the generation ended early"),
+    ],
 )
-def test_an_ended_generation_answers_its_error(finish: str, error: str) -> None:
+def test_an_ended_generation_answers_its_error(finish: str, error: str, message: str) -> None:
+    """Led by the gRPC status name, as a refusal is (a stream's answers carry no status)."""
     answers = _answers(_Stream(True))
     [answer] = _parsed(answers.of(GeneratedToken(None, 2, "", finish, error)))
     assert answers.ended
-    assert answer.error_message == (error or "the generation ended: shutdown")
+    assert answer.error_message == message
     assert answer.infer_response.id == "req-7" and answer.infer_response.model_name == "tiny"
     assert not answer.infer_response.outputs
 
