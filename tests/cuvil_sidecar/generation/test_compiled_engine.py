@@ -22,7 +22,7 @@ from cuvil.generation.sampling import SamplingParams
 from cuvil.runtime.generation import GenerationModel
 from tests.cuvil.generation.families import VOCAB, build
 from tests.cuvil_sidecar.conftest import Sidecar, ready_sidecar
-from tests.cuvil_sidecar.generation.test_generate_server import EventStream
+from tests.cuvil_sidecar.generation.clients import EventStream
 from tests.cuvil_sidecar.generation.test_scheduler import Collector
 
 

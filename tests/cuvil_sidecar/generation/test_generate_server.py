@@ -21,11 +21,10 @@ import http.client
 import itertools
 import json
 import queue
-import re
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +36,16 @@ import tritonclient.grpc as grpcclient
 from cuvil.otlp_receiver import OtlpReceiver
 from tests.cuvil_sidecar.conftest import Sidecar, ready_sidecar
 from tests.cuvil_sidecar.generation.checkpoints import VOCAB, tiny_llama_checkpoint
+from tests.cuvil_sidecar.generation.clients import (
+    WAIT_S,
+    EventStream,
+    grpc_answers,
+    grpc_stream,
+    http_stream,
+    metric,
+    post,
+)
 
-WAIT_S = 120.0
 KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # layers, keys and values, kv heads, head dim, fp32
 LONG = 4000  # tokens a stream asks for when it must still run while the test looks
 
@@ -108,106 +115,6 @@ def queue_of_one(
         CUVIL_GENERATION_MAX_SEQ="16384",
         CUVIL_GENERATION_MAX_WAITING="1",
     )  # fmt: skip
-
-
-def post(sidecar: Sidecar, path: str, body: Any, headers: dict[str, str] | None = None) -> Any:
-    host, port = sidecar.http_url.split(":")
-    connection = http.client.HTTPConnection(host, int(port), timeout=WAIT_S)
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    connection.request("POST", path, body=data, headers=headers or {})
-    response = connection.getresponse()
-    answer = json.loads(response.read() or b"null")
-    connection.close()
-    return response.status, answer
-
-
-class EventStream:
-    """POST .../generate_stream, read event by event."""
-
-    def __init__(self, sidecar: Sidecar, model: str, body: dict[str, Any]) -> None:
-        host, port = sidecar.http_url.split(":")
-        self.connection = http.client.HTTPConnection(host, int(port), timeout=WAIT_S)
-        self.connection.request("POST", f"/v2/models/{model}/generate_stream", json.dumps(body))
-        self.response = self.connection.getresponse()
-        assert self.response.status == 200, self.response.read()
-        assert self.response.headers["Content-Type"] == "text/event-stream"
-
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        for line in self.response:
-            if line.startswith(b"data: "):
-                yield json.loads(line[len(b"data: ") :])
-
-    def close(self) -> None:
-        self.connection.close()
-
-
-def http_stream(
-    sidecar: Sidecar, body: dict[str, Any], first: Callable[[], None] = lambda: None
-) -> list[int]:
-    stream = EventStream(sidecar, "tiny", body)
-    tokens: list[int] = []
-    try:
-        for event in stream:
-            tokens += event["output_ids"]
-            first()
-            if event["finish_reason"] is not None:
-                return tokens
-    finally:
-        stream.close()
-    raise AssertionError("the stream ended without a finish_reason")
-
-
-def grpc_stream(
-    sidecar: Sidecar,
-    body: dict[str, Any],
-    first: Callable[[], None] = lambda: None,
-    model: str = "tiny",
-) -> list[int]:
-    """The tokens of one ``input_ids`` request over ModelStreamInfer; ``first`` is called on
-    every answer."""
-    ids = np.asarray(body["input_ids"], dtype=np.int64)
-    item = grpcclient.InferInput("input_ids", list(ids.shape), "INT64")
-    item.set_data_from_numpy(ids)
-    answers = grpc_answers(sidecar, [item], body["parameters"], model=model, on_answer=first)
-    return [token for answer in answers for token in answer.as_numpy("output_ids").tolist()]
-
-
-def grpc_answers(
-    sidecar: Sidecar,
-    inputs: list[Any],
-    parameters: dict[str, Any] | None = None,
-    empty_final: bool = False,
-    model: str = "tiny",
-    on_answer: Callable[[], None] = lambda: None,
-) -> list[Any]:
-    """Every answer (InferResult) to one ModelStreamInfer request, up to its final one."""
-    client = grpcclient.InferenceServerClient(sidecar.url)
-    results: queue.Queue[Any] = queue.Queue()
-    client.start_stream(callback=lambda result, error: results.put((result, error)))
-    answers = []
-    try:
-        client.async_stream_infer(
-            model, inputs, parameters=parameters, enable_empty_final_response=empty_final
-        )
-        while True:
-            result, error = results.get(timeout=WAIT_S)
-            if error is not None:
-                raise AssertionError(str(error))
-            answers.append(result)
-            on_answer()
-            if result.get_response().parameters["triton_final_response"].bool_param:
-                return answers
-    finally:
-        client.stop_stream()
-        client.close()
-
-
-def metric(sidecar: Sidecar, name: str) -> float:
-    import urllib.request
-
-    text = urllib.request.urlopen(f"{sidecar.metrics_url}/metrics", timeout=WAIT_S).read()
-    found = re.search(rf"^{name}{{[^}}]*}} (\S+)$", text.decode(), re.MULTILINE)
-    return float(found.group(1)) if found else 0.0
 
 
 def staggered_requests() -> list[dict[str, Any]]:
@@ -500,54 +407,6 @@ def test_a_client_gone_before_its_whole_answer_frees_its_slot(one_slot: Sidecar)
     short = {"input_ids": [7, 8, 9], "parameters": {"max_tokens": 3}}
     status, answer = post(one_slot, "/v2/models/tiny-ids/generate", short)
     assert status == 200 and len(answer["output_ids"]) <= 3, answer
-
-
-@pytest.mark.parametrize("frontend", FRONT_ENDS)
-def test_a_stopped_sidecar_ends_running_streams_with_a_shutdown_error(
-    ids_checkpoint: Path, tmp_path: Path, frontend: str
-) -> None:
-    """SIGTERM while a REST and a gRPC stream run far from their ends: within the stop's grace
-    each ends with the shutdown error in its stream (an error event; an UNAVAILABLE answer),
-    not a cut connection, and the process exits 0."""
-    sidecar = Sidecar(
-        ids_checkpoint, tmp_path / "sidecar.log", CUVIL_GRPC_FRONTEND=frontend,
-        CUVIL_GENERATION_SLOTS="2", CUVIL_GENERATION_MAX_SEQ="16384",
-    )  # fmt: skip
-    client = grpcclient.InferenceServerClient(sidecar.url)
-    try:
-        sidecar.wait_ready(client)
-    finally:
-        client.close()
-    long = {"input_ids": [7, 8, 9], "parameters": {"max_tokens": 16000, "ignore_eos": True}}
-    events: list[dict[str, Any]] = []
-    answered = threading.Event()
-    ended: dict[str, BaseException | None] = {}
-
-    def read_events() -> None:
-        events.extend(EventStream(sidecar, "tiny-ids", long))
-
-    def read_answers() -> None:
-        try:
-            grpc_stream(sidecar, long, first=answered.set, model="tiny-ids")
-        except BaseException as error:  # the stream's end, as the client saw it
-            ended["grpc"] = error
-
-    readers = [threading.Thread(target=read_events), threading.Thread(target=read_answers)]
-    for reader in readers:
-        reader.start()
-    deadline = time.monotonic() + WAIT_S
-    while not (events and answered.is_set()) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert events and answered.is_set()
-    started = time.monotonic()
-    code = sidecar.stop()
-    took = time.monotonic() - started
-    for reader in readers:
-        reader.join(WAIT_S)
-    assert code == 0 and took < 15, (code, took, sidecar.log())
-    assert events[-1] == {"error": "the sidecar is stopping; the generation ended early"}
-    assert all("output_ids" in event for event in events[:-1]) and len(events) < 16000
-    assert "UNAVAILABLE: the sidecar is stopping" in str(ended.get("grpc")), ended
 
 
 def test_a_cancelled_grpc_stream_frees_its_slot(one_slot: Sidecar) -> None:

@@ -126,7 +126,7 @@ def test_chat_renders_the_template_as_transformers_and_matches_its_text(
 ) -> None:
     """The second, streamed, request starts from the first one's keys (prefix reuse) and
     answers the same."""
-    from tests.cuvil_sidecar.generation.test_generate_server import metric
+    from tests.cuvil_sidecar.generation.clients import metric
 
     ids = list(
         reference[1].apply_chat_template(
@@ -183,7 +183,7 @@ def test_seeded_sampling_repeats_and_stop_strings_cut(client: openai.OpenAI) -> 
 def test_a_client_that_leaves_a_chat_stream_frees_its_slot(
     client: openai.OpenAI, sidecar: Sidecar
 ) -> None:
-    from tests.cuvil_sidecar.generation.test_generate_server import metric
+    from tests.cuvil_sidecar.generation.clients import metric
 
     before = metric(sidecar, "cuvil_generation_tokens")
     stream = client.chat.completions.create(
