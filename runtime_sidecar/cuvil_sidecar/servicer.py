@@ -35,7 +35,7 @@ from cuvil_sidecar.peer_credentials import grpc_peer_uid
 from cuvil_sidecar.policy import Call, Policies, grpc_peer_host, is_local_peer
 from cuvil_sidecar.repository import index_pb, statistics_pb
 from cuvil_sidecar.streaming import serve_stream
-from cuvil_sidecar.wire import EncodedStreamResponse, stream_error
+from cuvil_sidecar.wire import EncodedStreamResponse, stream_error, stream_failure
 
 log = logging.getLogger("cuvil_sidecar.servicer")
 
@@ -159,7 +159,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 yield answer
         except Exception as failure:  # a bug: answered in the stream, which goes on
             log.exception("ModelStreamInfer failed")
-            yield stream_error(request, f"internal error in ModelStreamInfer: {failure!r}")
+            yield stream_failure(request, failure)
 
     def _pushed_generation(
         self, request: Any, context: Any
@@ -173,7 +173,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             answers = grpc_generate.open_answers(self.dataplane, request, context.client_gone)
         except Exception as failure:  # a bug: answered in the stream, which goes on
             log.exception("ModelStreamInfer failed")
-            return stream_error(request, f"internal error in ModelStreamInfer: {failure!r}")
+            return stream_failure(request, failure)
         if isinstance(answers, grpc_generate.TokenAnswers):
             return grpc_generate.PushedAnswers(answers)
         return answers
@@ -200,11 +200,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         try:
             return EncodedStreamResponse("", await self.ModelInfer(request, _InStream(context)))
         except _StreamAbort as abort:
-            error = abort.details
+            return stream_error(request, abort.details)
         except Exception as failure:  # answered in the stream all the same
             log.exception("ModelStreamInfer failed")
-            error = f"internal error in ModelStreamInfer: {failure!r}"
-        return stream_error(request, error)
+            return stream_failure(request, failure)
 
     @_rpc
     async def SystemSharedMemoryRegister(self, request: Any, context: Any) -> Any:

@@ -90,6 +90,12 @@ def stream_error(request: Any, message: str) -> EncodedStreamResponse:
     return EncodedStreamResponse(message, EncodedInferResponse(header, []))
 
 
+def stream_failure(request: Any, failure: Exception) -> EncodedStreamResponse:
+    """A bug met answering a ModelStreamInfer message, as that message's error in the stream
+    (which goes on)."""
+    return stream_error(request, f"internal error in ModelStreamInfer: {failure!r}")
+
+
 def encode_response_header(
     model_name: str,
     model_version: str,

@@ -48,6 +48,7 @@ from cuvil_sidecar.wire import (
     EncodedStreamResponse,
     encode_response_header,
     stream_error,
+    stream_failure,
 )
 
 log = logging.getLogger("cuvil_sidecar.generation")
@@ -200,8 +201,7 @@ class PushedAnswers:
                     return
         except Exception as failure:  # a bug: answered in the stream, which goes on
             log.exception("ModelStreamInfer failed")
-            message = f"internal error in ModelStreamInfer: {failure!r}"
-            self._write(stream_error(self._answers.request, message).SerializeToString())
+            self._write(stream_failure(self._answers.request, failure).SerializeToString())
             self._end()
             return
         if self._answers.ended:
