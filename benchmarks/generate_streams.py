@@ -18,7 +18,9 @@ prompt starts with, as a system prompt: the sidecar's prefix reuse, ``--prefix-r
 writes them once) and ``--tokens-min``..``--tokens-max`` new tokens, spread evenly.
 ``sidecar``: all streams sent at once over REST ``generate_stream`` (server-sent events) and
 read by one thread of this process (``sse_streams.py``: a selector over the sockets;
-``client_cpu_s`` is what it spent);
+``client_cpu_s`` is what it spent; ``--stream-interval N``: the sidecar's
+``CUVIL_STREAM_INTERVAL``, each stream's events written N tokens at a time, so the client's
+inter-token gaps are then mostly zero with a gap every N tokens);
 ``tokens_per_s`` = tokens received / seconds from the first request to the last token;
 ``time_to_first_token_ms`` and ``inter_token_ms`` percentiles are measured by the client.
 ``transformers_static``: the same requests in static batches of ``--static-batch`` (left
@@ -128,6 +130,7 @@ def start_sidecar(model: Path, args: argparse.Namespace, log: Path) -> tuple[Any
         "CUVIL_HTTP_PORT": str(port),
         "CUVIL_GENERATION_SLOTS": str(args.streams),
         "CUVIL_PREFIX_REUSE": args.prefix_reuse,
+        "CUVIL_STREAM_INTERVAL": str(args.stream_interval),
         "CUVIL_TORCH_THREADS": str(args.threads),
         "OMP_NUM_THREADS": str(args.threads),
         "PYTHONPATH": os.pathsep.join([str(REPO / "runtime_sidecar"), str(REPO)]),
@@ -267,6 +270,10 @@ def main() -> None:
         "--prefix-reuse", choices=("on", "off"), default="on",
         help="the sidecar's CUVIL_PREFIX_REUSE",
     )  # fmt: skip
+    parser.add_argument(
+        "--stream-interval", type=int, default=1,
+        help="the sidecar's CUVIL_STREAM_INTERVAL: tokens per write of a REST stream",
+    )  # fmt: skip
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path)
     parser.add_argument(
@@ -316,6 +323,7 @@ def main() -> None:
         "streams": args.streams,
         "shared_prefix": args.shared_prefix,
         "prefix_reuse": args.prefix_reuse,
+        "stream_interval": args.stream_interval,
         "threads": args.threads,
         "engine": "EagerDecoderEngine" if args.engine == "eager" else "compiled (cuvil.jit)",
         "precision": "fp32" if args.engine == "eager" else args.precision,

@@ -18,6 +18,10 @@ the manifest digest the compilation serves (``served_ref``), sized by its own an
 | ``cuvil.dev/track`` | ``candidate``: a canary, pinned to ``status.candidate`` while there is |
 | | one (a generation whose speed gates wait to be measured where it runs), else promoted |
 
+A pod whose ``terminationGracePeriodSeconds`` (Kubernetes' default 30) would not cover the
+sidecar's ``CUVIL_EXIT_TIMEOUT_S`` plus ``EXIT_MARGIN_S`` gets it raised to that, so that the
+kubelet does not kill a sidecar still draining its calls and generation streams.
+
 Every sidecar is told its pod and node (downward API): one that serves an artifact whose speed
 gates were deferred measures it at warm-up and writes the measurement on its pod
 (``cuvil_sidecar.measurement``), which ``serving`` takes for the candidate.
@@ -48,6 +52,9 @@ SIDECAR_UID = 10001
 SERVE_DIR = "/etc/cuvil/serve"  # the pod's cuvil.dev/injected annotation, as file "ref"
 TLS_DIR, AUTH_DIR = "/etc/cuvil/tls", "/etc/cuvil/auth"  # where the chart's Secrets are mounted
 DEFAULT_POLL_S = "15"  # how often a sidecar checks that file for a newly promoted digest
+KUBERNETES_GRACE_S = 30  # a pod's terminationGracePeriodSeconds when it sets none
+SIDECAR_EXIT_TIMEOUT_S = 5.0  # the sidecar's CUVIL_EXIT_TIMEOUT_S default
+EXIT_MARGIN_S = 10  # past the sidecar's exit timeout: retiring the model, exiting
 REFUSE, ADMIT = "refuse", "admit"
 DIGEST_REF = re.compile(r"^[^@\s]+@sha256:[0-9a-f]{64}$")
 _CPU = re.compile(r"^(?P<number>[0-9]+(\.[0-9]+)?)(?P<milli>m?)$")
@@ -111,6 +118,7 @@ class InjectionSettings:
         if client_ca == "true" and tls_secret is None:
             raise ValueError("CUVIL_INJECT_TLS_CLIENT_CA needs CUVIL_INJECT_TLS_SECRET")
         _check_probes_can_pass(sidecar_env, tls_secret, tokens_secret)
+        exit_grace_s(sidecar_env)  # a bad value is refused here, not at each pod
         return cls(
             image=env.get("CUVIL_INJECT_IMAGE") or cls.image,
             env={str(k): str(v) for k, v in sidecar_env.items()},
@@ -389,12 +397,25 @@ def build_sidecar_volumes(
     return volumes
 
 
+def exit_grace_s(sidecar_env: Mapping[str, Any]) -> int:
+    """The pod grace period the sidecar needs: its exit timeout plus ``EXIT_MARGIN_S``."""
+    text = str(sidecar_env.get("CUVIL_EXIT_TIMEOUT_S", SIDECAR_EXIT_TIMEOUT_S)).strip()
+    try:
+        seconds = float(text or SIDECAR_EXIT_TIMEOUT_S)
+    except ValueError:
+        raise ValueError(f"CUVIL_EXIT_TIMEOUT_S={text!r} is not a number") from None
+    if not seconds >= 0:  # also refuses nan
+        raise ValueError(f"CUVIL_EXIT_TIMEOUT_S={text!r} must be a number of seconds >= 0")
+    return math.ceil(seconds) + EXIT_MARGIN_S
+
+
 def build_pod_patch(
     pod: Mapping[str, Any], ref: str, request: SidecarRequest, settings: InjectionSettings
 ) -> dict[str, Any]:
     """The merge patch adding the sidecar to ``pod`` (empty when it has one already). Volumes
     the pod already has under the same names are kept: an app container may mount
-    ``cuvil-shm`` to share tensors with the sidecar."""
+    ``cuvil-shm`` to share tensors with the sidecar. The pod's grace period is raised where it
+    is shorter than the sidecar's drain needs, never lowered."""
     spec = pod.get("spec") or {}
     containers = list(spec.get("containers") or [])
     if any(c.get("name") == CONTAINER_NAME for c in containers):
@@ -402,10 +423,12 @@ def build_pod_patch(
     volumes = list(spec.get("volumes") or [])
     present = {v.get("name") for v in volumes}
     volumes += [v for v in build_sidecar_volumes(request, settings) if v["name"] not in present]
-    return {
-        "metadata": {"annotations": {INJECTED_ANNOTATION: ref}},
-        "spec": {
-            "containers": [*containers, build_sidecar_container(ref, request, settings)],
-            "volumes": volumes,
-        },
+    patch_spec: dict[str, Any] = {
+        "containers": [*containers, build_sidecar_container(ref, request, settings)],
+        "volumes": volumes,
     }
+    needed = exit_grace_s(settings.env)
+    grace = spec.get("terminationGracePeriodSeconds")
+    if (KUBERNETES_GRACE_S if grace is None else grace) < needed:
+        patch_spec["terminationGracePeriodSeconds"] = needed
+    return {"metadata": {"annotations": {INJECTED_ANNOTATION: ref}}, "spec": patch_spec}

@@ -70,6 +70,10 @@
 - ``CUVIL_LOAD_TIMEOUT_S`` (600): wall-clock limit on one load (fetch, verify, load, warm-up,
   golden check); past it the load is refused with that reason (readiness stays 503 with it on
   the first load; a reload keeps the running model); 0 turns the limit off.
+- ``CUVIL_EXIT_TIMEOUT_S`` (5): what in-flight calls and generation streams get after SIGTERM
+  (Triton's ``--exit-timeout-secs``); a stream still running a second before it ends is told the
+  sidecar stops. The pod's ``terminationGracePeriodSeconds`` must exceed it (the injection
+  webhook and the chart's snippet set it so).
 - ``CUVIL_MAX_TENSOR_BYTES`` (16 GiB) and ``CUVIL_MAX_GRAPH_NODES`` (100000): an artifact whose
   tensors could, inside its symbols' declared ranges, grow past the first, or whose graph has
   more nodes than the second, is refused at load (``cuvil/artifact/limits.py``).
@@ -106,6 +110,10 @@
   begins as one a cache slot still holds (a shared system prompt, a conversation's earlier
   turns) starts from a copy of those keys and values instead of a prefill
   (``generation/scheduler.py``); ``off`` prefills every prompt whole.
+  ``CUVIL_STREAM_INTERVAL`` (1): tokens per socket write of a streamed REST answer
+  (``generate_stream``, OpenAI's ``stream``): each token is still its own event, but a stream
+  writes its events once it holds this many (or its last), trading inter-token smoothness for
+  fewer sends, the event loop's main cost per token (``rest_generate.TokenEvents``).
 
 - ``CUVIL_MEASURE_RUNS``, ``CUVIL_POD_NAME``, ``CUVIL_POD_NAMESPACE``, ``CUVIL_NODE_NAME``,
   ``CUVIL_KUBE_API``, ``CUVIL_KUBE_TOKEN_FILE``, ``CUVIL_KUBE_CA``: the warm-up measurement of
@@ -167,6 +175,7 @@ class SidecarConfig:
     rate_burst: int = 0
     start_retry_max_s: float = 60.0
     load_timeout_s: float = 600.0
+    exit_timeout_s: float = 5.0  # in-flight calls' and streams' time after SIGTERM
     max_tensor_bytes: int = 16 * 2**30  # the defaults of cuvil.artifact.limits.LoadLimits
     max_graph_nodes: int = 100_000
     trust_policy: str = "off"
@@ -179,6 +188,7 @@ class SidecarConfig:
     generation_threads: int = 0
     prefill_alongside: bool = True  # when the engine's threads leave room (engine_threads.py)
     reuse_prefixes: bool = True  # a prompt starts from a slot holding its leading tokens
+    stream_interval: int = 1  # a streamed REST answer's tokens per socket write
     measurement: MeasurementSettings = field(default_factory=MeasurementSettings)
 
     @property
@@ -238,6 +248,7 @@ class SidecarConfig:
             rate_burst=_integer(env, "CUVIL_RATE_BURST", cls.rate_burst, low=0),
             start_retry_max_s=_number(env, "CUVIL_START_RETRY_MAX_S", cls.start_retry_max_s),
             load_timeout_s=_number(env, "CUVIL_LOAD_TIMEOUT_S", cls.load_timeout_s),
+            exit_timeout_s=_number(env, "CUVIL_EXIT_TIMEOUT_S", cls.exit_timeout_s),
             max_tensor_bytes=_integer(env, "CUVIL_MAX_TENSOR_BYTES", cls.max_tensor_bytes, low=1),
             max_graph_nodes=_integer(env, "CUVIL_MAX_GRAPH_NODES", cls.max_graph_nodes, low=1),
             trust_policy=_choice(
@@ -262,6 +273,7 @@ class SidecarConfig:
             ),
             prefill_alongside=_choice(env, "CUVIL_PREFILL_ALONGSIDE", {"auto": True, "off": False}),
             reuse_prefixes=_choice(env, "CUVIL_PREFIX_REUSE", {"on": True, "off": False}),
+            stream_interval=_integer(env, "CUVIL_STREAM_INTERVAL", cls.stream_interval, low=1),
             measurement=_measurement(env),
         )
 

@@ -4,8 +4,9 @@ Order matters for readiness: the gRPC port and the metrics port open first (live
 then the model loads in the background; health turns SERVING and ServerReady true only once the
 model passed warm-up and the golden check. SIGHUP asks for a reload; SIGTERM drains: readiness
 goes false, the gRPC and REST servers take no new calls or connections, in-flight calls and
-generation streams get ``GRACE_S`` (streams still running then end with a shutdown error in the
-stream rather than a cut connection), then the model is retired and the process exits.
+generation streams get ``CUVIL_EXIT_TIMEOUT_S`` (streams still running then end with a shutdown
+error in the stream rather than a cut connection), then the model is retired and the process
+exits.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from cuvil_sidecar.source import ModelSource
 
 log = logging.getLogger("cuvil_sidecar")
 
-GRACE_S = 5.0  # what in-flight calls and streams get once SIGTERM came (within Kubernetes' 30 s)
 STREAM_NOTICE_S = 1.0  # a stream still running is ended this long before the grace ends
 
 
@@ -90,7 +90,8 @@ async def serve(config: SidecarConfig) -> None:
     if config.poll_interval_s > 0:
         spawn(manager.poll(config.poll_interval_s))
     await stop.wait()
-    log.info("stopping: draining in-flight calls (up to %.0f s)", GRACE_S)
+    grace_s = config.exit_timeout_s
+    log.info("stopping: draining in-flight calls (up to %.0f s)", grace_s)
     await on_ready(False)
     for task in list(tasks):
         task.cancel()
@@ -98,8 +99,8 @@ async def serve(config: SidecarConfig) -> None:
     http_servers["REST"][0].stop_accepting()
     # every call, stream or not, gets the grace; a generation stream still running before its
     # end is told the sidecar stops (an error event or answer) while gRPC still carries it
-    grpc_stopped = asyncio.ensure_future(server.stop(GRACE_S))
-    await manager.close(grace_s=GRACE_S - STREAM_NOTICE_S)
+    grpc_stopped = asyncio.ensure_future(server.stop(grace_s))
+    await manager.close(grace_s=max(0.0, grace_s - min(STREAM_NOTICE_S, grace_s / 2)))
     await grpc_stopped
     dataplane.close()
     for http, _, _ in http_servers.values():

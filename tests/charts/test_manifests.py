@@ -233,6 +233,10 @@ def test_sidecar_config_map_parses_as_the_sidecar_reads_it(render: Render) -> No
     assert config.lone_requests_wait
     assert config.shared_memory  # asked for in the values
     assert config.grpc_frontend == "native"  # the image has the native front end built in
+    assert config.exit_timeout_s == 120
+    assert (config.generation_slots, config.kv_cache_bytes) == (8, 8 * 2**30)
+    assert not config.reuse_prefixes and config.stream_interval == 4
+    assert (config.prefill_chunk, config.generation_max_waiting) == (128, 64)  # the defaults
     changed = render(sets=("sidecar.sharedMemory.mode=off", "sidecar.grpcFrontend=grpcio"))
     data = next(m["data"] for m in changed if m["metadata"]["name"].endswith("-sidecar"))
     config = SidecarConfig.from_env(data | {"CUVIL_MODEL": "m"})
@@ -259,6 +263,8 @@ def test_sidecar_snippet_in_notes_is_a_valid_pod(
     snippet = yaml.safe_load("\n".join(line.removeprefix("    ") for line in block.splitlines()))
     sidecar = snippet["spec"]["containers"][0]
     assert sidecar["name"] == "cuvil-sidecar"
+    # the pod's grace covers the sidecar's exit timeout (120 s in these values) and a margin
+    assert snippet["spec"]["terminationGracePeriodSeconds"] == 130
     # the ConfigMap and the registry secret it points at are the chart's own
     rendered = {(m["kind"], m["metadata"]["name"]) for m in render(values)}
     assert ("ConfigMap", sidecar["envFrom"][0]["configMapRef"]["name"]) in rendered

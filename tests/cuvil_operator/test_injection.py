@@ -181,6 +181,31 @@ def test_settings_from_the_environment_are_checked() -> None:
         InjectionSettings.from_env({"CUVIL_INJECT_ENV": "[1]"})
     with pytest.raises(ValueError, match="CUVIL_INJECT_UNSERVED"):
         InjectionSettings.from_env({"CUVIL_INJECT_UNSERVED": "maybe"})
+    for bad in ("soon", "-1", "nan"):
+        with pytest.raises(ValueError, match="CUVIL_EXIT_TIMEOUT_S"):
+            InjectionSettings.from_env({"CUVIL_INJECT_ENV": f'{{"CUVIL_EXIT_TIMEOUT_S": "{bad}"}}'})
+
+
+@pytest.mark.parametrize(
+    ("exit_timeout", "pod_grace", "patched"),
+    [
+        (None, None, None),  # 5 s + the margin fits Kubernetes' default 30 s
+        ("20", None, None),
+        ("20", 10, 30),  # a pod asking for less than the sidecar's drain gets what it needs
+        ("120", None, 130),  # long generation streams: the pod's grace follows
+        ("120", 600, None),  # a pod giving more keeps it
+        ("0.5", 0, 11),
+    ],
+)
+def test_the_pods_grace_period_covers_the_sidecars_exit_timeout(
+    exit_timeout: str | None, pod_grace: int | None, patched: int | None
+) -> None:
+    env = {} if exit_timeout is None else {"CUVIL_EXIT_TIMEOUT_S": exit_timeout}
+    pod = _pod()
+    if pod_grace is not None:
+        pod["spec"]["terminationGracePeriodSeconds"] = pod_grace
+    patch = build_pod_patch(pod, INDEX, SidecarRequest("minilm"), InjectionSettings(env=env))
+    assert patch["spec"].get("terminationGracePeriodSeconds") == patched
 
 
 def test_the_sidecar_follows_the_pods_injected_annotation_through_a_downward_api_file() -> None:

@@ -66,6 +66,8 @@ def test_an_annotated_pod_gets_the_pinned_sidecar_over_https(
     assert env["OTEL_SERVICE_NAME"] == "cuvil-sidecar"
     assert patched["spec"]["containers"][0] == pod["spec"]["containers"][0]
     assert patched["metadata"]["annotations"]["cuvil.dev/injected"] == env["CUVIL_MODEL"]
+    assert env["CUVIL_EXIT_TIMEOUT_S"] == "60"  # and the pod's grace is raised to cover it
+    assert patched["spec"]["terminationGracePeriodSeconds"] == 70
     _validate_strict(patched, tmp_path)
 
     # The admitted pods are counted where the compilation says it is served.

@@ -122,7 +122,9 @@ def _start(kube: KubeApi, redis: RedisServer, tmp_path: Path, **settings: str) -
 
 @pytest.fixture
 def webhook(kube_api: KubeApi, redis_server: RedisServer, tmp_path: Path) -> Iterator[Webhook]:
-    yield from _start(kube_api, redis_server, tmp_path)
+    """Injecting sidecars that drain for 60 s after SIGTERM (their pods' grace follows)."""
+    injected = {**SIDECAR_ENV, "CUVIL_EXIT_TIMEOUT_S": "60"}
+    yield from _start(kube_api, redis_server, tmp_path, CUVIL_INJECT_ENV=json.dumps(injected))
 
 
 @pytest.fixture

@@ -110,6 +110,11 @@ def test_config_from_environment() -> None:
     assert waits.lone_requests_wait
     with pytest.raises(ConfigError, match="CUVIL_LONE_REQUESTS='soon' is not one of"):
         SidecarConfig.from_env({"CUVIL_MODEL": "m", "CUVIL_LONE_REQUESTS": "soon"})
+    assert config.stream_interval == 1  # a streamed token is written as it comes
+    every_four = SidecarConfig.from_env({"CUVIL_MODEL": "m", "CUVIL_STREAM_INTERVAL": "4"})
+    assert every_four.stream_interval == 4
+    with pytest.raises(ConfigError, match="CUVIL_STREAM_INTERVAL"):
+        SidecarConfig.from_env({"CUVIL_MODEL": "m", "CUVIL_STREAM_INTERVAL": "0"})
     with pytest.raises(ConfigError, match="CUVIL_MODEL is not set"):
         SidecarConfig.from_env({})
     with pytest.raises(ConfigError, match="CUVIL_GRPC_PORT='x' is not an integer"):

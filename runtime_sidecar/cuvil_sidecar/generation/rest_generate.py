@@ -110,8 +110,10 @@ class TokenEvents:
     first, then each token's ``frames(token)`` written as the inbox delivers the token, on the
     event loop, with no task per stream woken per token (of the event loop's CPU per streamed
     token, waking a reader task through a queue and two async iterators took about as much as
-    the socket write). The stream's last token (an end, an error, a shutdown) ends it; a write
-    that fails ends the response with its error."""
+    the socket write). The frames of ``stream.stream_interval`` tokens go out in one write (one
+    chunk, one send: the socket's ``send`` is most of the loop's remaining work per token), and
+    the stream's last token (an end, an error, a shutdown) writes what is held and ends it; a
+    write that fails ends the response with its error."""
 
     def __init__(
         self,
@@ -122,6 +124,9 @@ class TokenEvents:
         self._stream = stream
         self._frames = frames
         self._opening = opening
+        self._interval = stream.stream_interval
+        self._held: list[bytes] = []  # frames of the tokens not written yet
+        self._held_tokens = 0
         self._ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._write: Callable[[bytes], None] = lambda part: None
 
@@ -136,8 +141,14 @@ class TokenEvents:
         if self._ended.done():
             return
         try:
-            for part in self._frames(token):
-                self._write(part)
+            self._held += self._frames(token)
+            self._held_tokens += 1
+            if token.finish is None and self._held_tokens < self._interval:
+                return
+            if self._held:
+                self._write(b"".join(self._held))
+            self._held.clear()
+            self._held_tokens = 0
         except Exception as error:  # the response ends with it, rather than wait for more
             self._ended.set_exception(error)
             return

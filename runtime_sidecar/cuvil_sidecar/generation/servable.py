@@ -83,6 +83,7 @@ class GenerationServable:
             name=self.name,
         )
         self.metrics = metrics
+        self.stream_interval = config.stream_interval  # tokens per write of a REST stream
         self.inboxes = LoopInboxes()  # token events to the streams, per event loop
         self.in_flight = 0
         self._in_flight_lock = threading.Lock()
@@ -204,6 +205,11 @@ class GenerationStream:
     def reused_tokens(self) -> int:
         """Prompt tokens copied from a cache slot rather than prefilled (prefix reuse)."""
         return self._sequence.reused
+
+    @property
+    def stream_interval(self) -> int:
+        """Tokens a streamed REST answer writes at once (``CUVIL_STREAM_INTERVAL``)."""
+        return self._servable.stream_interval
 
     @property
     def with_text(self) -> bool:

@@ -77,11 +77,13 @@ def batching(
     tmp_path_factory: pytest.TempPathFactory,
     otlp_receiver: OtlpReceiver,
 ) -> Iterator[Sidecar]:
-    """Four slots, prompts in chunks of 8; once on each gRPC front end."""
+    """Four slots, prompts in chunks of 8; once on each gRPC front end, the grpcio one with
+    REST streams writing three tokens' events at a time."""
     yield from serving(
         checkpoint, tmp_path_factory.mktemp("gen"), request.param,
         CUVIL_GENERATION_SLOTS="4",
         CUVIL_PREFILL_CHUNK="8",
+        CUVIL_STREAM_INTERVAL="3" if request.param == "grpcio" else "1",
         OTEL_EXPORTER_OTLP_ENDPOINT=otlp_receiver.endpoint,
         OTEL_EXPORTER_OTLP_INSECURE="true",
         OTEL_BSP_SCHEDULE_DELAY="100",

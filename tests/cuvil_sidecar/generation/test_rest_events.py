@@ -85,11 +85,13 @@ def test_a_streamed_token_counts_and_its_gap_lands_in_the_histogram() -> None:
 
 
 class _Stream:
-    """What TokenEvents reads of a GenerationStream: its header fields, ``push`` and ``close``."""
+    """What TokenEvents reads of a GenerationStream: its header fields, its tokens per write,
+    ``push`` and ``close``."""
 
     model_name, model_version, request_id, with_text = "tiny", "1", "", False
 
-    def __init__(self) -> None:
+    def __init__(self, stream_interval: int = 1) -> None:
+        self.stream_interval = stream_interval
         self.on_token: Any = None
         self.closed = False
 
@@ -100,12 +102,14 @@ class _Stream:
         self.closed = True
 
 
-def _pushed(tokens: list[GeneratedToken], write: Any) -> tuple[Any, _Stream]:
+def _pushed(
+    tokens: list[GeneratedToken], write: Any, stream_interval: int = 1
+) -> tuple[Any, _Stream]:
     """TokenEvents over a stand-in stream, started with ``write``, handed ``tokens``; returns
     what its start returned (done, or not) and the stream."""
 
     async def run() -> tuple[Any, _Stream]:
-        stream = _Stream()
+        stream = _Stream(stream_interval)
         events = TokenEvents(stream, event_frames(stream))  # type: ignore[arg-type]
         ended = events.start(write)
         for token in tokens:
@@ -145,7 +149,7 @@ def test_a_failing_write_ends_the_response_with_its_error() -> None:
 
 def test_the_opening_goes_first_and_a_token_may_write_several_frames() -> None:
     """The OpenAI-compatible streams' form: a role chunk first, the last token's chunk then the
-    usage chunk and ``[DONE]``; a token with no frames writes nothing."""
+    usage chunk and ``[DONE]`` in one write; a token with no frames writes nothing."""
     written: list[bytes] = []
 
     def frames(token: GeneratedToken) -> list[bytes]:
@@ -160,5 +164,32 @@ def test_the_opening_goes_first_and_a_token_may_write_several_frames() -> None:
         return ended
 
     ended = asyncio.run(run())
-    assert written == [b"role", b"token 0", b"usage", b"[DONE]"]
+    assert written == [b"role", b"token 0", b"usage[DONE]"]
     assert ended.done()
+
+
+@pytest.mark.parametrize("count", [1, 2, 6, 7, 8])
+def test_a_stream_interval_writes_its_tokens_events_together_and_the_last_at_once(
+    count: int,
+) -> None:
+    """``CUVIL_STREAM_INTERVAL`` 3: the same events, byte for byte, in writes of three tokens'
+    events; the last token writes what is held however few, and nothing follows it."""
+    tokens = [GeneratedToken(index + 100, index, "", None) for index in range(count - 1)]
+    tokens.append(GeneratedToken(99, count - 1, "", "length"))
+    one_by_one: list[bytes] = []
+    ended, _ = _pushed(tokens, one_by_one.append)
+    assert len(one_by_one) == count and ended.done()
+    written: list[bytes] = []
+    ended, stream = _pushed([*tokens, GeneratedToken(1, count, "", None)], written.append, 3)
+    assert written == [b"".join(one_by_one[at : at + 3]) for at in range(0, count, 3)]
+    assert ended.done() and ended.exception() is None and stream.closed
+
+
+def test_an_error_within_an_interval_writes_the_held_events_before_it() -> None:
+    tokens = [GeneratedToken(5, 0, "", None), GeneratedToken(None, 1, "", "error", "it failed")]
+    written: list[bytes] = []
+    ended, _ = _pushed(tokens, written.append, 4)
+    header = {"model_name": "tiny", "model_version": "1"}
+    event = token_event_writer(header, False)(tokens[0])
+    assert written == [event + sse_event({"error": "it failed"})]
+    assert ended.done() and ended.exception() is None

@@ -23,6 +23,18 @@ CUVIL_POLL_INTERVAL_S: {{ $s.pollIntervalSeconds | quote }}
 CUVIL_TORCH_THREADS: {{ $s.torchThreads | quote }}
 CUVIL_SHARED_MEMORY: {{ $s.sharedMemory.mode | quote }}
 CUVIL_LOAD_TIMEOUT_S: {{ $s.loadTimeoutSeconds | quote }}
+CUVIL_EXIT_TIMEOUT_S: {{ $s.exitTimeoutSeconds | quote }}
+{{- with $s.generation }}
+CUVIL_GENERATION_SLOTS: {{ .slots | quote }}
+CUVIL_GENERATION_MAX_SEQ: {{ .maxSeq | quote }}
+CUVIL_KV_CACHE_BYTES: {{ .kvCacheBytes | int64 | quote }}
+CUVIL_GENERATION_MAX_WAITING: {{ .maxWaiting | quote }}
+CUVIL_PREFILL_CHUNK: {{ .prefillChunk | quote }}
+CUVIL_GENERATION_THREADS: {{ .threads | quote }}
+CUVIL_PREFILL_ALONGSIDE: {{ .prefillAlongside | quote }}
+CUVIL_PREFIX_REUSE: {{ .prefixReuse | quote }}
+CUVIL_STREAM_INTERVAL: {{ .streamInterval | quote }}
+{{- end }}
 CUVIL_MAX_TENSOR_BYTES: {{ $s.maxTensorBytes | int64 | quote }}
 CUVIL_TRUST_POLICY: {{ $s.trust.policy | quote }}
 {{- with $s.warmupShapes }}

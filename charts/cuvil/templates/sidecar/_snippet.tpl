@@ -8,6 +8,8 @@ bearer token.
 {{- $s := .Values.sidecar }}
 {{- $registrySecret := include "cuvil.registry.secretName" . }}
 spec:
+  # the sidecar drains calls and streams for CUVIL_EXIT_TIMEOUT_S after SIGTERM: keep this above
+  terminationGracePeriodSeconds: {{ max 30 (add (ceil $s.exitTimeoutSeconds) 10) }}
   securityContext:
     runAsNonRoot: true
     seccompProfile:
