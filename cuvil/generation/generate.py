@@ -3,7 +3,8 @@
 
 Takes what transformers takes for what it covers — ``input_ids`` [batch, prompt], an optional
 ``attention_mask`` for left padding, ``max_new_tokens``, ``do_sample``, ``temperature``,
-``top_k``, ``top_p``, ``eos_token_id`` (one id or several), ``pad_token_id`` — plus ``seed``, and
+``top_k``, ``top_p``, ``repetition_penalty``, ``eos_token_id`` (one id or several),
+``pad_token_id`` — plus ``seed``, and
 returns what it returns: [batch, prompt + new] int64, the prompt (pads included) followed by the
 new tokens, rows that stopped early filled with ``pad_token_id`` after their end token, as many
 new columns as the longest row ran (all rows stop at once when every one has ended).
@@ -16,19 +17,20 @@ rows go in with one decode step, whose logits pick each row's first token. A ``s
 (transformers' protocol: ``put``, ``end``) gets the prompt, then each step's new tokens, one per
 running row. With ``seed``, every row draws from its own generator seeded with
 it (the sidecar does the same per request). A batch larger than the engine's slots runs in
-groups of ``max_batch`` rows. Beam search, right padding, penalties and the other options of
-transformers' ``generate`` are refused by name (``UnsupportedGenerationError``).
+groups of ``max_batch`` rows. The repetition penalty counts a row's own tokens, not its left
+pads, as transformers does. Beam search, right padding, the other penalties and the other
+options of transformers' ``generate`` are refused by name (``UnsupportedGenerationError``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from cuvil.generation.engine import DecoderEngine
-from cuvil.generation.sampling import SamplingParams, next_tokens
+from cuvil.generation.sampling import History, SamplingParams, next_tokens
 
 TAKEN = (
     "max_new_tokens",
@@ -36,6 +38,7 @@ TAKEN = (
     "temperature",
     "top_k",
     "top_p",
+    "repetition_penalty",
     "seed",
     "eos_token_id",
     "pad_token_id",
@@ -46,7 +49,6 @@ TAKEN = (
 NEUTRAL = {
     "num_beams": 1,
     "num_return_sequences": 1,
-    "repetition_penalty": 1.0,
     "use_cache": True,
     "return_dict_in_generate": False,
 }
@@ -65,6 +67,7 @@ def generate(
     temperature: float = 1.0,
     top_k: int = 50,
     top_p: float = 1.0,
+    repetition_penalty: float = 1.0,
     seed: int | None = None,
     eos_token_id: int | Sequence[int] | None = None,
     pad_token_id: int | None = None,
@@ -83,7 +86,12 @@ def generate(
     if attention_mask is None:
         attention_mask = _inferred_mask(input_ids, pad_token_id, eos)
     prompts = _left_padded_prompts(input_ids, attention_mask)
-    params = SamplingParams(max_new_tokens, do_sample, temperature, top_k, top_p, seed, eos)
+    try:
+        params = SamplingParams(
+            max_new_tokens, do_sample, temperature, top_k, top_p, seed, eos, repetition_penalty
+        )
+    except ValueError as error:
+        raise UnsupportedGenerationError(str(error)) from None
     longest = max(len(prompt) for prompt in prompts)
     if longest + max_new_tokens - 1 > engine.max_seq:
         raise UnsupportedGenerationError(
@@ -118,8 +126,9 @@ def _generate_group(
         _write_prompts(engine, [chunk for chunk in prompt_chunks if len(chunk[1])])
         last = torch.stack([prompt[-1] for prompt in prompts]).to(torch.int64)
         logits = engine.decode(slots, last, torch.tensor([n - 1 for n in lengths]))
-        tokens = next_tokens(logits, [params] * len(slots), generators)
         out: list[list[int]] = [[] for _ in prompts]
+        held = [prompt.tolist() for prompt in prompts]  # what the repetition penalty counts
+        tokens = next_tokens(logits, [params] * len(slots), generators, _history(held, out, slots))
         running = list(slots)
         for step in range(params.max_new_tokens):
             still = []
@@ -135,13 +144,25 @@ def _generate_group(
             positions = torch.tensor([lengths[slot] + step for slot in running])
             step_ids = torch.tensor([tokens[slot] for slot in running], dtype=torch.int64)
             rows = engine.decode(running, step_ids, positions)
-            picked = next_tokens(rows, [params] * len(running), [generators[s] for s in running])
+            picked = next_tokens(
+                rows,
+                [params] * len(running),
+                [generators[s] for s in running],
+                _history(held, out, running),
+            )
             for slot, token in zip(running, picked, strict=True):
                 tokens[slot] = token
     finally:
         for slot in slots:
             engine.release(slot)
     return out
+
+
+def _history(
+    held: list[list[int]], out: list[list[int]], rows: list[int]
+) -> Callable[[int], History]:
+    """A step's row -> (its prompt and the tokens generated so far, those tokens)."""
+    return lambda row: (held[rows[row]] + out[rows[row]], out[rows[row]])
 
 
 def _ids(eos_token_id: int | Sequence[int] | None) -> tuple[int, ...]:

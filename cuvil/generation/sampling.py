@@ -1,14 +1,19 @@
 """Picking the next token from logits, shared by ``generate`` and the sidecar's scheduler.
 
-The order of the warpers is transformers' (temperature, then top-k, then top-p), so
-``do_sample=False`` is argmax and sampling draws from the same distribution transformers
-would. Each sequence carries its own ``torch.Generator``: seeded, a sequence draws the same
-tokens whether it runs alone or in a batch that others join and leave.
+The order is transformers': the penalties first (they change greedy picks too), then the
+warpers (temperature, top-k, top-p), so ``do_sample=False`` is argmax and sampling draws from
+the same distribution transformers would. ``repetition_penalty`` is transformers' (CTRL's):
+every token the sequence holds, prompt and generated, has its logit divided by the penalty
+where positive and multiplied where negative. ``presence_penalty`` and ``frequency_penalty``
+are OpenAI's (as vLLM applies them, after the repetition penalty): each generated token's
+logit is lowered by the presence penalty once and by the frequency penalty per time it was
+generated. Each sequence carries its own ``torch.Generator``: seeded, a sequence draws the
+same tokens whether it runs alone or in a batch that others join and leave.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +28,9 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     eos_token_id: tuple[int, ...] = ()
+    repetition_penalty: float = 1.0  # 1 is off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -33,6 +41,17 @@ class SamplingParams:
             raise ValueError(f"top_k must be 0 (off) or more, not {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], not {self.top_p}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be positive, not {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], not {getattr(self, name)}")
+
+    @property
+    def penalizes(self) -> bool:
+        """Whether a pick needs the sequence's tokens (some penalty is on)."""
+        repeats = self.repetition_penalty != 1
+        return repeats or self.presence_penalty != 0 or self.frequency_penalty != 0
 
     def generator(self) -> torch.Generator | None:
         """A fresh generator for one sequence; None when greedy."""
@@ -43,10 +62,20 @@ class SamplingParams:
         return generator
 
 
+# a row's tokens so far, for the penalties: (every token it holds, prompt included, as
+# transformers' input_ids row; the tokens it generated)
+History = tuple[Sequence[int], Sequence[int]]
+
+
 def next_token(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    history: History = ((), ()),
 ) -> int:
     """The next token for one sequence from its 1-D logits."""
+    if params.penalizes:
+        logits = penalized(logits.float(), params, *history)
     if not params.do_sample:
         return greedy_picks(logits.reshape(1, -1))[0]
     scores = logits.float() / params.temperature
@@ -63,21 +92,48 @@ def next_token(
     return int(torch.multinomial(probabilities, 1, generator=generator))
 
 
+def penalized(
+    scores: torch.Tensor, params: SamplingParams, held: Sequence[int], generated: Sequence[int]
+) -> torch.Tensor:
+    """1-D ``scores`` with the penalties applied: the repetition penalty on the ``held``
+    tokens (ids past the logits' end are ignored, as transformers does), then the presence and
+    frequency penalties by the ``generated`` tokens' counts."""
+    vocab = scores.numel()
+    if params.repetition_penalty != 1 and len(held):
+        ids = torch.tensor(held, dtype=torch.int64).unique()
+        ids = ids[(ids >= 0) & (ids < vocab)]
+        picked = scores[ids]
+        penalty = params.repetition_penalty
+        scores = scores.clone()
+        scores[ids] = torch.where(picked < 0, picked * penalty, picked / penalty)
+    if (params.presence_penalty or params.frequency_penalty) and len(generated):
+        counts = torch.bincount(torch.tensor(generated, dtype=torch.int64), minlength=vocab)
+        counts = counts[:vocab].to(scores.dtype)
+        scores = scores - params.frequency_penalty * counts
+        scores = scores - params.presence_penalty * (counts > 0).to(scores.dtype)
+    return scores
+
+
 def next_tokens(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
+    history: Callable[[int], History] | None = None,
 ) -> list[int]:
     """The next token of each row of ``logits`` [rows, vocab]: one argmax over all rows for the
     greedy ones (a step's per-row Python is what a small model's decode pays for; an all-greedy
-    step has none), each sampled row from its own generator, as ``next_token``."""
+    step has none), each sampled or penalized row on its own, as ``next_token``, with
+    ``history(row)`` its tokens so far (asked only of the rows a penalty applies to)."""
     picks = greedy_picks(logits)
-    if not any(row_params.do_sample for row_params in params):
+    if not any(row_params.do_sample or row_params.penalizes for row_params in params):
         return picks
-    return [
-        next_token(logits[row], row_params, generator) if row_params.do_sample else picks[row]
-        for row, (row_params, generator) in enumerate(zip(params, generators, strict=True))
-    ]
+    for row, (row_params, generator) in enumerate(zip(params, generators, strict=True)):
+        if row_params.do_sample or row_params.penalizes:
+            if row_params.penalizes and history is None:
+                raise ValueError("a penalty needs the rows' tokens so far (history)")
+            tokens = history(row) if history is not None and row_params.penalizes else ((), ())
+            picks[row] = next_token(logits[row], row_params, generator, tokens)
+    return picks
 
 
 def greedy_picks(logits: torch.Tensor) -> list[int]:

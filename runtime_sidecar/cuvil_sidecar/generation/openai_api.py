@@ -10,9 +10,10 @@ Both POST routes run the same scheduler as the generate extension, and take ``mo
 ``finish_reason``, then ``data: [DONE]``; ``stream_options.include_usage`` adds a chunk with the
 usage), ``max_tokens`` (chat also ``max_completion_tokens``; default 16 for completions, and for
 chat what the model's ``max_seq`` leaves), ``temperature`` (default 1, sampled; 0 is greedy),
-``top_p``, ``seed``, ``stop``, ``user`` (ignored), and vLLM's ``top_k`` (off unless given),
-``ignore_eos`` and ``stop_token_ids``. A field this server does not do (``n`` or ``best_of``
-above 1, ``echo``, ``logprobs``, ``suffix``, ``logit_bias``, penalties, tools) or does not know
+``top_p``, ``seed``, ``stop``, ``presence_penalty``, ``frequency_penalty``, ``user``
+(ignored), and vLLM's ``top_k`` (off unless given), ``repetition_penalty``, ``ignore_eos`` and
+``stop_token_ids``. A field this server does not do (``n`` or ``best_of`` above 1, ``echo``,
+``logprobs``, ``suffix``, ``logit_bias``, tools) or does not know
 is refused with 400 naming it, never ignored. Errors are OpenAI's shape, ``{"error": {"message",
 "type", "param", "code"}}``, with the generate extension's status (400, 404 for another model's
 name, 413 past the KV budget, 429 with a full queue, 503 stopping). The answers carry text, so
@@ -46,8 +47,10 @@ from cuvil_sidecar.json_body import json_object
 
 DONE = b"data: [DONE]\n\n"  # the last event of a streamed answer, as OpenAI sends it
 COMPLETION_DEFAULT_TOKENS = 16  # OpenAI's default max_tokens for completions
-SAMPLING = frozenset({"max_tokens", "temperature", "top_p", "seed", "stop", "top_k"})
-VLLM = frozenset({"ignore_eos", "stop_token_ids"})
+SAMPLING = frozenset({"max_tokens", "temperature", "top_p", "seed", "stop", "top_k"}) | {
+    "presence_penalty", "frequency_penalty"
+}  # fmt: skip
+VLLM = frozenset({"ignore_eos", "stop_token_ids", "repetition_penalty"})
 COMMON = SAMPLING | VLLM | {"model", "stream", "stream_options", "user", "n", "logprobs"}
 # fields taken only at the value that asks for nothing this server does not do
 HARMLESS: dict[str, tuple[Any, ...]] = {
@@ -58,16 +61,12 @@ HARMLESS: dict[str, tuple[Any, ...]] = {
     "top_logprobs": (None, 0),
     "suffix": (None, ""),
     "logit_bias": (None, {}),
-    "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "parallel_tool_calls": (None, True, False),
     "response_format": (None, {"type": "text"}),
 }
-COMPLETION_KEYS = COMMON | {"prompt", "best_of", "echo", "suffix", "logit_bias"} | {
-    "presence_penalty", "frequency_penalty"
-}  # fmt: skip
+COMPLETION_KEYS = COMMON | {"prompt", "best_of", "echo", "suffix", "logit_bias"}
 CHAT_KEYS = (COMMON | set(HARMLESS) | {"messages", "max_completion_tokens"}) - {"best_of", "echo"}
 
 

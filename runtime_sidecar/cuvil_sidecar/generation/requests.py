@@ -3,7 +3,10 @@
 Parameters (Triton's generate extension and vLLM's names, with transformers' aliases):
 ``max_tokens`` or ``max_new_tokens`` (int ≥ 1, default 20), ``temperature`` (≥ 0; 0 is greedy),
 ``do_sample`` (default: true when a positive ``temperature`` is given, else greedy),
-``top_k`` (0 is off, default 50), ``top_p`` (in (0, 1]), ``seed`` (int), ``eos_token_id`` or
+``top_k`` (0 is off, default 50), ``top_p`` (in (0, 1]), ``seed`` (int),
+``repetition_penalty`` (> 0, 1 is off: transformers', over the prompt and the generated
+tokens), ``presence_penalty`` and ``frequency_penalty`` (in [-2, 2], 0 is off: OpenAI's, over
+the generated tokens; ``sampling.py``), ``eos_token_id`` or
 ``stop_token_ids`` (an id or a list; default: the model's), ``ignore_eos`` (bool), ``stop``
 (a string or a list: generation ends once the text holds one; needs a tokenizer), and the
 transport's own keys (``stream``, ``timeout``, ``priority``, ``triton_*``), which are read
@@ -23,7 +26,8 @@ from cuvil_sidecar.errors import InvalidInput
 SAMPLING_KEYS = frozenset(
     {
         "max_tokens", "max_new_tokens", "temperature", "do_sample", "top_k", "top_p", "seed",
-        "eos_token_id", "stop_token_ids", "ignore_eos", "stop",
+        "eos_token_id", "stop_token_ids", "ignore_eos", "stop", "repetition_penalty",
+        "presence_penalty", "frequency_penalty",
     }
 )  # fmt: skip
 TRANSPORT_KEYS = frozenset(
@@ -83,6 +87,9 @@ def read_parameters(
             top_p=_number(parameters, "top_p", 1.0),
             seed=seed,
             eos_token_id=tuple(eos),
+            repetition_penalty=_number(parameters, "repetition_penalty", 1.0),
+            presence_penalty=_number(parameters, "presence_penalty", 0.0),
+            frequency_penalty=_number(parameters, "frequency_penalty", 0.0),
         )
     except ValueError as error:
         raise InvalidInput(str(error)) from None

@@ -120,6 +120,10 @@ class Sequence:
     def reserved(self) -> int:
         return len(self.prompt) + self.max_new_tokens
 
+    def history(self) -> tuple[list[int], list[int]]:
+        """What the penalties count: (its prompt and generated tokens, the generated ones)."""
+        return self.prompt + self.tokens, self.tokens
+
     def written(self) -> list[int]:
         """The tokens whose keys and values its slot holds, from position 0: the prompt's
         prefilled part, then each decode step's input (a prompt's last token, then every
@@ -522,7 +526,9 @@ class Scheduler:
             self._fail(sequences, error)
             return
         params = [s.params for s in sequences]
-        tokens = next_tokens(logits, params, [s.generator for s in sequences])
+        tokens = next_tokens(
+            logits, params, [s.generator for s in sequences], lambda row: sequences[row].history()
+        )
         with held_deliveries():  # the step's tokens reach each event loop in one wake-up
             for sequence, token in zip(sequences, tokens, strict=True):
                 self._took(sequence, token)

@@ -132,7 +132,8 @@ def test_weights_are_stored_once_for_both_graphs(generation: GenerationModel) ->
     ("options", "message"),
     [
         ({"num_beams": 4}, "num_beams"),
-        ({"repetition_penalty": 1.2}, "repetition_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty must be positive"),
+        ({"no_repeat_ngram_size": 2}, "no_repeat_ngram_size"),
         ({"attention_mask": torch.tensor([[1, 1, 1, 0]])}, "not left padding"),
         ({"max_new_tokens": MAX_SEQ}, "do not fit"),
     ],

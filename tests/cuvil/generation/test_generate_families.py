@@ -1,6 +1,7 @@
 """Compiled generation against transformers' ``generate`` on four decoder families: greedy
 token for token (batch 1, a left-padded batch of mixed prompt lengths, an end token that stops
-rows early), seeded sampling run to run, and the fusions the decode graph keeps."""
+rows early, a repetition penalty), seeded sampling run to run, and the fusions the decode
+graph keeps."""
 
 from __future__ import annotations
 
@@ -67,6 +68,30 @@ def test_greedy_left_padded_batch_matches_transformers(compiled: dict, family: s
     ours = generation.generate(ids, attention_mask=mask, **options)
     theirs = model.generate(ids, attention_mask=mask, do_sample=False, **options)
     assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("penalty", [1.6, 0.6])
+def test_a_repetition_penalty_matches_transformers(
+    compiled: dict, family: str, penalty: float
+) -> None:
+    """transformers' penalty over each row's own tokens (not its left pads), alone and in a
+    padded batch; it changes what greedy picks."""
+    model, generation = _compiled(compiled, family)
+    ids, mask = _left_padded(seed=9)
+    options = {"max_new_tokens": NEW, "pad_token_id": 0, "eos_token_id": None}
+    plain = generation.generate(ids, attention_mask=mask, **options)
+    ours = generation.generate(ids, attention_mask=mask, repetition_penalty=penalty, **options)
+    theirs = model.generate(
+        ids, attention_mask=mask, do_sample=False, repetition_penalty=penalty, **options
+    )
+    assert torch.equal(ours, theirs)
+    assert not torch.equal(ours, plain)
+    alone = generation.generate(ids[2:], max_new_tokens=NEW, repetition_penalty=penalty)
+    single = model.generate(
+        ids[2:], max_new_tokens=NEW, do_sample=False, repetition_penalty=penalty, pad_token_id=0
+    )
+    assert torch.equal(alone, single)
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])

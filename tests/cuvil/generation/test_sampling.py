@@ -1,11 +1,19 @@
-"""Picking a step's tokens for several rows at once: greedy rows by one argmax, sampled rows
-each from its own generator, the same tokens as row by row."""
+"""Picking a step's tokens for several rows at once: greedy rows by one argmax, sampled and
+penalized rows each on its own, the same tokens as row by row; the penalties as transformers
+(repetition) and OpenAI (presence, frequency) define them."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from cuvil.generation.sampling import SamplingParams, greedy_picks, next_token, next_tokens
+from cuvil.generation.sampling import (
+    SamplingParams,
+    greedy_picks,
+    next_token,
+    next_tokens,
+    penalized,
+)
 
 
 def test_a_mixed_step_picks_what_each_row_picks_alone() -> None:
@@ -37,3 +45,65 @@ def test_greedy_picks_are_torch_argmax_with_ties_nans_and_strides() -> None:
         inference = torch.randn(4, 33, generator=generator)
     assert greedy_picks(inference) == torch.argmax(inference, dim=-1).tolist()
     assert next_token(rounded[0], SamplingParams(), None) == int(torch.argmax(rounded[0]))
+
+
+@pytest.mark.parametrize("penalty", [1.3, 0.7])
+def test_the_repetition_penalty_is_transformers(penalty: float) -> None:
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    generator = torch.Generator().manual_seed(2)
+    scores = torch.randn(3, 100, generator=generator)
+    held = torch.randint(0, 100, (3, 30), generator=generator)  # repeats among them
+    theirs = RepetitionPenaltyLogitsProcessor(penalty)(held, scores.clone())
+    params = SamplingParams(repetition_penalty=penalty)
+    for row in range(3):
+        ours = penalized(scores[row], params, held[row].tolist(), [])
+        assert torch.equal(ours, theirs[row])
+    changed = penalized(scores[0], params, [5, 5, 7, 250], [])  # an id past the vocabulary
+    assert set(torch.nonzero(changed != scores[0]).flatten().tolist()) <= {5, 7}
+
+
+def test_presence_and_frequency_penalties_count_the_generated_tokens() -> None:
+    scores = torch.zeros(10)
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
+    ours = penalized(scores, params, held=[1, 2, 3, 3, 3], generated=[3, 3, 4])
+    expected = torch.zeros(10)
+    expected[3] = -0.5 - 2 * 0.25
+    expected[4] = -0.5 - 0.25
+    assert torch.equal(ours, expected)  # the prompt's tokens (1, 2) are not counted
+    assert torch.equal(penalized(scores, params, held=[1], generated=[]), scores)
+
+
+def test_penalized_rows_pick_alone_what_they_pick_in_a_step() -> None:
+    logits = torch.randn(4, 60, generator=torch.Generator().manual_seed(4))
+    top = logits.argmax(-1).tolist()
+    histories = [([top[row], 1], [top[row]]) for row in range(4)]  # each row's own best, seen
+    params = [
+        SamplingParams(),
+        SamplingParams(repetition_penalty=4.0),
+        SamplingParams(frequency_penalty=2.0),
+        SamplingParams(do_sample=True, presence_penalty=1.0, seed=5),
+    ]
+    together = next_tokens(logits, params, [p.generator() for p in params], histories.__getitem__)
+    generators = [p.generator() for p in params]
+    alone = [
+        next_token(logits[row], params[row], generators[row], histories[row]) for row in range(4)
+    ]
+    assert together == alone
+    assert together[0] == top[0]  # no penalty
+    assert together[1] != top[1] and together[2] != top[2]  # their best was seen
+    with pytest.raises(ValueError, match="history"):
+        next_tokens(logits, params, [None] * 4)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3.0}, "frequency_penalty"),
+    ],
+)
+def test_penalties_out_of_range_are_refused(options: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**options)

@@ -128,6 +128,8 @@ def staggered_requests() -> list[dict[str, Any]]:
         parameters: dict[str, Any] = {"max_tokens": 4 + (i * 5) % 21}
         if i == 5:
             parameters |= {"temperature": 0.8, "top_k": 20, "seed": 11}
+        if i in (8, 9):  # greedy with transformers' repetition penalty
+            parameters |= {"repetition_penalty": 1.4 if i == 8 else 0.7}
         requests.append({"input_ids": prompt, "parameters": parameters})
     return requests
 
@@ -174,6 +176,7 @@ def test_sixteen_staggered_streams_get_the_tokens_they_get_alone(
             prompt,
             attention_mask=torch.ones_like(prompt),
             max_new_tokens=request["parameters"]["max_tokens"],
+            repetition_penalty=request["parameters"].get("repetition_penalty", 1.0),
             do_sample=False,
             pad_token_id=0,
         )[0, prompt.shape[1] :].tolist()

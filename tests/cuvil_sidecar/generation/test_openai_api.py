@@ -24,7 +24,7 @@ import torch
 from cuvil_sidecar.generation.scheduler import PREFIX_MIN_TOKENS
 
 from tests.cuvil_sidecar.conftest import Sidecar, ready_sidecar
-from tests.cuvil_sidecar.generation.checkpoints import tiny_llama_checkpoint
+from tests.cuvil_sidecar.generation.checkpoints import VOCAB, tiny_llama_checkpoint
 
 TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
@@ -121,6 +121,36 @@ def test_completions_match_transformers_whole_and_streamed(
     assert chunks[-1].usage == by_ids.usage and not chunks[-1].choices
 
 
+def test_penalties_change_the_text_as_transformers_and_openai_define_them(
+    client: openai.OpenAI, reference: Any
+) -> None:
+    """vLLM's ``repetition_penalty`` is transformers'; OpenAI's presence and frequency
+    penalties lower each generated token's logit (a greedy loop over transformers' logits
+    with their formula gives the same text)."""
+    model, tokenizer = reference
+    ids = tokenizer.encode(PROMPT)
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([ids]), max_new_tokens=24, do_sample=False, repetition_penalty=1.5
+        )
+    expected = tokenizer.decode(out[0, len(ids) :].tolist(), skip_special_tokens=True)
+    body = {"model": "tiny", "prompt": ids, "max_tokens": 24, "temperature": 0}
+    answer = client.completions.create(**body, extra_body={"repetition_penalty": 1.5})
+    assert answer.choices[0].text == expected
+    tokens: list[int] = []
+    with torch.inference_mode():
+        for _ in range(24):
+            logits = model(torch.tensor([ids + tokens])).logits[0, -1]
+            counts = torch.bincount(torch.tensor(tokens, dtype=torch.int64), minlength=VOCAB)
+            logits = logits - 0.8 * counts[:VOCAB] - 1.2 * (counts[:VOCAB] > 0).float()
+            tokens.append(int(logits.argmax()))
+            if tokens[-1] == model.generation_config.eos_token_id:
+                break
+    answer = client.completions.create(**body, presence_penalty=1.2, frequency_penalty=0.8)
+    assert answer.choices[0].text == tokenizer.decode(tokens, skip_special_tokens=True)
+    assert answer.choices[0].text != greedy(reference, ids, 24)[0]
+
+
 def test_chat_renders_the_template_as_transformers_and_matches_its_text(
     client: openai.OpenAI, reference: Any, sidecar: Sidecar
 ) -> None:
@@ -206,7 +236,7 @@ def test_a_client_that_leaves_a_chat_stream_frees_its_slot(
     [
         ({"n": 2}, openai.BadRequestError, "n=2 is not supported"),
         ({"logprobs": 3}, openai.BadRequestError, "logprobs=3"),
-        ({"presence_penalty": 0.5}, openai.BadRequestError, "presence_penalty"),
+        ({"presence_penalty": 2.5}, openai.BadRequestError, "presence_penalty must be in"),
         ({"extra_body": {"best_of_all": 1}}, openai.BadRequestError, "unknown field.*best_of_all"),
         ({"max_tokens": 0}, openai.BadRequestError, "max_new_tokens"),
         ({"model": "other"}, openai.NotFoundError, "other"),
