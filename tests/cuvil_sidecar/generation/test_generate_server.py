@@ -245,7 +245,7 @@ def test_text_in_and_out_with_the_tokenizer(batching: Sidecar) -> None:
 
 
 def tensor(name: str, values: Any, datatype: str) -> Any:
-    kinds = {"BYTES": object, "INT32": np.int32, "BOOL": np.bool_}
+    kinds = {"BYTES": object, "INT32": np.int32, "BOOL": np.bool_, "FP32": np.float32}
     array = np.asarray(values, dtype=kinds[datatype])
     item = grpcclient.InferInput(name, list(array.shape), datatype)
     item.set_data_from_numpy(array)
@@ -287,6 +287,13 @@ def test_grpc_generation_takes_triton_vllm_and_trt_llm_request_forms(batching: S
     assert not any(
         a.get_response().parameters["triton_final_response"].bool_param for a in with_empty[:-1]
     )
+    penalized = {"max_tokens": 12, "ignore_eos": True, "repetition_penalty": 1.5}
+    status, reference = post(batching, "/v2/models/tiny/generate", body | {"parameters": penalized})
+    assert status == 200, reference
+    trt_llm = [tensor("max_tokens", [12], "INT32"), tensor("ignore_eos", [True], "BOOL")]
+    trt_llm.append(tensor("repetition_penalty", [1.5], "FP32"))
+    penalized_answers = grpc_answers(batching, [text, *trt_llm])
+    assert ids_and_text(penalized_answers) == (reference["output_ids"], reference["text_output"])
     with pytest.raises(AssertionError, match=r"INVALID_ARGUMENT.*stream must be a BOOL"):
         grpc_answers(batching, [text, tensor("stream", [1], "INT32")])
 
@@ -306,6 +313,8 @@ def test_grpc_generation_takes_triton_vllm_and_trt_llm_request_forms(batching: S
         ({"input_ids": [1], "parameters": {"max_tokens": 0}}, 400, "at least 1"),
         ({"input_ids": [1], "parameters": {"temperature": -1}}, 400, "temperature"),
         ({"input_ids": [1], "parameters": {"top_p": 2}}, 400, "top_p"),
+        ({"input_ids": [1], "parameters": {"repetition_penalty": 0}}, 400, "must be positive"),
+        ({"input_ids": [1], "parameters": {"frequency_penalty": "x"}}, 400, "must be a number"),
         ({"input_ids": [1], "max_tokens": 2, "parameters": {"max_tokens": 2}}, 400, "both"),
         ({"input_ids": [1] * 300}, 400, "at most 255"),
     ],
