@@ -45,6 +45,8 @@ TAKEN = (
     "attention_mask",
     "streamer",
 )
+# what a model's generation config may set for ``generate`` where a call gives none
+SAMPLING_DEFAULT_KEYS = ("do_sample", "temperature", "top_k", "top_p", "repetition_penalty")
 # transformers' options that keep their neutral value here, and that value.
 NEUTRAL = {
     "num_beams": 1,

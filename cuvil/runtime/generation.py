@@ -385,7 +385,10 @@ class GenerationModel(CompiledModel):
 
     def generate(self, input_ids: torch.Tensor, **options: Any) -> torch.Tensor:
         """transformers' ``generate`` for greedy and sampled decoding (cuvil/generation/
-        generate.py says what it takes and what it refuses)."""
+        generate.py says what it takes and what it refuses). As transformers does, what a call
+        leaves out comes from the source model's generation config: its end and pad tokens,
+        and the sampling options it set (``sampling_defaults``: an instruct model's
+        ``do_sample``, temperature, top-k, top-p, repetition penalty)."""
         from cuvil.generation.generate import generate
 
         defaults = {
@@ -393,6 +396,7 @@ class GenerationModel(CompiledModel):
             for key in ("eos_token_id", "pad_token_id")
             if self.generation_config.get(key) is not None
         }
+        defaults |= self.generation_config.get("sampling_defaults") or {}
         return generate(self, input_ids, **{**defaults, **options})
 
     def choose_kernels(self, prompt_tokens: int) -> dict[str, Any]:

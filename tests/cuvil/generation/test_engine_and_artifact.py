@@ -152,3 +152,35 @@ def test_a_batch_larger_than_the_slots_runs_in_groups(
     ours = generation.generate(ids, max_new_tokens=6, eos_token_id=None)
     theirs = model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None)
     assert torch.equal(ours, theirs)
+
+
+def test_the_models_generation_config_gives_what_a_call_leaves_out(tmp_path: Path) -> None:
+    """An instruct model's ``generation_config.json`` (sampling, a repetition penalty) is
+    recorded in the artifact and used where a call gives no value, as transformers does."""
+    model = build("llama").eval()
+    model.generation_config.update(
+        do_sample=True, temperature=0.7, top_k=20, repetition_penalty=1.4
+    )
+    example = {"input_ids": torch.randint(0, VOCAB, (1, 6))}
+    compiled = cuvil.jit(model, example, task="text-generation", max_batch=2, max_seq=MAX_SEQ)
+    assert isinstance(compiled, GenerationModel)
+    ids = _ids(9, seed=11)[None]
+    greedy = compiled.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=None)
+    theirs = model.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=None)
+    assert torch.equal(greedy, theirs)  # the config's penalty applies to a greedy call too
+    plain = compiled.generate(
+        ids, max_new_tokens=16, do_sample=False, eos_token_id=None, repetition_penalty=1.0
+    )
+    assert not torch.equal(greedy, plain)
+    sampled = compiled.generate(ids, max_new_tokens=16, eos_token_id=None, seed=3)
+    assert not torch.equal(sampled, greedy)  # the config samples by default
+    loaded = cuvil.load(compiled.save(tmp_path / "instruct.cuvil"))
+    assert isinstance(loaded, GenerationModel)
+    defaults = loaded.generation_config["sampling_defaults"]
+    assert defaults == {
+        "do_sample": True,
+        "temperature": 0.7,
+        "top_k": 20,
+        "repetition_penalty": 1.4,
+    }
+    assert torch.equal(loaded.generate(ids, max_new_tokens=16, eos_token_id=None, seed=3), sampled)
