@@ -42,7 +42,7 @@ from cuvil.artifact import media_types as mt
 from cuvil.artifact.files import ArtifactContents
 from cuvil.frontend.convert import convert_exported_program
 from cuvil.frontend.export import ExportedModel, export_model
-from cuvil.generation.generate import SAMPLING_DEFAULT_KEYS
+from cuvil.generation.generate import sampling_defaults
 from cuvil.generation.step import DecoderStep, probe_layout
 from cuvil.ir import Graph
 from cuvil.ir_verify import verify_graph
@@ -96,7 +96,8 @@ def compile_generation(
         "pad_token_id": _token_ids(model, "pad_token_id"),
         "kv_bytes_per_token": layout.bytes_per_token,
         "prefill_positions": PER_TOKEN if prefill_step.per_token else PER_ROW,
-        "sampling_defaults": _sampling_defaults(model),
+        # what transformers' generate takes from the model's generation config
+        "sampling_defaults": sampling_defaults(getattr(model, "generation_config", None)),
     }
     artifact_config: dict[str, Any] = {
         "name": name,
@@ -312,15 +313,6 @@ def _token_ids(model: torch.nn.Module, key: str) -> int | list[int] | None:
         if isinstance(value, list | tuple) and value:
             return [int(v) for v in value]
     return None
-
-
-def _sampling_defaults(model: torch.nn.Module) -> dict[str, Any]:
-    """What the model's generation config sets of the sampling options ``generate`` takes
-    (``generation_config.json``: an instruct model's temperature, top-p, repetition penalty),
-    which transformers' ``generate`` uses where a call gives none; unset ones are left out."""
-    config = getattr(model, "generation_config", None)
-    found = {key: getattr(config, key, None) for key in SAMPLING_DEFAULT_KEYS}
-    return {key: value for key, value in found.items() if isinstance(value, bool | int | float)}
 
 
 def _as_list(ids: int | list[int] | None) -> list[int]:

@@ -56,6 +56,18 @@ NEUTRAL = {
 }
 
 
+def sampling_defaults(generation_config: Any) -> dict[str, Any]:
+    """What a transformers ``GenerationConfig`` (or its JSON as a dict) sets of
+    ``SAMPLING_DEFAULT_KEYS``: an instruct model's temperature, top-p, repetition penalty,
+    which transformers' ``generate`` uses where a call gives none; unset ones are left out."""
+    read = generation_config.get if isinstance(generation_config, dict) else None
+    found = {
+        key: read(key) if read else getattr(generation_config, key, None)
+        for key in SAMPLING_DEFAULT_KEYS
+    }
+    return {key: value for key, value in found.items() if isinstance(value, bool | int | float)}
+
+
 class UnsupportedGenerationError(ValueError):
     """A ``generate`` option or input this driver does not cover."""
 

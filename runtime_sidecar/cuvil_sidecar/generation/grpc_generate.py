@@ -237,7 +237,9 @@ def _read(model: GenerationServable, request: InferRequest) -> GenerateRequest:
         parameters |= extra
     for name in SAMPLING_KEYS & set(inputs):
         parameters[name] = _scalar(inputs[name])
-    params, stop = read_parameters(parameters, model.model.eos_token_ids)
+    params, stop = read_parameters(
+        parameters, model.model.eos_token_ids, model.model.sampling_defaults
+    )
     if TEXT_INPUT in inputs:
         return GenerateRequest(None, _single_string(inputs[TEXT_INPUT]), params, stop, request.id)
     return GenerateRequest(_token_ids(inputs[INPUT_IDS]), None, params, stop, request.id)

@@ -52,6 +52,8 @@ class GenerationModel:
     source_digest: str
     text: TextCodec | None = None  # None: token ids in and out
     eos_token_ids: tuple[int, ...] = ()
+    # the source model's generation config's sampling options: what a request leaves out
+    sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
     config: Mapping[str, Any] = field(default_factory=dict)  # the artifact's, for trace links
     threads: ThreadChoice | None = None  # the engine thread's; None: the process's count
 
@@ -122,6 +124,7 @@ def load_generation(
         source_digest=source_digest,
         text=codec,
         eos_token_ids=eos,
+        sampling_defaults=dict((config.get("generation") or {}).get("sampling_defaults") or {}),
         config=config,
         threads=served.threads,
     )
@@ -157,6 +160,7 @@ def _eager(path: Path, source_digest: str, settings: SidecarConfig) -> Generatio
     from transformers import AutoModelForCausalLM
 
     from cuvil.generation.eager_engine import EagerDecoderEngine
+    from cuvil.generation.generate import sampling_defaults
 
     try:
         model = AutoModelForCausalLM.from_pretrained(
@@ -182,4 +186,5 @@ def _eager(path: Path, source_digest: str, settings: SidecarConfig) -> Generatio
         source_digest=source_digest,
         text=codec,
         eos_token_ids=eos_from_files(path, codec),
+        sampling_defaults=sampling_defaults(model.generation_config),
     )

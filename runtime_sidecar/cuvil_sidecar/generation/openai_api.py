@@ -12,11 +12,13 @@ usage), ``max_tokens`` (chat also ``max_completion_tokens``; default 16 for comp
 chat what the model's ``max_seq`` leaves), ``temperature`` (default 1, sampled; 0 is greedy),
 ``top_p``, ``seed``, ``stop``, ``presence_penalty``, ``frequency_penalty``, ``user``
 (ignored), and vLLM's ``top_k`` (off unless given), ``repetition_penalty``, ``ignore_eos`` and
-``stop_token_ids``. A field this server does not do (``n`` or ``best_of`` above 1, ``echo``,
-``logprobs``, ``suffix``, ``logit_bias``, tools) or does not know
-is refused with 400 naming it, never ignored. Errors are OpenAI's shape, ``{"error": {"message",
-"type", "param", "code"}}``, with the generate extension's status (400, 404 for another model's
-name, 413 past the KV budget, 429 with a full queue, 503 stopping). The answers carry text, so
+``stop_token_ids``; temperature, top-k, top-p and the repetition penalty a request leaves out
+come from the model's generation config where it sets them, as vLLM takes them. A field this
+server does not do (``n`` or ``best_of`` above 1, ``echo``, ``logprobs``, ``suffix``,
+``logit_bias``, tools) or does not know is refused with 400 naming it, never ignored. Errors
+are OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, with the generate
+extension's status (400, 404 for another model's name, 413 past the KV budget, 429 with a full
+queue, 503 stopping). The answers carry text, so
 the model needs its tokenizer. Usage counts the prompt tokens prefix reuse copied (the
 scheduler's) as ``prompt_tokens_details.cached_tokens``, as OpenAI counts its prompt caching.
 """
@@ -26,7 +28,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -207,7 +209,8 @@ def _completion_reader(
 
     def read(model: GenerationServable) -> GenerateRequest:
         _needs_text(model)
-        params, stop = read_parameters(_sampling(body, COMPLETION_DEFAULT_TOKENS), _eos(model))
+        parameters = _sampling(body, COMPLETION_DEFAULT_TOKENS, model.model.sampling_defaults)
+        params, stop = read_parameters(parameters, _eos(model))
         return GenerateRequest(ids, text, params, stop, answer_id)
 
     return read
@@ -228,16 +231,24 @@ def _chat_reader(
             )
         prompt = codec.encode(render_chat(template, messages, codec.special_tokens), special=False)
         default = model.scheduler.engine.max_seq  # the scheduler cuts it to what max_seq leaves
-        params, stop = read_parameters(_sampling(body, default), _eos(model))
+        parameters = _sampling(body, default, model.model.sampling_defaults)
+        params, stop = read_parameters(parameters, _eos(model))
         return GenerateRequest(prompt, None, params, stop, answer_id)
 
     return read
 
 
-def _sampling(body: dict[str, Any], default_tokens: int) -> dict[str, Any]:
-    """The body's sampling fields as the generate extension's parameters (requests.py), with
-    OpenAI's defaults: temperature 1 (sampled), top_k off."""
+def _sampling(
+    body: dict[str, Any], default_tokens: int, model_defaults: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The body's sampling fields as the generate extension's parameters (requests.py); what
+    the body leaves out of temperature, top-k, top-p and the repetition penalty from the
+    model's generation config (as vLLM does), else OpenAI's defaults: temperature 1 (sampled),
+    top_k off."""
     parameters = {key: body[key] for key in SAMPLING | VLLM if body.get(key) is not None}
+    for key in ("temperature", "top_k", "top_p", "repetition_penalty"):
+        if key in model_defaults and key not in parameters:
+            parameters[key] = model_defaults[key]
     for alias in ("max_completion_tokens",):  # chat's newer name for max_tokens
         if body.get(alias) is not None:
             if "max_tokens" in parameters:

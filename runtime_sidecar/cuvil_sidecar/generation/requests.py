@@ -11,7 +11,10 @@ the generated tokens; ``sampling.py``), ``eos_token_id`` or
 (a string or a list: generation ends once the text holds one; needs a tokenizer), and the
 transport's own keys (``stream``, ``timeout``, ``priority``, ``triton_*``), which are read
 elsewhere or ignored. Any other key is refused, so a misspelt parameter never silently falls
-back to a default.
+back to a default. What a request leaves out of ``temperature``, ``top_k``, ``top_p`` and
+``repetition_penalty`` comes from the model's generation config where it sets them (an
+instruct model's ``generation_config.json``), and whether it samples from that config's
+``do_sample`` unless the request gives a temperature, as transformers' ``generate`` reads it.
 """
 
 from __future__ import annotations
@@ -49,8 +52,14 @@ class GenerateRequest:
 
 
 def read_parameters(
-    parameters: Mapping[str, Any], default_eos: Sequence[int]
+    parameters: Mapping[str, Any],
+    default_eos: Sequence[int],
+    defaults: Mapping[str, Any] | None = None,
 ) -> tuple[SamplingParams, tuple[str, ...]]:
+    """The request's sampling parameters and stop strings; ``defaults``: the model's
+    generation config's sampling options (``sampling_defaults``)."""
+    given = parameters
+    parameters = {**(defaults or {}), **parameters}
     unknown = sorted(
         key
         for key in parameters
@@ -68,8 +77,11 @@ def read_parameters(
     temperature = _number(parameters, "temperature", 1.0)
     if temperature < 0:
         raise InvalidInput(f"temperature must be 0 (greedy) or more, not {temperature}")
-    sampled_by_default = "temperature" in parameters and temperature > 0
-    do_sample = _flag(parameters, "do_sample", sampled_by_default)
+    if "temperature" in given:
+        sampled_by_default = temperature > 0
+    else:
+        sampled_by_default = _flag(parameters, "do_sample", False)
+    do_sample = _flag(given, "do_sample", sampled_by_default)
     if do_sample and temperature == 0:
         raise InvalidInput("do_sample with temperature 0: give a positive temperature")
     eos: list[int] = []

@@ -62,7 +62,9 @@ def reader(body: bytes) -> Callable[[GenerationServable], GenerateRequest]:
         raise InvalidInput("id must be a string")
 
     def read(model: GenerationServable) -> GenerateRequest:
-        params, stop = read_parameters(parameters, model.model.eos_token_ids)
+        params, stop = read_parameters(
+            parameters, model.model.eos_token_ids, model.model.sampling_defaults
+        )
         return GenerateRequest(prompt, text, params, stop, request_id)
 
     return read
