@@ -147,3 +147,19 @@ def greedy_picks(logits: torch.Tensor) -> list[int]:
 
 
 _NUMPY_ARGMAX = (torch.float32, torch.float64, torch.float16)
+
+
+# a picked token's log-probability and the ``top`` most likely tokens' (id, log-probability)
+TokenLogprobs = tuple[float, tuple[tuple[int, float], ...]]
+
+
+def token_logprobs(logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:
+    """``token``'s log-probability under the model's distribution (the log-softmax of the raw
+    1-D ``logits``, before penalties and warpers, as vLLM reports it by default) and the
+    ``top`` most likely tokens', most likely first."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    best = torch.topk(logprobs, top) if top else None
+    alternatives = (
+        () if best is None else tuple(zip(best.indices.tolist(), best.values.tolist(), strict=True))
+    )
+    return float(logprobs[token]), alternatives

@@ -13,9 +13,10 @@ chat what the model's ``max_seq`` leaves), ``temperature`` (default 1, sampled; 
 ``top_p``, ``seed``, ``stop``, ``presence_penalty``, ``frequency_penalty``, ``user``
 (ignored), and vLLM's ``top_k`` (off unless given), ``repetition_penalty``, ``ignore_eos`` and
 ``stop_token_ids``; temperature, top-k, top-p and the repetition penalty a request leaves out
-come from the model's generation config where it sets them, as vLLM takes them. A field this
-server does not do (``n`` or ``best_of`` above 1, ``echo``, ``logprobs``, ``suffix``,
-``logit_bias``, tools) or does not know is refused with 400 naming it, never ignored. Errors
+come from the model's generation config where it sets them, as vLLM takes them; ``logprobs``
+(and chat's ``top_logprobs``) for the generated tokens (``openai_logprobs.py``). A field this
+server does not do (``n`` or ``best_of`` above 1, ``echo``, ``suffix``, ``logit_bias``, tools)
+or does not know is refused with 400 naming it, never ignored. Errors
 are OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, with the generate
 extension's status (400, 404 for another model's name, 413 past the KV budget, 429 with a full
 queue, 503 stopping). The answers carry text, so
@@ -35,6 +36,7 @@ from typing import Any
 from cuvil_sidecar.dataplane import DataPlane
 from cuvil_sidecar.errors import InvalidInput, SidecarError, http_status
 from cuvil_sidecar.generation.chat import read_messages, render_chat
+from cuvil_sidecar.generation.openai_logprobs import chat_logprobs, completion_logprobs, requested
 from cuvil_sidecar.generation.requests import GenerateRequest, read_parameters, read_prompt
 from cuvil_sidecar.generation.rest_generate import TokenEvents, sse_event
 from cuvil_sidecar.generation.scheduler import FINISH_ERROR, FINISH_SHUTDOWN
@@ -59,8 +61,6 @@ HARMLESS: dict[str, tuple[Any, ...]] = {
     "n": (None, 1),
     "best_of": (None, 1),
     "echo": (None, False),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "suffix": (None, ""),
     "logit_bias": (None, {}),
     "tools": (None, []),
@@ -69,7 +69,9 @@ HARMLESS: dict[str, tuple[Any, ...]] = {
     "response_format": (None, {"type": "text"}),
 }
 COMPLETION_KEYS = COMMON | {"prompt", "best_of", "echo", "suffix", "logit_bias"}
-CHAT_KEYS = (COMMON | set(HARMLESS) | {"messages", "max_completion_tokens"}) - {"best_of", "echo"}
+CHAT_KEYS = (COMMON | set(HARMLESS) | {"messages", "max_completion_tokens", "top_logprobs"}) - {
+    "best_of", "echo"
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -117,13 +119,14 @@ async def _answer(dataplane: DataPlane, request: HttpRequest, kind: Kind) -> Htt
         streaming = _flag(body, "stream")
         usage_chunk = streaming and _include_usage(body)
         answer_id = kind.id_prefix + uuid.uuid4().hex
-        read = (_chat_reader if kind.chat else _completion_reader)(body, answer_id)
+        top = requested(body, kind.chat)
+        read = (_chat_reader if kind.chat else _completion_reader)(body, answer_id, top)
         stream = dataplane.open_generation(model, "", read)
     except SidecarError as error:
         return error_answer(error)
     header = {"id": answer_id, "created": int(time.time()), "model": model}
     if streaming:
-        chunks = _chunks(stream, header | {"object": kind.chunk}, kind, usage_chunk)
+        chunks = _chunks(stream, header | {"object": kind.chunk}, kind, usage_chunk, top)
         return HttpResponse(200, content_type="text/event-stream", stream=chunks)
     try:
         last = await stream.last()
@@ -136,27 +139,43 @@ async def _answer(dataplane: DataPlane, request: HttpRequest, kind: Kind) -> Htt
         choice["message"] = {"role": "assistant", "content": stream.text}
     else:
         choice["text"] = stream.text
-    choice |= {"logprobs": None, "finish_reason": stream.finish}
+    scored = None if top is None else _logprobs(stream, stream.scored, kind)
+    choice |= {"logprobs": scored, "finish_reason": stream.finish}
     answer = header | {"object": kind.answer, "choices": [choice], "usage": _usage(stream)}
     return json_response(200, answer)
 
 
 def _chunks(
-    stream: GenerationStream, header: dict[str, Any], kind: Kind, usage_chunk: bool
+    stream: GenerationStream,
+    header: dict[str, Any],
+    kind: Kind,
+    usage_chunk: bool,
+    top: int | None,
 ) -> TokenEvents:
     """The streamed answer: for a chat, a first chunk with the assistant's role; a chunk per
-    token that completes text or ends the answer; the usage chunk where asked; ``[DONE]``. An
-    error after the stream began comes as an error object, then ``[DONE]``."""
+    token that completes text or ends the answer (with the log-probabilities of the tokens
+    since the last chunk, where asked); the usage chunk where asked; ``[DONE]``. An error after
+    the stream began comes as an error object, then ``[DONE]``."""
 
     chunk = chunk_writer(header, kind.chat)
+    pending: list[GeneratedToken] = []  # scored tokens not in a chunk yet
+    written = [0]  # characters of text in chunks so far: a completion's text offsets
 
     def frames(token: GeneratedToken) -> list[bytes]:
         if token.finish in (FINISH_ERROR, FINISH_SHUTDOWN):
             error = ended_error(token.finish, token.error)
             return [sse_event(_error_body(str(error), http_status(error))), DONE]
         parts = []
+        if token.logprobs is not None:
+            pending.append(token)
         if token.text or token.finish is not None:
-            parts.append(chunk(token.text or None if kind.chat else token.text, token.finish))
+            scored = None
+            if top is not None:
+                scored = _logprobs(stream, pending, kind, written[0])
+                pending.clear()
+            written[0] += len(token.text)
+            text = token.text or None if kind.chat else token.text
+            parts.append(chunk(text, token.finish, logprobs=scored))
         if token.finish is not None:
             if usage_chunk:
                 parts.append(sse_event(header | {"choices": [], "usage": _usage(stream)}))
@@ -167,14 +186,16 @@ def _chunks(
 
 
 def chunk_writer(header: dict[str, Any], chat: bool) -> Callable[..., bytes]:
-    """A streamed answer's chunk, ``chunk(text, finish, role=False)``: the event ``sse_event``
-    writes for ``header | {"choices": [choice]}``, the choice a chat's ``delta`` (the role
-    where asked, the text unless None) or a completion's ``text``, then ``logprobs`` and
-    ``finish_reason``; written from the header's JSON encoded once, as a stream sends a chunk
+    """A streamed answer's chunk, ``chunk(text, finish, role=False, logprobs=None)``: the event
+    ``sse_event`` writes for ``header | {"choices": [choice]}``, the choice a chat's ``delta``
+    (the role where asked, the text unless None) or a completion's ``text``, then ``logprobs``
+    and ``finish_reason``; written from the header's JSON encoded once, as a stream sends a chunk
     per token."""
     opening = b"data: " + _json(header)[:-1] + b',"choices":[{"index":0,'
 
-    def chunk(text: str | None, finish: str | None, role: bool = False) -> bytes:
+    def chunk(
+        text: str | None, finish: str | None, role: bool = False, logprobs: Any = None
+    ) -> bytes:
         if chat:
             fields = [b'"role":"assistant"'] if role else []
             if text is not None:
@@ -182,7 +203,8 @@ def chunk_writer(header: dict[str, Any], chat: bool) -> Callable[..., bytes]:
             choice = b'"delta":{' + b",".join(fields) + b"}"
         else:
             choice = b'"text":' + _json(text or "")
-        return opening + choice + b',"logprobs":null,"finish_reason":' + _json(finish) + b"}]}\n\n"
+        scored = b',"logprobs":' + (b"null" if logprobs is None else _json(logprobs))
+        return opening + choice + scored + b',"finish_reason":' + _json(finish) + b"}]}\n\n"
 
     return chunk
 
@@ -194,8 +216,18 @@ def _json(value: Any) -> bytes:
 _ENCODER = json.JSONEncoder(separators=(",", ":"))  # json.dumps's, made once rather than per call
 
 
+def _logprobs(
+    stream: GenerationStream, tokens: list[GeneratedToken], kind: Kind, offset: int = 0
+) -> dict[str, Any]:
+    codec = stream.codec
+    assert codec is not None  # OpenAI's routes serve models with a tokenizer only
+    if kind.chat:
+        return chat_logprobs(tokens, codec)
+    return completion_logprobs(tokens, codec, offset)
+
+
 def _completion_reader(
-    body: dict[str, Any], answer_id: str
+    body: dict[str, Any], answer_id: str, top: int | None
 ) -> Callable[[GenerationServable], GenerateRequest]:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
@@ -211,13 +243,13 @@ def _completion_reader(
         _needs_text(model)
         parameters = _sampling(body, COMPLETION_DEFAULT_TOKENS, model.model.sampling_defaults)
         params, stop = read_parameters(parameters, _eos(model))
-        return GenerateRequest(ids, text, params, stop, answer_id)
+        return GenerateRequest(ids, text, params, stop, answer_id, logprobs=top)
 
     return read
 
 
 def _chat_reader(
-    body: dict[str, Any], answer_id: str
+    body: dict[str, Any], answer_id: str, top: int | None
 ) -> Callable[[GenerationServable], GenerateRequest]:
     messages = read_messages(body.get("messages"))
 
@@ -233,7 +265,7 @@ def _chat_reader(
         default = model.scheduler.engine.max_seq  # the scheduler cuts it to what max_seq leaves
         parameters = _sampling(body, default, model.model.sampling_defaults)
         params, stop = read_parameters(parameters, _eos(model))
-        return GenerateRequest(prompt, None, params, stop, answer_id)
+        return GenerateRequest(prompt, None, params, stop, answer_id, logprobs=top)
 
     return read
 

@@ -49,6 +49,7 @@ class GenerateRequest:
     # its prompt is written, by transports that cannot cancel the stream when it goes (the
     # native gRPC front end learns it only from the call)
     client_gone: Callable[[], bool] | None = None
+    logprobs: int | None = None  # each token's log-probability and this many top ones' (OpenAI)
 
 
 def read_parameters(

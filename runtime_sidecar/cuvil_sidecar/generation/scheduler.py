@@ -66,7 +66,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cuvil.generation.engine import DecoderEngine
-from cuvil.generation.sampling import SamplingParams, next_tokens
+from cuvil.generation.sampling import SamplingParams, TokenLogprobs, next_tokens, token_logprobs
 from cuvil_sidecar.errors import GenerationQueueFull, InvalidInput, KvBudgetExceeded
 from cuvil_sidecar.generation.inbox import held_deliveries
 
@@ -90,6 +90,7 @@ class TokenEvent:
     finish: str | None = None
     error: str = ""
     at_ns: int = 0  # when the token was picked (time.perf_counter_ns)
+    logprobs: TokenLogprobs | None = None  # where the request asked for them
 
 
 Sink = Callable[[TokenEvent], None]
@@ -109,6 +110,7 @@ class Sequence:
     cancelled: bool = False
     client_gone: Callable[[], bool] | None = None
     reused: int = 0  # prompt tokens copied from a slot's cache rather than prefilled
+    logprobs: int | None = None  # report each token's log-probability and this many others'
 
     def abandoned(self) -> bool:
         """Cancelled, or its client gone (asked of the transport, for one that can tell)."""
@@ -206,11 +208,13 @@ class Scheduler:
         params: SamplingParams,
         sink: Sink,
         client_gone: Callable[[], bool] | None = None,
+        logprobs: int | None = None,
     ) -> Sequence:
         """Queue a sequence; its events go to ``sink`` on the engine thread. Raises at once
         when it can never run, or when the waiting queue is full. ``client_gone`` (any
         thread, cheap): whether the client went away without cancelling; asked while the
-        sequence waits and before each of its prompt chunks, so that it is dropped unrun."""
+        sequence waits and before each of its prompt chunks, so that it is dropped unrun.
+        ``logprobs``: each event carries its token's log-probability and this many top ones'."""
         max_seq = self.engine.max_seq
         if not prompt:
             raise InvalidInput("the prompt holds no tokens")
@@ -230,6 +234,7 @@ class Scheduler:
             generator=params.generator(),
             submitted_ns=time.perf_counter_ns(),
             client_gone=client_gone,
+            logprobs=logprobs,
         )
         if sequence.reserved > self.budget_positions:
             raise KvBudgetExceeded(
@@ -530,10 +535,12 @@ class Scheduler:
             logits, params, [s.generator for s in sequences], lambda row: sequences[row].history()
         )
         with held_deliveries():  # the step's tokens reach each event loop in one wake-up
-            for sequence, token in zip(sequences, tokens, strict=True):
-                self._took(sequence, token)
+            for row, (sequence, token) in enumerate(zip(sequences, tokens, strict=True)):
+                top = sequence.logprobs
+                scored = None if top is None else token_logprobs(logits[row], token, top)
+                self._took(sequence, token, scored)
 
-    def _took(self, sequence: Sequence, token: int) -> None:
+    def _took(self, sequence: Sequence, token: int, logprobs: TokenLogprobs | None) -> None:
         """Send the sequence's next token, end the sequence if done."""
         sequence.tokens.append(token)
         finish = None
@@ -544,7 +551,7 @@ class Scheduler:
         if finish is not None:
             with self._wake:
                 self._leave(sequence)
-        self._emit(sequence, token, finish)
+        self._emit(sequence, token, finish, logprobs=logprobs)
 
     def _fail(self, sequences: list[Sequence], error: Exception) -> None:
         log.error("the engine failed for %d sequence(s): %r", len(sequences), error)
@@ -557,8 +564,15 @@ class Scheduler:
             self._emit(sequence, None, FINISH_ERROR, f"the model failed: {error}")
 
     @staticmethod
-    def _emit(sequence: Sequence, token: int | None, finish: str | None, error: str = "") -> None:
-        event = TokenEvent(token, len(sequence.tokens) - 1, finish, error, time.perf_counter_ns())
+    def _emit(
+        sequence: Sequence,
+        token: int | None,
+        finish: str | None,
+        error: str = "",
+        logprobs: TokenLogprobs | None = None,
+    ) -> None:
+        index, now = len(sequence.tokens) - 1, time.perf_counter_ns()
+        event = TokenEvent(token, index, finish, error, now, logprobs)
         try:
             sequence.sink(event)
         except Exception:  # a sink's failure is its client's; the other streams go on

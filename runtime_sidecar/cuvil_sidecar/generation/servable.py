@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from cuvil.generation.sampling import TokenLogprobs
 from cuvil_sidecar import tracing
 from cuvil_sidecar.config import SidecarConfig
 from cuvil_sidecar.errors import InvalidInput, ShuttingDown, SidecarError
@@ -35,7 +36,7 @@ from cuvil_sidecar.generation.scheduler import (
     Sequence,
     TokenEvent,
 )
-from cuvil_sidecar.generation.text import Detokenizer
+from cuvil_sidecar.generation.text import Detokenizer, TextCodec
 from cuvil_sidecar.messages import ModelMetadata, TensorMetadata
 from cuvil_sidecar.metrics import Metrics
 
@@ -55,6 +56,7 @@ class GeneratedToken:
     text: str  # what this token completes of the text ("" without a tokenizer)
     finish: str | None  # set on the last one: stop, length, cancelled, error, shutdown
     error: str = ""
+    logprobs: TokenLogprobs | None = None  # where the request asked for them
 
 
 class GenerationServable:
@@ -172,6 +174,7 @@ class GenerationStream:
         self.tokens: list[int] = []
         self.text = ""
         self.finish: str | None = None
+        self.scored: list[GeneratedToken] = []  # the tokens with log-probabilities, as received
         self._inbox = servable.inboxes.of(asyncio.get_running_loop())
         self._events: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self._push: Callable[[GeneratedToken], None] | None = None
@@ -183,7 +186,11 @@ class GenerationStream:
         self._span = tracing.start_generate_span(servable.name, servable.digest, servable.links)
         try:
             self._sequence: Sequence = servable.scheduler.submit(
-                list(prompt), request.params, self._sink, request.client_gone
+                list(prompt),
+                request.params,
+                self._sink,
+                request.client_gone,
+                logprobs=request.logprobs,
             )
         except Exception as error:
             tracing.end_generate_span(self._span, error=str(error))
@@ -210,6 +217,11 @@ class GenerationStream:
     def stream_interval(self) -> int:
         """Tokens a streamed REST answer writes at once (``CUVIL_STREAM_INTERVAL``)."""
         return self._servable.stream_interval
+
+    @property
+    def codec(self) -> TextCodec | None:
+        """The model's tokenizer (None: token ids in and out)."""
+        return self._servable.text
 
     @property
     def with_text(self) -> bool:
@@ -296,7 +308,10 @@ class GenerationStream:
                     servable.scheduler.cancel(self._sequence)  # its cancel event is not read
         if finish is not None:
             self._finished(finish, event.error)
-        return GeneratedToken(event.token, event.index, piece, finish, event.error)
+        token = GeneratedToken(event.token, event.index, piece, finish, event.error, event.logprobs)
+        if event.logprobs is not None:
+            self.scored.append(token)
+        return token
 
     def _cut_at_stop(self, piece: str) -> tuple[str, bool]:
         """The piece up to the first stop string the text now holds, and whether one did."""

@@ -40,6 +40,10 @@ class TextCodec:
     def decode(self, ids: list[int]) -> str:
         return str(self._tokenizer.decode(ids, skip_special_tokens=True))
 
+    def token_text(self, token: int) -> str:
+        """One token decoded alone, special tokens included (log-probabilities name tokens)."""
+        return str(self._tokenizer.decode([token], skip_special_tokens=False))
+
     def token_id(self, token: str) -> int | None:
         found = self._tokenizer.token_to_id(token)
         return None if found is None else int(found)

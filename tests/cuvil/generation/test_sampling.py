@@ -13,6 +13,7 @@ from cuvil.generation.sampling import (
     next_token,
     next_tokens,
     penalized,
+    token_logprobs,
 )
 
 
@@ -107,3 +108,13 @@ def test_penalized_rows_pick_alone_what_they_pick_in_a_step() -> None:
 def test_penalties_out_of_range_are_refused(options: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         SamplingParams(**options)
+
+
+def test_token_logprobs_are_the_log_softmax_and_its_likeliest() -> None:
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(6))
+    expected = torch.log_softmax(logits, -1)
+    chosen, top = token_logprobs(logits, 7, 3)
+    assert chosen == pytest.approx(float(expected[7]))
+    assert [i for i, _ in top] == expected.topk(3).indices.tolist()
+    assert [lp for _, lp in top] == pytest.approx(expected.topk(3).values.tolist())
+    assert token_logprobs(logits.half(), 7, 0) == (pytest.approx(chosen, abs=1e-2), ())

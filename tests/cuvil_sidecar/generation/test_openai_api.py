@@ -4,7 +4,8 @@ transformers checkpoint with a byte-level BPE tokenizer and a chat template.
 - greedy completions and chat completions give transformers' ``generate`` text (the chat
   prompt rendered as transformers' ``apply_chat_template`` renders it), whole and streamed,
   with usage counts (a repeated prompt's cached tokens: prefix reuse); a token-id prompt
-  answers as its text does; seeded sampling repeats;
+  answers as its text does; seeded sampling repeats; the penalties as transformers and OpenAI
+  define them; ``logprobs`` as the model's log-softmax, whole and streamed;
 - stop strings cut the text; a chat template's own refusal, fields this server does not do,
   unknown fields and another model's name get OpenAI's error answers, and the server goes on;
 - the api key is checked as a bearer token; a model without a tokenizer refuses, naming the
@@ -35,6 +36,7 @@ TEMPLATE = (
 )
 PROMPT = "the quick brown fox jumps over the lazy dog, then the quick brown fox"  # 16 tokens
 LONG = 16_000  # tokens a stream asks for when it must still run while the test looks
+LOGPROB_TOKENS = 10
 MESSAGES = [
     {"role": "system", "content": "answer in one word"},
     {"role": "user", "content": "what jumps over the lazy dog?"},
@@ -235,7 +237,7 @@ def test_a_client_that_leaves_a_chat_stream_frees_its_slot(
     ("extra", "expected", "match"),
     [
         ({"n": 2}, openai.BadRequestError, "n=2 is not supported"),
-        ({"logprobs": 3}, openai.BadRequestError, "logprobs=3"),
+        ({"echo": True}, openai.BadRequestError, "echo=True is not supported"),
         ({"presence_penalty": 2.5}, openai.BadRequestError, "presence_penalty must be in"),
         ({"extra_body": {"best_of_all": 1}}, openai.BadRequestError, "unknown field.*best_of_all"),
         ({"max_tokens": 0}, openai.BadRequestError, "max_new_tokens"),
@@ -282,3 +284,82 @@ def test_api_keys_are_bearer_tokens_and_a_model_without_a_tokenizer_refuses(
         refused = pytest.raises(openai.BadRequestError, match="/v2/models/tiny-ids/generate")
         with openai.OpenAI(base_url=base, api_key="s3cret") as client, refused:
             client.completions.create(model="tiny-ids", prompt=[5, 6, 7], max_tokens=2)
+
+
+def _scored(model: Any, prompt: list[int]) -> tuple[list[int], list[float]]:
+    """transformers' greedy tokens for ``prompt`` and each one's log-probability."""
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=LOGPROB_TOKENS, do_sample=False)
+        tokens = out[0, len(prompt) :].tolist()
+        logits = model(out[:, :-1]).logits[0, len(prompt) - 1 :]
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+    return tokens, [float(logprobs[i, token]) for i, token in enumerate(tokens)]
+
+
+def test_a_completions_logprobs_are_the_models(client: openai.OpenAI, reference: Any) -> None:
+    """Each generated token's log-probability is transformers' log-softmax over the same
+    tokens; the top ones hold the greedy pick."""
+    model, tokenizer = reference
+    greedy = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=LOGPROB_TOKENS, temperature=0, logprobs=3
+    )
+    logprobs = greedy.choices[0].logprobs
+    assert logprobs is not None and greedy.usage is not None
+    tokens, expected = _scored(model, tokenizer.encode(PROMPT))
+    assert logprobs.tokens == [tokenizer.decode([t]) for t in tokens]
+    assert logprobs.token_logprobs == pytest.approx(expected, abs=1e-4)
+    assert logprobs.top_logprobs is not None and logprobs.text_offset is not None
+    for chosen, top in zip(logprobs.token_logprobs, logprobs.top_logprobs, strict=True):
+        # three tokens, fewer where two decode to the same text (a partial character: "\ufffd")
+        assert 1 <= len(top) <= 3 and max(top.values()) == pytest.approx(chosen, abs=1e-6)
+    offsets = logprobs.text_offset
+    assert (
+        offsets[0] == 0
+        and offsets == sorted(offsets)
+        and offsets[-1] <= len(greedy.choices[0].text)
+    )
+    assert len(offsets) == greedy.usage.completion_tokens
+
+
+def test_a_chats_logprobs_whole_and_streamed(client: openai.OpenAI) -> None:
+    """Each token's entry holds its bytes and its top ones, the greedy pick first; a streamed
+    chat carries in its chunks what the whole answer carries."""
+    asked: dict[str, Any] = {"max_tokens": LOGPROB_TOKENS, "temperature": 0, "logprobs": True}
+    whole = client.chat.completions.create(model="tiny", messages=MESSAGES, top_logprobs=2, **asked)
+    logprobs = whole.choices[0].logprobs
+    assert logprobs is not None and logprobs.content is not None and whole.usage is not None
+    content = logprobs.content
+    assert len(content) == whole.usage.completion_tokens
+    for entry in content:
+        assert entry.bytes == list(entry.token.encode())
+        assert [top.logprob for top in entry.top_logprobs] == sorted(
+            (top.logprob for top in entry.top_logprobs), reverse=True
+        )
+        assert len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-6)
+    streamed = []
+    for chunk in client.chat.completions.create(
+        model="tiny", messages=MESSAGES, top_logprobs=2, stream=True, **asked
+    ):
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            streamed += chunk.choices[0].logprobs.content or []
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    plain = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2)
+    assert plain.choices[0].logprobs is None
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        ({"top_logprobs": 2}, "top_logprobs needs logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs must be an integer from 0 to 20"),
+        ({"logprobs": 3}, "logprobs must be true or false"),
+    ],
+)
+def test_bad_logprobs_asks_are_bad_requests(
+    client: openai.OpenAI, extra: dict[str, Any], match: str
+) -> None:
+    with pytest.raises(openai.BadRequestError, match=match):
+        client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, **extra)
+    with pytest.raises(openai.BadRequestError, match="logprobs must be an integer from 0 to 20"):
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, logprobs=-1)

@@ -66,11 +66,13 @@ def test_an_openai_chunk_is_what_encoding_the_whole_object_gives(chat: bool) -> 
                     choice: dict[str, object] = {"index": 0, "delta": delta}
                 else:
                     choice = {"index": 0, "text": text or ""}
-                choice |= {"logprobs": None, "finish_reason": token.finish}
-                whole = header | {"choices": [choice]}
-                written = chunk(text, token.finish, role=role)
-                assert written == sse_event(whole)
-                assert json.loads(written[6:]) == whole
+                for logprobs in (None, {"content": [{"token": "é", "logprob": -0.5}]}):
+                    whole = header | {
+                        "choices": [choice | {"logprobs": logprobs, "finish_reason": token.finish}]
+                    }
+                    written = chunk(text, token.finish, role=role, logprobs=logprobs)
+                    assert written == sse_event(whole)
+                    assert json.loads(written[6:]) == whole
 
 
 def test_a_streamed_token_counts_and_its_gap_lands_in_the_histogram() -> None:
