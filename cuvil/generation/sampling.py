@@ -13,6 +13,7 @@ same tokens whether it runs alone or in a batch that others join and leave.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -35,12 +36,14 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1, not {self.max_new_tokens}")
-        if self.do_sample and self.temperature <= 0:
-            raise ValueError(f"temperature must be positive, not {self.temperature}")
+        if self.do_sample and not 0 < self.temperature < math.inf:
+            raise ValueError(f"temperature must be positive and finite, not {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be 0 (off) or more, not {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], not {self.top_p}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise ValueError(f"seed must be a 64-bit integer, not {self.seed}")
         if not self.repetition_penalty > 0:
             raise ValueError(f"repetition_penalty must be positive, not {self.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -119,11 +122,14 @@ def next_tokens(
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
     history: Callable[[int], History] | None = None,
+    failed: Callable[[int, Exception], None] | None = None,
 ) -> list[int]:
     """The next token of each row of ``logits`` [rows, vocab]: one argmax over all rows for the
     greedy ones (a step's per-row Python is what a small model's decode pays for; an all-greedy
     step has none), each sampled or penalized row on its own, as ``next_token``, with
-    ``history(row)`` its tokens so far (asked only of the rows a penalty applies to)."""
+    ``history(row)`` its tokens so far (asked only of the rows a penalty applies to). With
+    ``failed``, a row whose pick raises (no finite weight to draw from) is handed to it and
+    gets -1, and the other rows their tokens; without, the error propagates."""
     picks = greedy_picks(logits)
     if not any(row_params.do_sample or row_params.penalizes for row_params in params):
         return picks
@@ -132,7 +138,13 @@ def next_tokens(
             if row_params.penalizes and history is None:
                 raise ValueError("a penalty needs the rows' tokens so far (history)")
             tokens = history(row) if history is not None and row_params.penalizes else ((), ())
-            picks[row] = next_token(logits[row], row_params, generator, tokens)
+            try:
+                picks[row] = next_token(logits[row], row_params, generator, tokens)
+            except Exception as error:
+                if failed is None:
+                    raise
+                failed(row, error)
+                picks[row] = -1
     return picks
 
 

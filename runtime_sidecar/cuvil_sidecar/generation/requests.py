@@ -19,6 +19,7 @@ instruct model's ``generation_config.json``), and whether it samples from that c
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -76,8 +77,10 @@ def read_parameters(
     if max_new is None:
         max_new = _integer(parameters, "max_new_tokens", 20)
     temperature = _number(parameters, "temperature", 1.0)
-    if temperature < 0:
-        raise InvalidInput(f"temperature must be 0 (greedy) or more, not {temperature}")
+    if not 0 <= temperature < math.inf:
+        raise InvalidInput(
+            f"temperature must be 0 (greedy) or a finite number above, not {temperature}"
+        )
     if "temperature" in given:
         sampled_by_default = temperature > 0
     else:

@@ -9,11 +9,10 @@ prompt: a long prompt is prefilled over several iterations while the running str
 getting a token per iteration, and a burst of short prompts reaches its first tokens in a few
 iterations rather than one iteration per prompt.
 
-A prompt's tokens but its last are written with ``engine.extend``, or with the other chunks of
-the iteration in one ``engine.extend_many`` (no logits: the engine may pad the chunks to a
-length it has prepared); its last token goes in with the decode step of the iteration that
-finished the rest, as a row of its own, and that row's logits pick its first token. A prompt of
-one token goes straight to decode.
+A prompt's tokens but its last are written with ``engine.extend``, or with the iteration's other
+chunks in one ``engine.extend_many`` (no logits: the engine may pad the chunks to a length it
+has prepared); its last token joins the decode step of the iteration that finished the rest, as
+a row whose logits pick its first token (a one-token prompt goes straight to decode).
 
 With ``prefill_alongside`` (a host whose cores hold two engine threads: the sidecar's engine
 runs at one thread on two cores), prompts are written by a prefill thread of their own while
@@ -24,17 +23,16 @@ keeps its slot until the chunk being written for it is done.
 
 Prompts that begin as an earlier sequence's did are not written again (prefix reuse, as vLLM's
 prefix caching): with an engine that has ``copy_prefix`` (it then keeps a slot's keys and values
-until the slot is written again), a sequence taking a slot starts from the longest run of
-leading tokens, ``PREFIX_MIN_TOKENS`` or more, that some slot still holds (a running sequence's
-written prompt and tokens, or a finished one's, until its slot is taken), copied into its own
-slot, or kept where it already is when that slot is free: a shared system prompt or the earlier
-turns of a conversation cost a copy, not a prefill. A prompt still being written takes, before
-each chunk, what other slots have written of its next tokens since, and waits while an earlier
-prompt's chunk in the same step writes them, so a burst of prompts that share a system prompt
-writes it once. Positions hold the same keys and values whichever sequence wrote them, up to the
-order of floating-point sums in batched products (as when prompts are packed together), so a
-stream's tokens are those it gets without reuse (the tests compare them with transformers'
-greedy tokens).
+until the slot is written again), a sequence taking a slot starts from the longest run of leading
+tokens, ``PREFIX_MIN_TOKENS`` or more, that some slot still holds (a running sequence's written
+prompt and tokens, or a finished one's, until its slot is taken), copied into its own slot, or kept
+where it already is when that slot is free: a shared system prompt or the earlier turns of a
+conversation cost a copy, not a prefill. A prompt still being written takes, before each chunk, what
+other slots have written of its next tokens since, and waits while an earlier prompt's chunk in the
+same step writes them, so a burst of prompts that share a system prompt writes it once. Positions
+hold the same keys and values whichever sequence wrote them, up to the order of floating-point sums
+in batched products (as when prompts are packed together), so a stream's tokens are those it gets
+without reuse (the tests compare them with transformers' greedy tokens).
 
 Memory is admitted, never discovered: a sequence reserves its prompt plus the tokens it may
 generate (its ``max_new_tokens``, cut to what ``max_seq`` leaves) against a budget of cache
@@ -44,14 +42,15 @@ more than the queue holds is refused at once (``GenerationQueueFull``), and so i
 never fit the budget (``KvBudgetExceeded``). Nothing past the budget is ever allocated.
 
 A sequence's tokens depend only on its own cache slot, its own sampling parameters and its own
-``torch.Generator``, so a stream gets the same tokens whoever else runs beside it. Events go to
-each sequence's ``sink`` from the engine thread; a cancelled sequence (its client went away) is
-dropped at the start of the next iteration and its slot and reservation freed. A transport that
-cannot cancel a sequence when its client goes (the native gRPC front end learns it only by
-asking the call) gives ``submit`` a ``client_gone`` check instead: waiting sequences are asked
-every ``CLIENT_SWEEP_S``, when their turn comes and when the queue is full as another request
-arrives, and a prompt before each of its chunks, so none is run, or holds a place in the queue,
-for nobody; a decoding one learns it when its next token cannot be written.
+``torch.Generator``, so a stream gets the same tokens whoever else runs beside it, and a pick that
+fails (nothing finite to draw from) ends that sequence alone. Events go to each sequence's ``sink``
+from the engine thread; a cancelled sequence (its client went away) is dropped at the start of the
+next iteration and its slot and reservation freed. A transport that cannot cancel a sequence when
+its client goes (the native gRPC front end learns it only by asking the call) gives ``submit`` a
+``client_gone`` check instead: waiting sequences are asked every ``CLIENT_SWEEP_S``, when their
+turn comes and when the queue is full as another request arrives, and a prompt before each of its
+chunks, so none is run, or holds a place in the queue, for nobody; a decoding one learns it when
+its next token cannot be written.
 """
 
 from __future__ import annotations
@@ -530,12 +529,19 @@ class Scheduler:
         except Exception as error:
             self._fail(sequences, error)
             return
-        params = [s.params for s in sequences]
+        params, failures = [s.params for s in sequences], dict[int, Exception]()
+
+        def history(row: int) -> tuple[list[int], list[int]]:
+            return sequences[row].history()
+
         tokens = next_tokens(
-            logits, params, [s.generator for s in sequences], lambda row: sequences[row].history()
+            logits, params, [s.generator for s in sequences], history, failures.__setitem__
         )
         with held_deliveries():  # the step's tokens reach each event loop in one wake-up
             for row, (sequence, token) in enumerate(zip(sequences, tokens, strict=True)):
+                if row in failures:  # its pick failed: it ends, the others go on
+                    self._fail([sequence], failures[row])
+                    continue
                 top = sequence.logprobs
                 scored = None if top is None else token_logprobs(logits[row], token, top)
                 self._took(sequence, token, scored)

@@ -118,3 +118,19 @@ def test_token_logprobs_are_the_log_softmax_and_its_likeliest() -> None:
     assert [i for i, _ in top] == expected.topk(3).indices.tolist()
     assert [lp for _, lp in top] == pytest.approx(expected.topk(3).values.tolist())
     assert token_logprobs(logits.half(), 7, 0) == (pytest.approx(chosen, abs=1e-2), ())
+
+
+def test_a_row_that_cannot_be_drawn_from_is_handed_over_and_the_others_picked() -> None:
+    logits = torch.randn(3, 20, generator=torch.Generator().manual_seed(8))
+    logits[1] = float("nan")
+    params = [SamplingParams(do_sample=True, seed=1)] * 3
+    failed: dict[int, Exception] = {}
+    picks = next_tokens(logits, params, [p.generator() for p in params], None, failed.__setitem__)
+    alone = [next_token(logits[row], params[row], params[row].generator()) for row in (0, 2)]
+    assert list(failed) == [1] and picks[1] == -1 and [picks[0], picks[2]] == alone
+    with pytest.raises(RuntimeError, match="probability"):
+        next_tokens(logits, params, [p.generator() for p in params])
+    with pytest.raises(ValueError, match="temperature must be positive and finite"):
+        SamplingParams(do_sample=True, temperature=float("nan"))
+    with pytest.raises(ValueError, match="seed must be a 64-bit integer"):
+        SamplingParams(seed=2**70)

@@ -314,6 +314,8 @@ def test_grpc_generation_takes_triton_vllm_and_trt_llm_request_forms(batching: S
         ({"input_ids": [1], "parameters": {"temperature": -1}}, 400, "temperature"),
         ({"input_ids": [1], "parameters": {"top_p": 2}}, 400, "top_p"),
         ({"input_ids": [1], "parameters": {"repetition_penalty": 0}}, 400, "must be positive"),
+        ({"input_ids": [1], "parameters": {"temperature": float("nan")}}, 400, "finite number"),
+        ({"input_ids": [1], "parameters": {"seed": 2**70}}, 400, "64-bit integer"),
         ({"input_ids": [1], "parameters": {"frequency_penalty": "x"}}, 400, "must be a number"),
         ({"input_ids": [1], "max_tokens": 2, "parameters": {"max_tokens": 2}}, 400, "both"),
         ({"input_ids": [1] * 300}, 400, "at most 255"),

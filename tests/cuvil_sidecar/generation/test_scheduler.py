@@ -43,6 +43,7 @@ class HistoryEngine:
             self.gate.set()
         self.entered = threading.Event()
         self.fail_on: int | None = None  # a token id whose decode raises
+        self.nan_on: int | None = None  # a token id whose slot's logits are NaN from then on
         self.pause_at: int | None = None  # a decode step (counted from 1) that waits for…
         self.resume = threading.Event()  # …this, after setting ``paused``
         self.paused = threading.Event()
@@ -52,7 +53,7 @@ class HistoryEngine:
         history = self.history[slot]
         logits = torch.zeros(VOCAB)
         logits[(sum(t * (i + 3) for i, t in enumerate(history)) + 7) % VOCAB] = 1.0
-        return logits
+        return logits.fill_(float("nan")) if self.nan_on in history else logits
 
     def prefill(
         self, slot: int, token_ids: torch.Tensor, position: int, kind: str = "prefill"
@@ -460,6 +461,28 @@ def test_an_engine_failure_ends_only_the_sequences_it_hit(alongside: bool) -> No
         ok = Collector()
         scheduler.submit([4, 4], params, ok)
         assert ok.tokens() == alone([4, 4], params)
+    finally:
+        scheduler.close()
+
+
+def test_a_pick_that_fails_ends_its_sequence_and_the_others_go_on() -> None:
+    """A sampled row with no finite logit cannot be drawn from: that sequence ends with an
+    error, the one decoding beside it gets the tokens it gets alone, and the engine thread
+    serves the next request."""
+    engine = HistoryEngine(max_batch=2, max_seq=64, gate=threading.Event())
+    engine.nan_on = 50
+    greedy = SamplingParams(max_new_tokens=6)
+    scheduler = Scheduler(engine)
+    try:
+        broken, beside = Collector(), Collector()
+        scheduler.submit([50, 1], SamplingParams(max_new_tokens=6, do_sample=True), broken)
+        scheduler.submit([4, 4], greedy, beside)
+        engine.gate.set()  # both prompts are in before the first step
+        assert broken.finish == FINISH_ERROR and "probability" in broken.events[-1].error
+        assert beside.tokens() == alone([4, 4], greedy)
+        after = Collector()
+        scheduler.submit([7, 7], greedy, after)
+        assert after.tokens() == alone([7, 7], greedy)
     finally:
         scheduler.close()
 
