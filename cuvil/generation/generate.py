@@ -24,13 +24,14 @@ options of transformers' ``generate`` are refused by name (``UnsupportedGenerati
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from cuvil.generation.engine import DecoderEngine
-from cuvil.generation.sampling import History, SamplingParams, next_tokens
+from cuvil.generation.penalties import PenaltyState
+from cuvil.generation.sampling import SamplingParams, next_tokens
 
 TAKEN = (
     "max_new_tokens",
@@ -141,13 +142,16 @@ def _generate_group(
         last = torch.stack([prompt[-1] for prompt in prompts]).to(torch.int64)
         logits = engine.decode(slots, last, torch.tensor([n - 1 for n in lengths]))
         out: list[list[int]] = [[] for _ in prompts]
-        held = [prompt.tolist() for prompt in prompts]  # what the repetition penalty counts
-        tokens = next_tokens(logits, [params] * len(slots), generators, _history(held, out, slots))
+        vocab = logits.shape[-1]
+        states = [PenaltyState(vocab, p.tolist()) for p in prompts] if params.penalizes else []
+        tokens = next_tokens(logits, [params] * len(slots), generators, states.__getitem__)
         running = list(slots)
         for step in range(params.max_new_tokens):
             still = []
             for slot in running:
                 out[slot].append(tokens[slot])
+                if params.penalizes:
+                    states[slot].add(tokens[slot])
                 if tokens[slot] not in params.eos_token_id:
                     still.append(slot)
             if streamer is not None:
@@ -162,7 +166,7 @@ def _generate_group(
                 rows,
                 [params] * len(running),
                 [generators[s] for s in running],
-                _history(held, out, running),
+                [states[slot] for slot in running].__getitem__ if states else None,
             )
             for slot, token in zip(running, picked, strict=True):
                 tokens[slot] = token
@@ -170,13 +174,6 @@ def _generate_group(
         for slot in slots:
             engine.release(slot)
     return out
-
-
-def _history(
-    held: list[list[int]], out: list[list[int]], rows: list[int]
-) -> Callable[[int], History]:
-    """A step's row -> (its prompt and the tokens generated so far, those tokens)."""
-    return lambda row: (held[rows[row]] + out[rows[row]], out[rows[row]])
 
 
 def _ids(eos_token_id: int | Sequence[int] | None) -> tuple[int, ...]:

@@ -1,14 +1,10 @@
 """Picking the next token from logits, shared by ``generate`` and the sidecar's scheduler.
 
-The order is transformers': the penalties first (they change greedy picks too), then the
-warpers (temperature, top-k, top-p), so ``do_sample=False`` is argmax and sampling draws from
-the same distribution transformers would. ``repetition_penalty`` is transformers' (CTRL's):
-every token the sequence holds, prompt and generated, has its logit divided by the penalty
-where positive and multiplied where negative. ``presence_penalty`` and ``frequency_penalty``
-are OpenAI's (as vLLM applies them, after the repetition penalty): each generated token's
-logit is lowered by the presence penalty once and by the frequency penalty per time it was
-generated. Each sequence carries its own ``torch.Generator``: seeded, a sequence draws the
-same tokens whether it runs alone or in a batch that others join and leave.
+The order is transformers': the penalties first (``penalties.py``; they change greedy picks
+too), then the warpers (temperature, top-k, top-p), so ``do_sample=False`` is argmax and
+sampling draws from the same distribution transformers would. Each sequence carries its own
+``torch.Generator``: seeded, a sequence draws the same tokens whether it runs alone or in a
+batch that others join and leave.
 """
 
 from __future__ import annotations
@@ -17,7 +13,10 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+from cuvil.generation.penalties import PenaltyState, apply_penalties
 
 
 @dataclass(frozen=True)
@@ -65,87 +64,118 @@ class SamplingParams:
         return generator
 
 
-# a row's tokens so far, for the penalties: (every token it holds, prompt included, as
-# transformers' input_ids row; the tokens it generated)
-History = tuple[Sequence[int], Sequence[int]]
-
-
 def next_token(
     logits: torch.Tensor,
     params: SamplingParams,
     generator: torch.Generator | None,
-    history: History = ((), ()),
+    penalty: PenaltyState | None = None,
 ) -> int:
-    """The next token for one sequence from its 1-D logits."""
-    if params.penalizes:
-        logits = penalized(logits.float(), params, *history)
-    if not params.do_sample:
-        return greedy_picks(logits.reshape(1, -1))[0]
-    scores = logits.float() / params.temperature
-    if 0 < params.top_k < scores.numel():
-        kth = torch.topk(scores, params.top_k).values[-1]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if params.top_p < 1:
-        ordered, order = torch.sort(scores, descending=False)
-        cumulative = ordered.softmax(-1).cumsum(-1)
-        dropped = cumulative <= 1 - params.top_p
-        dropped[-1] = False  # the most likely token always stays
-        scores = scores.masked_fill(dropped.scatter(0, order, dropped), float("-inf"))
-    probabilities = scores.softmax(-1)
-    return int(torch.multinomial(probabilities, 1, generator=generator))
-
-
-def penalized(
-    scores: torch.Tensor, params: SamplingParams, held: Sequence[int], generated: Sequence[int]
-) -> torch.Tensor:
-    """1-D ``scores`` with the penalties applied: the repetition penalty on the ``held``
-    tokens (ids past the logits' end are ignored, as transformers does), then the presence and
-    frequency penalties by the ``generated`` tokens' counts."""
-    vocab = scores.numel()
-    if params.repetition_penalty != 1 and len(held):
-        ids = torch.tensor(held, dtype=torch.int64).unique()
-        ids = ids[(ids >= 0) & (ids < vocab)]
-        picked = scores[ids]
-        penalty = params.repetition_penalty
-        scores = scores.clone()
-        scores[ids] = torch.where(picked < 0, picked * penalty, picked / penalty)
-    if (params.presence_penalty or params.frequency_penalty) and len(generated):
-        counts = torch.bincount(torch.tensor(generated, dtype=torch.int64), minlength=vocab)
-        counts = counts[:vocab].to(scores.dtype)
-        scores = scores - params.frequency_penalty * counts
-        scores = scores - params.presence_penalty * (counts > 0).to(scores.dtype)
-    return scores
+    """The next token for one sequence from its 1-D logits (``penalty``: its tokens so far,
+    needed when a penalty is on): ``next_tokens`` for a step of one row."""
+    return next_tokens(logits.reshape(1, -1), [params], [generator], [penalty].__getitem__)[0]
 
 
 def next_tokens(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
-    history: Callable[[int], History] | None = None,
+    penalties: Callable[[int], PenaltyState | None] | None = None,
     failed: Callable[[int, Exception], None] | None = None,
 ) -> list[int]:
     """The next token of each row of ``logits`` [rows, vocab]: one argmax over all rows for the
-    greedy ones (a step's per-row Python is what a small model's decode pays for; an all-greedy
-    step has none), each sampled or penalized row on its own, as ``next_token``, with
-    ``history(row)`` its tokens so far (asked only of the rows a penalty applies to). With
-    ``failed``, a row whose pick raises (no finite weight to draw from) is handed to it and
-    gets -1, and the other rows their tokens; without, the error propagates."""
+    greedy ones (an all-greedy step runs no other Python), the penalties of the rows that have
+    them applied together (``penalties(row)``: that row's state), then one argmax over those
+    rows and the warpers and draws of the sampled rows together, each row drawing from its own
+    generator, so a row picks the same token alone or among others. With ``failed``, a row
+    that cannot be drawn from (no finite weight) is handed to it and gets -1, and the other
+    rows their tokens; without, the error propagates."""
     picks = greedy_picks(logits)
-    if not any(row_params.do_sample or row_params.penalizes for row_params in params):
+    special = [row for row, p in enumerate(params) if p.do_sample or p.penalizes]
+    if not special:
         return picks
-    for row, (row_params, generator) in enumerate(zip(params, generators, strict=True)):
-        if row_params.do_sample or row_params.penalizes:
-            if row_params.penalizes and history is None:
-                raise ValueError("a penalty needs the rows' tokens so far (history)")
-            tokens = history(row) if history is not None and row_params.penalizes else ((), ())
-            try:
-                picks[row] = next_token(logits[row], row_params, generator, tokens)
-            except Exception as error:
+    every = len(special) == len(params)  # no rows to leave out: no gather
+    work = logits.float().clone() if every else logits[special].float()
+    penalized = [k for k, row in enumerate(special) if params[row].penalizes]
+    if penalized:
+        states = [penalties(special[k]) if penalties is not None else None for k in penalized]
+        held = [state for state in states if state is not None]
+        if len(held) < len(states):
+            raise ValueError("a penalty needs the rows' tokens so far (their PenaltyState)")
+        rows = [params[special[k]] for k in penalized]
+        if len(penalized) == len(special):
+            work = apply_penalties(work, rows, held)
+        else:
+            work[penalized] = apply_penalties(work[penalized], rows, held)
+        for k, best in zip(penalized, greedy_picks(work[penalized]), strict=True):
+            picks[special[k]] = best
+    sampled = [k for k, row in enumerate(special) if params[row].do_sample]
+    if sampled:
+        rows = [params[special[k]] for k in sampled]
+        drawn = _draws(work[sampled], rows, [generators[special[k]] for k in sampled])
+        for k, token in zip(sampled, drawn, strict=True):
+            if isinstance(token, Exception):
                 if failed is None:
-                    raise
-                failed(row, error)
-                picks[row] = -1
+                    raise token
+                failed(special[k], token)
+                token = -1
+            picks[special[k]] = token
     return picks
+
+
+def _draws(
+    scores: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> list[int | Exception]:
+    """A draw for each row of (penalized) ``scores`` [rows, vocab] through its warpers
+    (temperature, top-k, top-p), from one uniform number of its own generator (inverse CDF).
+    Each warper is a threshold on the row's scores: top-k's is its k-th largest (NumPy's
+    selection, not a sort), top-p's the smallest score of the nucleus (found among the top-k
+    survivors only); then one mask, exponent and cumulative sum serve all the rows, in place
+    in ``scores`` (which this takes over). A row with no finite weight gets an exception
+    instead of a token."""
+    vocab = scores.shape[1]
+    scores = scores.div_(torch.tensor([p.temperature for p in params]).unsqueeze(1))  # in place:
+    values = scores.numpy()  # a step's tensors of rows x vocabulary cost page faults to make
+    thresholds = np.full(len(params), -np.inf, dtype=np.float32)
+    for row, p in enumerate(params):
+        if 0 < p.top_k < vocab:
+            thresholds[row] = np.partition(values[row], vocab - p.top_k)[vocab - p.top_k]
+        if p.top_p < 1:
+            thresholds[row] = max(thresholds[row], _nucleus_floor(values[row], thresholds[row], p))
+    if bool((thresholds > -np.inf).any()):
+        scores.masked_fill_(scores < torch.from_numpy(thresholds).unsqueeze(1), float("-inf"))
+    # the softmax's numerators, summed along the row: the inverse CDF needs no normalising
+    cdf = scores.sub_(scores.amax(-1, keepdim=True)).exp_().cumsum_(-1)
+    totals = cdf[:, -1:]
+    uniform = torch.cat([torch.rand(1, generator=g) for g in generators]).unsqueeze(1)
+    found = torch.searchsorted(cdf, uniform * totals, right=True).clamp_(max=vocab - 1)
+    below = cdf.gather(1, (found - 1).clamp_(min=0)).masked_fill_(found == 0, 0.0)
+    weights = (cdf.gather(1, found) - below).flatten().tolist()
+    drawn: list[int | Exception] = []
+    for row, token in enumerate(found.flatten().tolist()):
+        total = float(totals[row])
+        if not (math.isfinite(total) and total > 0):
+            error = "the probability distribution has no finite weight to draw from"
+            drawn.append(RuntimeError(error))
+        elif weights[row] > 0:
+            drawn.append(token)
+        else:  # u * total rounded up to the total: the last token with any weight
+            steps = torch.diff(cdf[row], prepend=cdf.new_zeros(1))
+            drawn.append(int(torch.nonzero(steps).flatten()[-1]))
+    return drawn
+
+
+def _nucleus_floor(values: np.ndarray, floor: float, params: SamplingParams) -> float:
+    """The smallest score top-p keeps of a row's ``values`` at or above ``floor``: the least
+    likely tokens whose probabilities sum to at most ``1 - top_p`` go, the likeliest stays."""
+    kept = np.sort(values[values >= floor]) if floor > -np.inf else np.sort(values)
+    if not kept.size or not np.isfinite(kept[-1]):
+        return float(floor)
+    weights = np.exp(kept - kept[-1], dtype=np.float64)
+    cumulative = np.cumsum(weights / weights.sum())
+    dropped = min(int(np.count_nonzero(cumulative <= 1 - params.top_p)), kept.size - 1)
+    return float(kept[dropped])
 
 
 def greedy_picks(logits: torch.Tensor) -> list[int]:

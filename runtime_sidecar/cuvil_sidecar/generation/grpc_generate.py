@@ -31,7 +31,7 @@ import numpy as np
 from cuvil_sidecar.dataplane import DataPlane
 from cuvil_sidecar.errors import InvalidInput, SidecarError, grpc_status
 from cuvil_sidecar.generation.requests import SAMPLING_KEYS, GenerateRequest, read_parameters
-from cuvil_sidecar.generation.scheduler import FINISH_ERROR, FINISH_SHUTDOWN
+from cuvil_sidecar.generation.sequences import FINISH_ERROR, FINISH_SHUTDOWN
 from cuvil_sidecar.generation.servable import (
     INPUT_IDS,
     OUTPUT_IDS,

@@ -39,7 +39,7 @@ from cuvil_sidecar.generation.chat import read_messages, render_chat
 from cuvil_sidecar.generation.openai_logprobs import chat_logprobs, completion_logprobs, requested
 from cuvil_sidecar.generation.requests import GenerateRequest, read_parameters, read_prompt
 from cuvil_sidecar.generation.rest_generate import TokenEvents, sse_event
-from cuvil_sidecar.generation.scheduler import FINISH_ERROR, FINISH_SHUTDOWN
+from cuvil_sidecar.generation.sequences import FINISH_ERROR, FINISH_SHUTDOWN
 from cuvil_sidecar.generation.servable import (
     GeneratedToken,
     GenerationServable,

@@ -25,7 +25,7 @@ from typing import Any
 from cuvil_sidecar.dataplane import DataPlane
 from cuvil_sidecar.errors import InvalidInput
 from cuvil_sidecar.generation.requests import GenerateRequest, read_parameters, read_prompt
-from cuvil_sidecar.generation.scheduler import FINISH_ERROR, FINISH_SHUTDOWN
+from cuvil_sidecar.generation.sequences import FINISH_ERROR, FINISH_SHUTDOWN
 from cuvil_sidecar.generation.servable import (
     INPUT_IDS,
     TEXT_INPUT,

@@ -60,96 +60,31 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
 from cuvil.generation.engine import DecoderEngine
+from cuvil.generation.penalties import PenaltyState
 from cuvil.generation.sampling import SamplingParams, TokenLogprobs, next_tokens, token_logprobs
 from cuvil_sidecar.errors import GenerationQueueFull, InvalidInput, KvBudgetExceeded
 from cuvil_sidecar.generation.inbox import held_deliveries
+from cuvil_sidecar.generation.sequences import (
+    FINISH_CANCELLED,
+    FINISH_ERROR,
+    FINISH_LENGTH,
+    FINISH_SHUTDOWN,
+    FINISH_STOP,
+    Sequence,
+    Sink,
+    TokenEvent,
+    Usage,
+    decode_ready,
+)
 
 log = logging.getLogger("cuvil_sidecar.generation")
 
-# why a sequence ended: its eos token, its token limit (max_new_tokens or max_seq), its client
-# went away, the engine failed, or the sidecar stopped
-FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED, FINISH_ERROR = "stop", "length", "cancelled", "error"
-FINISH_SHUTDOWN = "shutdown"
 CLIENT_SWEEP_S = 0.05  # how often waiting sequences' clients are asked whether they are gone
 PREFIX_MIN_TOKENS = 8  # a shorter common prefix is written again rather than copied
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    """One generated token (``token``; None on an end without one), and ``finish`` set on the
-    sequence's last event."""
-
-    token: int | None
-    index: int
-    finish: str | None = None
-    error: str = ""
-    at_ns: int = 0  # when the token was picked (time.perf_counter_ns)
-    logprobs: TokenLogprobs | None = None  # where the request asked for them
-
-
-Sink = Callable[[TokenEvent], None]
-
-
-@dataclass(eq=False)
-class Sequence:
-    prompt: list[int]
-    params: SamplingParams
-    sink: Sink
-    max_new_tokens: int  # the request's, cut to what max_seq leaves
-    generator: torch.Generator | None
-    submitted_ns: int
-    slot: int = -1
-    prefilled: int = 0  # prompt positions in the cache before its decode steps (all but one)
-    tokens: list[int] = field(default_factory=list)
-    cancelled: bool = False
-    client_gone: Callable[[], bool] | None = None
-    reused: int = 0  # prompt tokens copied from a slot's cache rather than prefilled
-    logprobs: int | None = None  # report each token's log-probability and this many others'
-
-    def abandoned(self) -> bool:
-        """Cancelled, or its client gone (asked of the transport, for one that can tell)."""
-        if not self.cancelled and self.client_gone is not None and self.client_gone():
-            self.cancelled = True
-        return self.cancelled
-
-    @property
-    def reserved(self) -> int:
-        return len(self.prompt) + self.max_new_tokens
-
-    def history(self) -> tuple[list[int], list[int]]:
-        """What the penalties count: (its prompt and generated tokens, the generated ones)."""
-        return self.prompt + self.tokens, self.tokens
-
-    def written(self) -> list[int]:
-        """The tokens whose keys and values its slot holds, from position 0: the prompt's
-        prefilled part, then each decode step's input (a prompt's last token, then every
-        generated token but the newest)."""
-        count = self.prefilled + len(self.tokens)
-        held = self.prompt if count <= len(self.prompt) else self.prompt + self.tokens
-        return held[:count]
-
-
-def _decode_ready(sequence: Sequence) -> bool:
-    """Its prompt but the last token is in the cache: it joins the next decode step."""
-    return sequence.prefilled == len(sequence.prompt) - 1
-
-
-@dataclass(frozen=True)
-class Usage:
-    running: int  # sequences holding a slot
-    waiting: int
-    reserved_positions: int
-    budget_positions: int
-    reused_tokens: int = 0  # prompt tokens taken from a slot's cache rather than prefilled
-
-    @property
-    def fraction(self) -> float:
-        return self.reserved_positions / self.budget_positions if self.budget_positions else 0.0
 
 
 class Scheduler:
@@ -234,6 +169,7 @@ class Scheduler:
             submitted_ns=time.perf_counter_ns(),
             client_gone=client_gone,
             logprobs=logprobs,
+            penalty=PenaltyState(vocab, prompt) if params.penalizes else None,
         )
         if sequence.reserved > self.budget_positions:
             raise KvBudgetExceeded(
@@ -316,7 +252,7 @@ class Scheduler:
             if prefills:
                 self._prefill_chunks(prefills)
             with self._wake:  # the prompts finished above (or alongside) decode now too
-                decoding = [s for s in self._running if _decode_ready(s)]
+                decoding = [s for s in self._running if decode_ready(s)]
             if decoding:
                 self._decode(decoding)
         for sequence in ending:
@@ -331,7 +267,7 @@ class Scheduler:
         return (
             any(s.cancelled and s not in self._prefilling for s in self._running)
             or any(s.cancelled for s in self._waiting)
-            or any(_decode_ready(s) for s in self._running)
+            or any(decode_ready(s) for s in self._running)
             or (
                 head is not None
                 and bool(self._free_slots)
@@ -531,12 +467,9 @@ class Scheduler:
             return
         params, failures = [s.params for s in sequences], dict[int, Exception]()
 
-        def history(row: int) -> tuple[list[int], list[int]]:
-            return sequences[row].history()
-
-        tokens = next_tokens(
-            logits, params, [s.generator for s in sequences], history, failures.__setitem__
-        )
+        penalties = [s.penalty for s in sequences].__getitem__
+        generators = [s.generator for s in sequences]
+        tokens = next_tokens(logits, params, generators, penalties, failures.__setitem__)
         with held_deliveries():  # the step's tokens reach each event loop in one wake-up
             for row, (sequence, token) in enumerate(zip(sequences, tokens, strict=True)):
                 if row in failures:  # its pick failed: it ends, the others go on
@@ -549,6 +482,8 @@ class Scheduler:
     def _took(self, sequence: Sequence, token: int, logprobs: TokenLogprobs | None) -> None:
         """Send the sequence's next token, end the sequence if done."""
         sequence.tokens.append(token)
+        if sequence.penalty is not None:
+            sequence.penalty.add(token)
         finish = None
         if token in sequence.params.eos_token_id:
             finish = FINISH_STOP

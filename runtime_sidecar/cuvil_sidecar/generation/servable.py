@@ -27,12 +27,12 @@ from cuvil_sidecar.errors import InvalidInput, ShuttingDown, SidecarError
 from cuvil_sidecar.generation.inbox import LoopInboxes
 from cuvil_sidecar.generation.loader import GenerationModel
 from cuvil_sidecar.generation.requests import GenerateRequest
-from cuvil_sidecar.generation.scheduler import (
+from cuvil_sidecar.generation.scheduler import Scheduler
+from cuvil_sidecar.generation.sequences import (
     FINISH_CANCELLED,
     FINISH_ERROR,
     FINISH_SHUTDOWN,
     FINISH_STOP,
-    Scheduler,
     Sequence,
     TokenEvent,
 )

@@ -4,15 +4,17 @@ penalized rows each on its own, the same tokens as row by row; the penalties as 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import pytest
 import torch
 
+from cuvil.generation.penalties import PenaltyState, apply_penalties
 from cuvil.generation.sampling import (
     SamplingParams,
     greedy_picks,
     next_token,
     next_tokens,
-    penalized,
     token_logprobs,
 )
 
@@ -48,6 +50,14 @@ def test_greedy_picks_are_torch_argmax_with_ties_nans_and_strides() -> None:
     assert next_token(rounded[0], SamplingParams(), None) == int(torch.argmax(rounded[0]))
 
 
+def _state(vocab: int, held: list[int], generated: Iterable[int] = ()) -> PenaltyState:
+    """A sequence that holds ``held`` (its prompt) and generated ``generated`` after it."""
+    state = PenaltyState(vocab, held)
+    for token in generated:
+        state.add(token)
+    return state
+
+
 @pytest.mark.parametrize("penalty", [1.3, 0.7])
 def test_the_repetition_penalty_is_transformers(penalty: float) -> None:
     from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
@@ -56,44 +66,44 @@ def test_the_repetition_penalty_is_transformers(penalty: float) -> None:
     scores = torch.randn(3, 100, generator=generator)
     held = torch.randint(0, 100, (3, 30), generator=generator)  # repeats among them
     theirs = RepetitionPenaltyLogitsProcessor(penalty)(held, scores.clone())
-    params = SamplingParams(repetition_penalty=penalty)
-    for row in range(3):
-        ours = penalized(scores[row], params, held[row].tolist(), [])
-        assert torch.equal(ours, theirs[row])
-    changed = penalized(scores[0], params, [5, 5, 7, 250], [])  # an id past the vocabulary
-    assert set(torch.nonzero(changed != scores[0]).flatten().tolist()) <= {5, 7}
+    params = [SamplingParams(repetition_penalty=penalty)] * 3
+    states = [_state(100, held[row].tolist()) for row in range(3)]
+    assert torch.equal(apply_penalties(scores, params, states), theirs)  # all rows at once
+    states = [_state(100, held[row, :20].tolist(), held[row, 20:].tolist()) for row in range(3)]
+    assert torch.equal(apply_penalties(scores, params, states), theirs)  # prompt + generated
+    beyond = _state(100, [5, 5, 7, 250])  # an id past the vocabulary is ignored
+    changed = apply_penalties(scores[:1], params[:1], [beyond])[0]
+    assert set(torch.nonzero(changed != scores[0]).flatten().tolist()) == {5, 7}
 
 
 def test_presence_and_frequency_penalties_count_the_generated_tokens() -> None:
-    scores = torch.zeros(10)
-    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
-    ours = penalized(scores, params, held=[1, 2, 3, 3, 3], generated=[3, 3, 4])
-    expected = torch.zeros(10)
-    expected[3] = -0.5 - 2 * 0.25
-    expected[4] = -0.5 - 0.25
+    scores = torch.zeros(2, 10)
+    params = [SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), SamplingParams()]
+    states = [_state(10, [1, 2, 3, 3, 3], [3, 3, 4]), _state(10, [1], [1, 1])]
+    ours = apply_penalties(scores, params, states)
+    expected = torch.zeros(2, 10)
+    expected[0, 3] = -0.5 - 2 * 0.25
+    expected[0, 4] = -0.5 - 0.25
     assert torch.equal(ours, expected)  # the prompt's tokens (1, 2) are not counted
-    assert torch.equal(penalized(scores, params, held=[1], generated=[]), scores)
 
 
 def test_penalized_rows_pick_alone_what_they_pick_in_a_step() -> None:
     logits = torch.randn(4, 60, generator=torch.Generator().manual_seed(4))
     top = logits.argmax(-1).tolist()
-    histories = [([top[row], 1], [top[row]]) for row in range(4)]  # each row's own best, seen
+    states = [_state(60, [top[row], 1], [top[row]]) for row in range(4)]  # each row's best, seen
     params = [
         SamplingParams(),
         SamplingParams(repetition_penalty=4.0),
         SamplingParams(frequency_penalty=2.0),
         SamplingParams(do_sample=True, presence_penalty=1.0, seed=5),
     ]
-    together = next_tokens(logits, params, [p.generator() for p in params], histories.__getitem__)
+    together = next_tokens(logits, params, [p.generator() for p in params], states.__getitem__)
     generators = [p.generator() for p in params]
-    alone = [
-        next_token(logits[row], params[row], generators[row], histories[row]) for row in range(4)
-    ]
+    alone = [next_token(logits[row], params[row], generators[row], states[row]) for row in range(4)]
     assert together == alone
     assert together[0] == top[0]  # no penalty
     assert together[1] != top[1] and together[2] != top[2]  # their best was seen
-    with pytest.raises(ValueError, match="history"):
+    with pytest.raises(ValueError, match="PenaltyState"):
         next_tokens(logits, params, [None] * 4)
 
 

@@ -15,12 +15,12 @@ from collections.abc import Sequence as Seq
 import pytest
 import torch
 from cuvil_sidecar.errors import GenerationQueueFull, InvalidInput, KvBudgetExceeded
-from cuvil_sidecar.generation.scheduler import (
+from cuvil_sidecar.generation.scheduler import Scheduler
+from cuvil_sidecar.generation.sequences import (
     FINISH_CANCELLED,
     FINISH_ERROR,
     FINISH_LENGTH,
     FINISH_STOP,
-    Scheduler,
     TokenEvent,
 )
 
