@@ -144,3 +144,29 @@ def test_a_row_that_cannot_be_drawn_from_is_handed_over_and_the_others_picked() 
         SamplingParams(do_sample=True, temperature=float("nan"))
     with pytest.raises(ValueError, match="seed must be a 64-bit integer"):
         SamplingParams(seed=2**70)
+
+
+@pytest.mark.parametrize(
+    ("options", "kept"),
+    [
+        ({"temperature": 0.7, "top_k": 0}, [0, 1, 2, 3, 4, 5]),
+        ({"top_k": 3}, [0, 1, 2]),
+        ({"top_p": 0.75}, [0, 1]),  # 0.51 + 0.25 reach 0.75: the third goes
+        ({"top_k": 4, "top_p": 0.9}, [0, 1, 2]),
+    ],
+)
+def test_draws_follow_the_warped_distribution(options: dict, kept: list[int]) -> None:
+    """Many draws from one generator land on each token as often as transformers' warpers
+    (temperature, top-k, top-p, in that order) weigh it, and never outside them."""
+    probabilities = torch.tensor([0.51, 0.25, 0.12, 0.06, 0.04, 0.02])
+    logits = probabilities.log()
+    params = SamplingParams(do_sample=True, seed=3, **options)
+    generator = params.generator()
+    draws = 4000
+    counts = torch.bincount(
+        torch.tensor([next_token(logits, params, generator) for _ in range(draws)]), minlength=6
+    )
+    weights = torch.zeros(6)
+    weights[kept] = (logits[kept] / params.temperature).softmax(-1)
+    assert torch.all(counts[weights == 0] == 0)
+    assert (counts.float() / draws - weights).abs().max() < 0.03
