@@ -94,7 +94,8 @@ def next_tokens(
     if not special:
         return picks
     every = len(special) == len(params)  # no rows to leave out: no gather
-    work = logits.float().clone() if every else logits[special].float()
+    # on the CPU (where a GPU's logits come to be drawn from), a copy this may change
+    work = (logits if every else logits[special]).to("cpu", torch.float32, copy=every)
     penalized = [k for k, row in enumerate(special) if params[row].penalizes]
     if penalized:
         states = [penalties(special[k]) if penalties is not None else None for k in penalized]

@@ -24,7 +24,9 @@ def test_a_mixed_step_picks_what_each_row_picks_alone() -> None:
     greedy = SamplingParams()
     sampled = SamplingParams(do_sample=True, top_k=10, seed=3)
     params = [greedy, sampled, greedy, sampled]
+    before = logits.clone()
     together = next_tokens(logits, params, [p.generator() for p in params])
+    assert torch.equal(logits, before)  # the step's logits are the caller's: left as they were
     generators = [p.generator() for p in params]
     alone = [next_token(row, p, g) for row, p, g in zip(logits, params, generators, strict=True)]
     assert together == alone
