@@ -10,9 +10,12 @@ worth more to the loop. A large model's step nearly halves with a second thread,
 share is small beside it.
 
 So at load, unless ``CUVIL_GENERATION_THREADS`` fixes the count, the decode step at the engine's
-full row count is timed at ``available`` threads and at one fewer. The engine takes one fewer
-when that step costs no more than the full one plus the frontend's work for the step's tokens.
-The choice is made once, on the serving host, from measured steps, not from the model's size.
+full row count is timed at ``available`` threads and at one fewer, in ``TIMING_ROUNDS``
+alternating rounds, each count's fastest round kept: a host whose other work comes and goes
+(a shared VM's neighbours) would otherwise decide by whichever count it happened to slow. The
+engine takes one fewer when that step costs no more than the full one plus the frontend's work
+for the step's tokens. The choice is made once, on the serving host, from measured steps, not
+from the model's size.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ log = logging.getLogger("cuvil_sidecar.generation")
 # threads for a native gRPC stream; the rule below needs it only roughly, and a figure on the
 # high side leaves the core to the frontend when the two counts are close
 FRONTEND_TOKEN_S = 100e-6
+TIMING_ROUNDS = 3  # alternating rounds of timing at each thread count
 
 
 class TimedEngine(Protocol):
@@ -75,10 +79,12 @@ def choose_engine_threads(engine: TimedEngine, available: int, fixed: int = 0) -
     if available < 2:
         return ThreadChoice(max(1, available), available, "one core", {})
     rows = engine.max_batch
-    timed: dict[int, float] = {}
-    for threads in (available, available - 1):
-        with torch_threads(threads):
-            timed[threads] = engine.step_seconds(rows)
+    rounds: dict[int, list[float]] = {available: [], available - 1: []}
+    for _ in range(TIMING_ROUNDS):
+        for threads in rounds:
+            with torch_threads(threads):
+                rounds[threads].append(engine.step_seconds(rows))
+    timed = {threads: min(seconds) for threads, seconds in rounds.items()}
     step_ms = {threads: round(seconds * 1e3, 3) for threads, seconds in timed.items()}
     frontend = rows * FRONTEND_TOKEN_S
     if timed[available - 1] <= timed[available] + frontend:
