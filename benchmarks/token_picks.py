@@ -9,7 +9,7 @@ prompt, of which the last 40 generated: what the penalties count), the same para
 every row: greedy; greedy with transformers' repetition penalty; greedy with that and OpenAI's
 frequency and presence penalties; sampled at temperature 1 with no cut (OpenAI's default), with
 top-k 50 (transformers' and the generate extension's default), and with top-k 20 and top-p 0.9.
-Median microseconds of ``--runs`` calls after five, per 16-row step, beside a decode step of
+Median microseconds of ``--runs`` calls after three, per 16-row step, beside a decode step of
 the tiny model for scale (benchmarks README: ~1 ms at one thread on a 2-core EPYC).
 """
 
@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 from typing import Any
 
 import torch
 
+from benchmarks.decode_attention import median_ms
 from benchmarks.host import cpu_name, emit
 from cuvil.generation.penalties import PenaltyState
 from cuvil.generation.sampling import SamplingParams, next_tokens
@@ -53,14 +53,7 @@ def step_us(vocab: int, options: dict[str, Any], held: int, runs: int) -> float:
     def call() -> None:
         next_tokens(logits, params, generators, states.__getitem__)
 
-    for _ in range(5):
-        call()
-    times = []
-    for _ in range(runs):
-        started = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - started)
-    return round(sorted(times)[len(times) // 2] * 1e6, 1)
+    return round(median_ms(call, runs) * 1e3, 1)
 
 
 def main() -> None:

@@ -159,9 +159,10 @@ def _chunks(
 
     chunk = chunk_writer(header, kind.chat)
     pending: list[GeneratedToken] = []  # scored tokens not in a chunk yet
-    written = [0]  # characters of text in chunks so far: a completion's text offsets
+    written = 0  # characters of text in chunks so far: a completion's text offsets
 
     def frames(token: GeneratedToken) -> list[bytes]:
+        nonlocal written
         if token.finish in (FINISH_ERROR, FINISH_SHUTDOWN):
             error = ended_error(token.finish, token.error)
             return [sse_event(_error_body(str(error), http_status(error))), DONE]
@@ -171,9 +172,9 @@ def _chunks(
         if token.text or token.finish is not None:
             scored = None
             if top is not None:
-                scored = _logprobs(stream, pending, kind, written[0])
+                scored = _logprobs(stream, pending, kind, written)
                 pending.clear()
-            written[0] += len(token.text)
+            written += len(token.text)
             text = token.text or None if kind.chat else token.text
             parts.append(chunk(text, token.finish, logprobs=scored))
         if token.finish is not None:
