@@ -24,9 +24,11 @@ if TYPE_CHECKING:
 class _IdSet:
     """Distinct token ids in order of arrival, as a tensor grown in place."""
 
-    def __init__(self) -> None:
-        self._seen: set[int] = set()
-        self._ids = torch.empty(64, dtype=torch.int64)
+    def __init__(self, ids: torch.Tensor | None = None) -> None:
+        """``ids``: distinct ids to start with."""
+        start = torch.empty(0, dtype=torch.int64) if ids is None else ids.to(torch.int64)
+        self._seen: set[int] = set(start.tolist())
+        self._ids = torch.cat([start, torch.empty(max(64, start.numel()), dtype=torch.int64)])
 
     @property
     def ids(self) -> torch.Tensor:
@@ -50,10 +52,9 @@ class PenaltyState:
     def __init__(self, vocab: int, prompt: Iterable[int] = ()) -> None:
         self.vocab = vocab
         self.counts = torch.zeros(vocab)
-        self._held, self._generated = _IdSet(), _IdSet()
-        for token in prompt:
-            if 0 <= token < vocab:
-                self._held.add(token)
+        ids = torch.tensor(list(prompt), dtype=torch.int64)
+        self._held = _IdSet(ids[(ids >= 0) & (ids < vocab)].unique())  # a long prompt: no loop
+        self._generated = _IdSet()
 
     @property
     def held_ids(self) -> torch.Tensor:
