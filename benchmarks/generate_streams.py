@@ -31,6 +31,9 @@ Each side runs the whole set of requests once untimed, then ``--rounds`` times, 
 alternating round by round (the sidecar stays up, idle, while transformers runs); each side's
 figures are its round of median tokens/s (``rounds_tokens_per_s``: every round's), and
 ``sidecar_over_static`` the ratio of the two medians.
+``--sample``: every request sampled (temperature 1, top-k 50, its own seed) on both sides,
+so ``matching_streams`` is null (the two sides draw differently) and the sidecar's stability
+across rounds is what checks it.
 ``matching_streams``: requests whose sidecar tokens equal the static batch's;
 ``sidecar_outputs_stable``: every sidecar round gave every stream the same tokens.
 The client shares the machine's cores with the sidecar; ``load_average`` is the host's before
@@ -62,6 +65,7 @@ from benchmarks import grpc_streams, sse_streams
 from benchmarks.host import cpu_name, emit
 
 REPO = Path(__file__).resolve().parents[1]
+SAMPLED_TOP_K = 50  # --sample: transformers' default, and the generate extension's
 MODELS: dict[str, dict[str, Any]] = {
     "tiny": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=2,
                  num_attention_heads=8, num_key_value_heads=2, vocab_size=2048),
@@ -104,7 +108,9 @@ def requests_for(args: argparse.Namespace, vocab: int) -> list[dict[str, Any]]:
         length = round(args.prompt_min + fraction * (args.prompt_max - args.prompt_min))
         tokens = round(args.tokens_max - fraction * (args.tokens_max - args.tokens_min))
         prompt = shared + torch.randint(3, vocab, (length,), generator=generator).tolist()
-        parameters = {"max_tokens": tokens, "ignore_eos": True}
+        parameters: dict[str, Any] = {"max_tokens": tokens, "ignore_eos": True}
+        if args.sample:  # each request its own seed: a round repeats the one before
+            parameters |= {"temperature": 1.0, "top_k": SAMPLED_TOP_K, "seed": i}
         requests.append({"input_ids": prompt, "parameters": parameters})
     return requests
 
@@ -195,7 +201,9 @@ def through_sidecar(
     }
 
 
-def static_batches(model: Any, requests: list[dict[str, Any]], batch: int) -> dict[str, Any]:
+def static_batches(
+    model: Any, requests: list[dict[str, Any]], batch: int, sample: bool = False
+) -> dict[str, Any]:
     outputs: list[list[int]] = []
     wanted = sum(r["parameters"]["max_tokens"] for r in requests)
     started = time.perf_counter()
@@ -211,8 +219,8 @@ def static_batches(model: Any, requests: list[dict[str, Any]], batch: int) -> di
         new = max(r["parameters"]["max_tokens"] for r in group)
         with torch.inference_mode():
             generated = model.generate(
-                ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
-                eos_token_id=None, pad_token_id=0,
+                ids, attention_mask=mask, max_new_tokens=new, do_sample=sample,
+                temperature=1.0, top_k=SAMPLED_TOP_K, eos_token_id=None, pad_token_id=0,
             )  # fmt: skip
         for row, request in enumerate(group):
             outputs.append(generated[row, longest:][: request["parameters"]["max_tokens"]].tolist())
@@ -274,6 +282,10 @@ def main() -> None:
         "--stream-interval", type=int, default=1,
         help="the sidecar's CUVIL_STREAM_INTERVAL: tokens per write of a REST stream",
     )  # fmt: skip
+    parser.add_argument(
+        "--sample", action="store_true",
+        help="sampled requests (temperature 1, top-k 50, seeded) rather than greedy",
+    )  # fmt: skip
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path)
     parser.add_argument(
@@ -307,7 +319,7 @@ def main() -> None:
             sidecar_rounds, static_rounds = interleaved(
                 args.rounds,
                 lambda: through_sidecar(ports, args.protocol, path.name, requests),
-                lambda: static_batches(static_model, requests, args.static_batch),
+                lambda: static_batches(static_model, requests, args.static_batch, args.sample),
             )
         finally:
             process.terminate()
@@ -315,15 +327,15 @@ def main() -> None:
         engine_threads = _engine_threads(Path(folder) / "log")
     sidecar, static = median_round(sidecar_rounds), median_round(static_rounds)
     stable = all(r["outputs"] == sidecar_rounds[0]["outputs"] for r in sidecar_rounds)
-    matching = sum(
-        a == b for a, b in zip(sidecar.pop("outputs"), static.pop("outputs"), strict=True)
-    )
+    pairs = zip(sidecar.pop("outputs"), static.pop("outputs"), strict=True)
+    matching = None if args.sample else sum(a == b for a, b in pairs)  # draws differ by design
     result = {
         "model": args.model,
         "streams": args.streams,
         "shared_prefix": args.shared_prefix,
         "prefix_reuse": args.prefix_reuse,
         "stream_interval": args.stream_interval,
+        "sampling": f"temperature 1, top-k {SAMPLED_TOP_K}, seeded" if args.sample else "greedy",
         "threads": args.threads,
         "engine": "EagerDecoderEngine" if args.engine == "eager" else "compiled (cuvil.jit)",
         "precision": "fp32" if args.engine == "eager" else args.precision,
