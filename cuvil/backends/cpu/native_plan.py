@@ -22,6 +22,7 @@ per shape). Schedules free each value after its last reader, as the Python plan 
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -39,6 +40,16 @@ from cuvil.runtime.shape_cache import ShapeCache
 # row count up to its slots, at the thread count it serves with and the one it was timed at.
 # A schedule holds its steps and references to constants, not activations.
 MAX_SCHEDULES = 32
+# How far the schedules' answer may be from the Python plan's, relative to its largest value,
+# where values pass between ops in bf16 or fp16. A fused kernel's native form (a C++
+# attention, say) rounds fp32 sums in another order than its Python form; an fp32 plan sees
+# that as ~1e-6 and the fp32 check below holds, but in a half-precision plan such a difference
+# can tip a value to the next bf16 step at the cast after it, and each later layer carries it:
+# a 12-layer bf16 Llama's logits differed by up to 3e-3 of their scale between two correct
+# runs. A third of the bf16 verification budget (precisions.py), far below what a misbound
+# argument gives (errors of the output's own size).
+HALF_PRECISION_RELATIVE = 1e-2
+HALF = (torch.bfloat16, torch.float16)
 ENUM_ADDERS = {
     torch.dtype: "arg_dtype",
     torch.memory_format: "arg_memory_format",
@@ -97,11 +108,17 @@ class _Recording:
     plan: ExecutionPlan
     runtime: frozenset[int]
     entries: list[NativeStep | Step] = field(default_factory=list)
+    half: bool = False  # some step read a bf16 / fp16 value computed in the call
 
     def observe(
         self, step: Step, args: tuple[Any, ...], kwargs: Mapping[str, Any], slots: list[Any]
     ) -> None:
         live = {id(slots[s]): s for s in self.runtime if isinstance(slots[s], torch.Tensor)}
+        self.half = self.half or any(
+            isinstance(slots[s], torch.Tensor) and slots[s].dtype in HALF
+            for s in step.reads
+            if s in self.runtime
+        )
         fixed = {id(value) for s, value in enumerate(slots) if s not in self.runtime}
         try:
             if any(
@@ -242,7 +259,7 @@ class NativePlanRunner:
         if self.plan.kernel_trials() != before:
             return outputs  # a choice this shape meets is still open: record a later call
         shape = self._assemble(recording.entries)
-        refused = self._check(shape, inputs, symbols, outputs)
+        refused = self._check(shape, inputs, symbols, outputs, recording.half)
         if refused is not None:
             steps = self.plan.data_steps
             names = tuple(step.name for step in steps)
@@ -257,9 +274,11 @@ class NativePlanRunner:
         inputs: Mapping[str, torch.Tensor],
         symbols: Mapping[str, int],
         expected: Mapping[str, Any],
+        half: bool = False,
     ) -> str | None:
         """Why the schedules must not serve this shape (a call that fails, or answers other
-        than the Python plan's on the recorded inputs), or None."""
+        than the Python plan's on the recorded inputs, within ``HALF_PRECISION_RELATIVE``
+        where the plan passes ``half`` values between its ops), or None."""
         try:
             if shape.whole is not None:
                 given = [inputs[name] for name in shape.whole_inputs]
@@ -271,7 +290,7 @@ class NativePlanRunner:
             return f"the schedules failed: {str(error).splitlines()[0]}"
         for name, value in expected.items():
             other = got[name]
-            if isinstance(value, torch.Tensor) and not _same(value, other):
+            if isinstance(value, torch.Tensor) and not _same(value, other, half):
                 return f"output {name!r} differs from the Python plan's"
         return None
 
@@ -368,11 +387,17 @@ def _reordered(values: list[torch.Tensor], order: list[int]) -> list[torch.Tenso
     return [values[index] for index in order]
 
 
-def _same(expected: torch.Tensor, got: Any) -> bool:
+def _same(expected: torch.Tensor, got: Any, half: bool = False) -> bool:
     if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
         return False
     if not expected.is_floating_point():
         return torch.equal(got, expected)
+    if half and expected.numel():
+        a, e = got.float(), expected.float()
+        alike = (a == e) | (a.isnan() & e.isnan())  # the same inf, or NaN in both
+        gap = torch.where(alike, 0.0, (a - e).abs()).nan_to_num(nan=math.inf).max()
+        scale = e.abs().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).max()
+        return bool(gap <= HALF_PRECISION_RELATIVE * scale)
     return torch.allclose(got, expected, rtol=1e-4, atol=1e-5, equal_nan=True)
 
 

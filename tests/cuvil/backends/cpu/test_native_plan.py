@@ -210,3 +210,47 @@ def test_once_its_schedules_are_full_a_model_records_no_new_shape(
             torch.testing.assert_close(compiled(x), spec.model(x), atol=1e-5, rtol=1e-5)
     assert recordings == []
     assert list(_shapes(compiled)) == [f"batch=3 threads={torch.get_num_threads()}"]
+
+
+class _NormedHead(torch.nn.Module):
+    """LayerNorm then a linear, the normed values rounded to bf16 between them when ``half``
+    (as a bf16 plan passes its activations)."""
+
+    def __init__(self, half: bool) -> None:
+        super().__init__()
+        self.half = half
+        self.norm = torch.nn.LayerNorm(64)
+        self.head = torch.nn.Linear(64, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = self.norm(x)
+        return self.head(normed.to(torch.bfloat16).float() if self.half else normed)
+
+
+@pytest.mark.parametrize(
+    ("half", "skew", "native"),
+    [(True, 1e-3, True), (False, 1e-3, False), (True, 5e-2, False)],
+)
+def test_schedules_answer_within_the_plans_own_precision(
+    monkeypatch: pytest.MonkeyPatch, half: bool, skew: float, native: bool
+) -> None:
+    """A native form may round other than its Python form. Where values pass between ops in
+    bf16, such a difference can tip values to the next bf16 step and is no error; in an fp32
+    plan the same difference is refused, and in a bf16 plan so is one past the plan's own
+    rounding. (The Python LayerNorm made to answer ``1 + skew`` times its native form.)"""
+
+    def skewed(factory: Any) -> Any:
+        def prepared(call: Any) -> Any:
+            kernel = factory(call)
+            return replace(kernel, run=lambda *a, **k: kernel.run(*a, **k) * (1 + skew))
+
+        return prepared
+
+    monkeypatch.setitem(CPU_KERNELS, fused.LAYER_NORM, skewed(CPU_KERNELS[fused.LAYER_NORM]))
+    torch.manual_seed(0)
+    compiled = cuvil.jit(_NormedHead(half).eval(), (torch.randn(4, 64),), tolerance=0.1)
+    x = torch.randn(4, 64)
+    compiled.prepare({"x": x})
+    (entry,) = _shapes(compiled).values()
+    assert entry["whole_plan_native"] is native, entry
+    assert ("refused" in entry) is not native
