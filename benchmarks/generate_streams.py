@@ -11,7 +11,9 @@ saved as a transformers checkpoint in a temporary folder and served by a sidecar
 ``--engine compiled`` compiled by ``cuvil.jit(..., task="text-generation")`` into an artifact
 folder with one slot per stream, which the sidecar serves through its compiled prefill/decode
 (``--precision bf16``: bf16 GEMM weights, an fp32 KV cache; greedy tokens may then leave the
-fp32 static batch's after some steps, so ``matching_streams`` counts fewer).
+fp32 static batch's after some steps, so ``matching_streams`` counts fewer;
+``--static-precision bf16`` runs the static batches' model in bf16 too, the like-for-like
+comparison on a CPU with bf16 instructions).
 Every request is greedy with ``ignore_eos`` (so each generates exactly its ``max_tokens``),
 prompts of ``--prompt-min``..``--prompt-max`` tokens (after ``--shared-prefix`` tokens every
 prompt starts with, as a system prompt: the sidecar's prefix reuse, ``--prefix-reuse``, then
@@ -72,6 +74,9 @@ MODELS: dict[str, dict[str, Any]] = {
     "llama100m": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
                       num_attention_heads=12, num_key_value_heads=4, vocab_size=32000),
 }  # fmt: skip
+
+
+STATIC_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def checkpoint(name: str, folder: Path) -> Path:
@@ -301,6 +306,10 @@ def main() -> None:
         "--precision", choices=("fp32", "bf16"), default="fp32", help="the compiled engine's"
     )
     parser.add_argument(
+        "--static-precision", choices=("fp32", "bf16"), default="fp32",
+        help="the dtype of transformers' model in the static batches",
+    )  # fmt: skip
+    parser.add_argument(
         "--rounds", type=int, default=3,
         help="timed rounds per side, interleaved, after one untimed round each",
     )  # fmt: skip
@@ -313,7 +322,9 @@ def main() -> None:
         path = checkpoint(args.model, Path(folder))
         requests = requests_for(args, int(MODELS[args.model]["vocab_size"]))
         served = path if args.engine == "eager" else compiled_artifact(path, args)
-        static_model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True).eval()
+        static_model = AutoModelForCausalLM.from_pretrained(
+            path, local_files_only=True, dtype=STATIC_DTYPES[args.static_precision]
+        ).eval()
         process, ports = start_sidecar(served, args, Path(folder) / "log")
         try:
             sidecar_rounds, static_rounds = interleaved(
@@ -344,7 +355,7 @@ def main() -> None:
         "load_average": {"before": load_before, "after": os.getloadavg()},
         "sidecar_engine_threads": engine_threads,
         "sidecar": sidecar,
-        "transformers_static": static,
+        "transformers_static": static | {"precision": args.static_precision},
         "sidecar_over_static": round(sidecar["tokens_per_s"] / static["tokens_per_s"], 3),
         "matching_streams": matching,
         "sidecar_outputs_stable": stable,

@@ -26,17 +26,20 @@ def test_four_compiled_streams_match_the_static_batch() -> None:
     assert sidecar["inter_token_ms"]["p99"] > 0 and sidecar["client_cpu_s"] >= 0
     assert report["sidecar_engine_threads"].startswith("1 thread")
     assert (report["shared_prefix"], report["prefix_reuse"]) == (12, "on")
+    assert static["precision"] == "fp32"
 
 
 def test_sampled_streams_repeat_round_to_round() -> None:
     """``--sample``: seeded draws on both sides; the sidecar's streams the same every round,
-    nothing compared with transformers' (its draws are its own)."""
+    nothing compared with transformers' (its draws are its own); the static batches' model in
+    bf16 (``--static-precision``)."""
     report = run_report(
         "benchmarks.generate_streams",
         *("--model", "tiny", "--engine", "compiled", "--streams", "2", "--static-batch", "2"),
         *("--prompt-min", "4", "--prompt-max", "8", "--tokens-min", "3", "--tokens-max", "6"),
-        *("--threads", "1", "--rounds", "2", "--sample"),
+        *("--threads", "1", "--rounds", "2", "--sample", "--static-precision", "bf16"),
     )
     assert report["sampling"] == "temperature 1, top-k 50, seeded"
     assert report["matching_streams"] is None and report["sidecar_outputs_stable"]
     assert report["sidecar"]["tokens"] == report["transformers_static"]["tokens"] == 6 + 3
+    assert report["transformers_static"]["precision"] == "bf16"
