@@ -13,14 +13,18 @@ transformers' streamer protocol (``put`` per step), the peers interleaved run by
 - ``cuvil``: ``cuvil.jit(model, …, task="text-generation").generate``;
 - ``cuvil_bf16``: the same compiled with ``precision="bf16"`` (bf16 GEMM weights, fp32 KV
   cache); its greedy tokens may leave eager's after some steps (bf16 rounding flips a close
-  argmax), so ``same_tokens_as_eager`` is expected false for it.
+  argmax), so ``same_tokens_as_eager`` is expected false for it;
+- ``transformers_eager_bf16`` (with ``--bf16-peers``): ``model.generate`` on a bf16 copy of the
+  model, the like-for-like peer of ``cuvil_bf16`` on a CPU with bf16 instructions (elsewhere
+  ATen emulates bf16 and it is slow); ``cuvil_bf16`` gets its ratios to it too.
 
 Per peer: time to first token (prefill), inter-token p50/p99 (decode steps), decode tokens/s
 (1 / mean inter-token time), end-to-end tokens/s; ratios against transformers eager.
 
 ``--streams N`` adds aggregate tokens/s for N concurrent streams of different prompt lengths
 (``STREAM_PEERS``): transformers in static batches (left-padded, all streams in one batch) and
-Cuvil's in-process ``generate`` on the same batch, fp32 and bf16: each run once untimed, then
+Cuvil's in-process ``generate`` on the same batch, fp32 and bf16 (with ``--bf16-peers`` also
+transformers' static batch in bf16): each run once untimed, then
 ``--stream-rounds`` runs each, interleaved, the median shown (``rounds_seconds``: every run). The
 same streams through the
 sidecar's continuous batching, over HTTP, are ``benchmarks/generate_streams.py`` (``--engine
@@ -37,7 +41,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -165,6 +169,17 @@ def transformers_compiled(case: Case) -> Callable[[TokenClock], torch.Tensor]:
     return run
 
 
+def transformers_eager_bf16(case: Case) -> Callable[[TokenClock], torch.Tensor]:
+    """``generate`` on a bf16 copy of the model."""
+    return transformers_eager(_bf16_case(case))
+
+
+def _bf16_case(case: Case) -> Case:
+    import copy
+
+    return replace(case, model=copy.deepcopy(case.model).to(torch.bfloat16))
+
+
 def cuvil_generate(case: Case, precision: str = "fp32") -> Callable[[TokenClock], torch.Tensor]:
     compiled = _compiled(case, precision)
 
@@ -180,7 +195,9 @@ PEERS: dict[str, Callable[[Case], Callable[[TokenClock], torch.Tensor]]] = {
     "transformers_compiled": transformers_compiled,
     "cuvil": cuvil_generate,
     "cuvil_bf16": partial(cuvil_generate, precision="bf16"),
+    "transformers_eager_bf16": transformers_eager_bf16,
 }
+DEFAULT_PEERS = ("transformers_eager", "transformers_compiled", "cuvil", "cuvil_bf16")
 
 
 def timings(clock: TokenClock) -> dict[str, float]:
@@ -230,16 +247,24 @@ def batch_one(case: Case, runs: int, peers: list[str]) -> dict[str, Any]:
         entry["same_tokens_as_eager"] = reference is not None and torch.equal(
             outputs[name], reference
         )
-    eager = results.get("transformers_eager", {})
-    for name in prepared:
-        if name != "transformers_eager" and "decode_tokens_per_s" in eager:
-            results[name]["decode_speedup_vs_eager"] = round(
-                results[name]["decode_tokens_per_s"] / eager["decode_tokens_per_s"], 2
-            )
-            results[name]["ttft_speedup_vs_eager"] = round(
-                eager["ttft_ms"] / results[name]["ttft_ms"], 2
-            )
+    _speedups(results, prepared, "transformers_eager", "eager")
+    bf16_peers = [name for name in prepared if "bf16" in name]
+    _speedups(results, bf16_peers, "transformers_eager_bf16", "eager_bf16")
     return results
+
+
+def _speedups(results: dict[str, Any], names: Any, base: str, label: str) -> None:
+    """Decode tokens/s and time to first token of ``names`` against the peer ``base``."""
+    reference = results.get(base, {})
+    if "decode_tokens_per_s" not in reference:
+        return
+    for name in names:
+        if name != base:
+            entry = results[name]
+            entry[f"decode_speedup_vs_{label}"] = round(
+                entry["decode_tokens_per_s"] / reference["decode_tokens_per_s"], 2
+            )
+            entry[f"ttft_speedup_vs_{label}"] = round(reference["ttft_ms"] / entry["ttft_ms"], 2)
 
 
 # ---------------------------------------------------------------- concurrent streams
@@ -286,21 +311,29 @@ def cuvil_in_process(
     return run
 
 
-STREAM_PEERS: dict[str, Callable[[Case, list[torch.Tensor]], Callable[[], None]]] = {
+StreamPeer = Callable[[Case, list[torch.Tensor]], Callable[[], None]]
+STREAM_PEERS: dict[str, StreamPeer] = {
     "transformers_static_batches": transformers_static_batches,
     "cuvil_in_process": cuvil_in_process,
     "cuvil_bf16_in_process": partial(cuvil_in_process, precision="bf16"),
 }
+BF16_STREAM_PEERS: dict[str, StreamPeer] = {
+    "transformers_static_batches_bf16": lambda case, prompts: transformers_static_batches(
+        _bf16_case(case), prompts
+    ),
+}
 
 
-def concurrent_streams(case: Case, streams: int, rounds: int) -> dict[str, Any]:
+def concurrent_streams(
+    case: Case, streams: int, rounds: int, peers: dict[str, StreamPeer] = STREAM_PEERS
+) -> dict[str, Any]:
     """Each peer prepared and run once untimed on the whole batch (first calls at its size pay
     one-time costs), then ``rounds`` runs each, round by round, the peer that goes first
     rotating; each peer's median run."""
     prompts = _stream_prompts(case, streams)
     runs: dict[str, Callable[[], None]] = {}
     results: dict[str, Any] = {}
-    for name, peer in STREAM_PEERS.items():
+    for name, peer in peers.items():
         try:
             runs[name] = peer(case, prompts)
             runs[name]()
@@ -324,10 +357,13 @@ def concurrent_streams(case: Case, streams: int, rounds: int) -> dict[str, Any]:
             "rounds_seconds": [round(t, 3) for t in times],
         }
     base = results.get("transformers_static_batches", {}).get("tokens_per_s")
-    for result in results.values():
+    base_bf16 = results.get("transformers_static_batches_bf16", {}).get("tokens_per_s")
+    for name, result in results.items():
         if base and "tokens_per_s" in result:
             result["ratio_vs_transformers"] = round(result["tokens_per_s"] / base, 2)
-    ordered = {name: results[name] for name in STREAM_PEERS if name in results}
+        if base_bf16 and "tokens_per_s" in result and "bf16" in name:
+            result["ratio_vs_transformers_bf16"] = round(result["tokens_per_s"] / base_bf16, 2)
+    ordered = {name: results[name] for name in peers if name in results}
     return {"streams": streams, "new_tokens": case.new_tokens, "rounds": rounds, **ordered}
 
 
@@ -338,7 +374,11 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=32, help="prompt tokens")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--models", default=",".join(MODELS))
-    parser.add_argument("--peers", default=",".join(PEERS))
+    parser.add_argument("--peers", default=",".join(DEFAULT_PEERS))
+    parser.add_argument(
+        "--bf16-peers", action="store_true",
+        help="add transformers in bf16: transformers_eager_bf16 and its static batches",
+    )  # fmt: skip
     parser.add_argument("--streams", type=int, default=0, help="concurrent streams (0: off)")
     parser.add_argument(
         "--stream-rounds", type=int, default=3, help="timed runs per peer of the streams"
@@ -366,9 +406,13 @@ def main() -> None:
         parameters = sum(p.numel() for p in model.parameters())
         case = Case(name, model, prompt, args.new_tokens, parameters)
         entry: dict[str, Any] = {"parameters": parameters}
-        entry["batch_1"] = batch_one(case, args.runs, args.peers.split(","))
+        peers = args.peers.split(",") + (["transformers_eager_bf16"] * args.bf16_peers)
+        entry["batch_1"] = batch_one(case, args.runs, list(dict.fromkeys(peers)))
         if args.streams:
-            entry["concurrent"] = concurrent_streams(case, args.streams, args.stream_rounds)
+            stream_peers = STREAM_PEERS | (BF16_STREAM_PEERS if args.bf16_peers else {})
+            entry["concurrent"] = concurrent_streams(
+                case, args.streams, args.stream_rounds, stream_peers
+            )
         document["models"][name] = entry
     document["load_average_after"] = os.getloadavg()
     print(json.dumps(document, indent=2))
