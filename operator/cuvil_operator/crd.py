@@ -238,7 +238,10 @@ def build_spec_schema() -> dict[str, Any]:
                         f"Relative tolerance (default {_defaults('rtol')}).", minimum=0
                     ),
                     "atol": _number(
-                        f"Absolute tolerance (default {_defaults('atol')}).", minimum=0
+                        "Absolute tolerance: an element passes within atol + rtol * |eager|. A"
+                        " value given is absolute; the default is times the output's scale"
+                        f" (max |eager|, at least 1): {_defaults('atol')}.",
+                        minimum=0,
                     ),
                 },
             ),
