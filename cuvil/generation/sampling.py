@@ -123,20 +123,79 @@ def next_tokens(
     return picks
 
 
+# top-k rows with k up to this draw among their k likeliest tokens only (one ``topk`` for all
+# of them, then the mask, exponent and cumulative sum over k columns, not the vocabulary)
+CANDIDATES_AT_MOST = 256
+
+
 def _draws(
     scores: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
 ) -> list[int | Exception]:
     """A draw for each row of (penalized) ``scores`` [rows, vocab] through its warpers
-    (temperature, top-k, top-p), from one uniform number of its own generator (inverse CDF).
-    Each warper is a threshold on the row's scores: top-k's is its k-th largest (NumPy's
-    selection, not a sort), top-p's the smallest score of the nucleus (found among the top-k
+    (temperature, top-k, top-p), from one uniform number of its own generator (inverse CDF
+    over the vocabulary in token order). Each warper is a threshold on the row's scores: top-k's
+    is its k-th largest, top-p's the smallest score of the nucleus (found among the top-k
     survivors only); then one mask, exponent and cumulative sum serve all the rows, in place
-    in ``scores`` (which this takes over). A row with no finite weight gets an exception
+    in ``scores`` (which this takes over). Rows with a small top-k and no tie at its threshold
+    do all this over their k likeliest tokens, put back in token order, which gives the same
+    token (the tokens left out weigh exactly 0). A row with no finite weight gets an exception
     instead of a token."""
-    vocab = scores.shape[1]
     scores = scores.div_(torch.tensor([p.temperature for p in params]).unsqueeze(1))  # in place:
+    values = scores.numpy()  # a step's tensors of rows x vocabulary cost page faults to make
+    uniform = torch.cat([torch.rand(1, generator=g) for g in generators])
+    candidates = {row: _top_k(values[row], p.top_k) for row, p in enumerate(params)}
+    narrow = [row for row, tokens in candidates.items() if tokens is not None]
+    wide = [row for row in range(len(params)) if candidates[row] is None]
+    drawn: list[int | Exception] = [0] * len(params)
+    if wide:
+        rows = scores if len(wide) == len(params) else scores[wide]
+        picked = _draw_wide(rows, [params[r] for r in wide], uniform[wide])
+        for row, token in zip(wide, picked, strict=True):
+            drawn[row] = token
+    if narrow:
+        kept = [(values[r], candidates[r], params[r]) for r in narrow]
+        picked = _draw_among(kept, uniform[narrow])  # type: ignore[arg-type]
+        for row, token in zip(narrow, picked, strict=True):
+            drawn[row] = token
+    return drawn
+
+
+def _top_k(values: np.ndarray, k: int) -> np.ndarray | None:
+    """The tokens of the ``k`` largest ``values``, in token order, where they are exactly the
+    tokens at or above the k-th largest (no tie across it, no NaN) and k is small; else None."""
+    if not 0 < k <= min(CANDIDATES_AT_MOST, values.size - 1):
+        return None
+    kth = np.partition(values, values.size - k)[values.size - k]  # NaN sorts last: in the top
+    if np.isnan(kth):
+        return None
+    tokens = np.flatnonzero(values >= kth)
+    return tokens if tokens.size == k else None
+
+
+def _draw_among(
+    rows: list[tuple[np.ndarray, np.ndarray, SamplingParams]], uniform: torch.Tensor
+) -> list[int | Exception]:
+    """The draws of rows with a small, untied top-k (each its values, its k likeliest tokens
+    in token order, its parameters): over those tokens only."""
+    width = max(len(tokens) for _, tokens, _ in rows)
+    columns = np.full((len(rows), width), -np.inf, dtype=np.float32)
+    ids = np.zeros((len(rows), width), dtype=np.int64)
+    for row, (values, tokens, p) in enumerate(rows):
+        kept = values[tokens]
+        if p.top_p < 1:
+            kept = np.where(kept < _nucleus_floor(kept, float(kept.min()), p), -np.inf, kept)
+        columns[row, : len(kept)] = kept
+        ids[row, : len(kept)] = tokens
+    return _inverse_cdf(torch.from_numpy(columns), uniform, torch.from_numpy(ids))
+
+
+def _draw_wide(
+    scores: torch.Tensor, params: Sequence[SamplingParams], uniform: torch.Tensor
+) -> list[int | Exception]:
+    """The draws over whole rows: thresholds by NumPy's selection (not a sort)."""
+    vocab = scores.shape[1]
     values = scores.numpy()  # a step's tensors of rows x vocabulary cost page faults to make
     thresholds = np.full(len(params), -np.inf, dtype=np.float32)
     for row, p in enumerate(params):
@@ -146,24 +205,37 @@ def _draws(
             thresholds[row] = max(thresholds[row], _nucleus_floor(values[row], thresholds[row], p))
     if bool((thresholds > -np.inf).any()):
         scores.masked_fill_(scores < torch.from_numpy(thresholds).unsqueeze(1), float("-inf"))
+    return _inverse_cdf(scores, uniform, None)
+
+
+def _inverse_cdf(
+    scores: torch.Tensor, uniform: torch.Tensor, tokens: torch.Tensor | None
+) -> list[int | Exception]:
+    """Each row's draw from the softmax of its (masked, in place) ``scores``: the first column
+    whose cumulative weight passes its uniform number times the row's total, as a token
+    (``tokens``: each column's, where the columns are not the vocabulary itself)."""
+    width = scores.shape[1]
     # the softmax's numerators, summed along the row: the inverse CDF needs no normalising
     cdf = scores.sub_(scores.amax(-1, keepdim=True)).exp_().cumsum_(-1)
     totals = cdf[:, -1:]
-    uniform = torch.cat([torch.rand(1, generator=g) for g in generators]).unsqueeze(1)
-    found = torch.searchsorted(cdf, uniform * totals, right=True).clamp_(max=vocab - 1)
+    found = torch.searchsorted(cdf, uniform.unsqueeze(1) * totals, right=True).clamp_(max=width - 1)
     below = cdf.gather(1, (found - 1).clamp_(min=0)).masked_fill_(found == 0, 0.0)
     weights = (cdf.gather(1, found) - below).flatten().tolist()
+    picked = (found if tokens is None else tokens.gather(1, found)).flatten().tolist()
     drawn: list[int | Exception] = []
-    for row, token in enumerate(found.flatten().tolist()):
-        total = float(totals[row])
+    columns, row_totals = found.flatten().tolist(), totals.flatten().tolist()
+    for row, (column, total) in enumerate(zip(columns, row_totals, strict=True)):
         if not (math.isfinite(total) and total > 0):
             error = "the probability distribution has no finite weight to draw from"
             drawn.append(RuntimeError(error))
-        elif weights[row] > 0:
-            drawn.append(token)
-        else:  # u * total rounded up to the total: the last token with any weight
-            steps = torch.diff(cdf[row], prepend=cdf.new_zeros(1))
-            drawn.append(int(torch.nonzero(steps).flatten()[-1]))
+            continue
+        if weights[row] > 0:
+            drawn.append(picked[row])
+            continue
+        # u * total rounded up to the total: the last column with any weight
+        steps = torch.diff(cdf[row], prepend=cdf.new_zeros(1))
+        column = int(torch.nonzero(steps).flatten()[-1])
+        drawn.append(column if tokens is None else int(tokens[row, column]))
     return drawn
 
 

@@ -172,3 +172,40 @@ def test_draws_follow_the_warped_distribution(options: dict, kept: list[int]) ->
     weights[kept] = (logits[kept] / params.temperature).softmax(-1)
     assert torch.all(counts[weights == 0] == 0)
     assert (counts.float() / draws - weights).abs().max() < 0.03
+
+
+@pytest.mark.parametrize("vocab", [64, 2048])
+def test_draws_among_the_top_k_pick_what_whole_rows_pick(
+    monkeypatch: pytest.MonkeyPatch, vocab: int
+) -> None:
+    """Rows with a small top-k draw over their k likeliest tokens only; the tokens are those of
+    the whole-row draw from the same uniform numbers, with top-p, with a tie at the k-th score
+    (that row draws over its whole row) and beside rows without top-k."""
+    from cuvil.generation import sampling
+
+    logits = torch.randn(12, vocab, generator=torch.Generator().manual_seed(4)) * 3
+    logits[10, :4] = logits[10].topk(4).values[-1]  # ties with row 10's 4th score (k 4)
+    params = [
+        SamplingParams(do_sample=True, top_k=k, top_p=p, temperature=t)
+        for k, p, t in (
+            [(50, 1.0, 1.0), (4, 1.0, 0.7), (20, 0.9, 1.0), (0, 1.0, 1.0), (1, 1.0, 1.0)] * 2
+            + [(4, 1.0, 1.0), (50, 0.5, 1.3)]
+        )
+    ]
+    whole = [
+        row for row, p in enumerate(params) if sampling._top_k(logits[row].numpy(), p.top_k) is None
+    ]
+    assert whole == [3, 8, 10]  # no top-k, and the tie
+    picks = {}
+    for way, limit in (("top k", sampling.CANDIDATES_AT_MOST), ("whole rows", 0)):
+        monkeypatch.setattr(sampling, "CANDIDATES_AT_MOST", limit)
+        picks[way] = [
+            next_tokens(logits, params, [_seeded(100 * draw + row) for row in range(12)])
+            for draw in range(40)
+        ]
+    assert picks["top k"] == picks["whole rows"]
+    assert len({tuple(step) for step in picks["top k"]}) > 30  # the draws differ draw to draw
+
+
+def _seeded(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
