@@ -28,6 +28,14 @@ class OutputError:
         return asdict(self)
 
 
+def output_scale(expected: torch.Tensor) -> float:
+    """The scale errors are taken relative to: max |expected| over its finite values (0 for an
+    empty tensor)."""
+    if expected.numel() == 0:
+        return 0.0
+    return float(expected.detach().double().abs().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).max())
+
+
 def compare_output(name: str, actual: torch.Tensor, expected: torch.Tensor) -> OutputError:
     if actual.shape != expected.shape:
         raise AssertionError(
@@ -43,7 +51,7 @@ def compare_output(name: str, actual: torch.Tensor, expected: torch.Tensor) -> O
     same = (a == e) | (a.isnan() & e.isnan())  # the same inf, or NaN where eager has NaN too
     difference = torch.where(same, 0.0, difference).nan_to_num(nan=math.inf)
     max_abs = float(difference.max())
-    scale = float(e.abs().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).max())
+    scale = output_scale(e)
     relative = max_abs / scale if scale > 0 else max_abs
     cosine = float(torch.nn.functional.cosine_similarity(a.flatten(), e.flatten(), dim=0))
     top1 = None

@@ -16,7 +16,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from cuvil.precisions import PRECISIONS
-from cuvil.verify import compare_output
+from cuvil.verify import compare_output, output_scale
 from cuvil_worker.errors import GateFailed, InvalidSpec, VerificationFailed
 
 DEFAULT_SAMPLES = 4
@@ -87,7 +87,7 @@ def validate(
             if error.top1_agreement is not None:
                 previous = entry["top1_agreement"]
                 entry["top1_agreement"] = min(error.top1_agreement, previous or 1.0)
-            floor = atol * _scale(e) if scaled else atol
+            floor = atol * max(1.0, output_scale(e)) if scaled else atol
             if e.is_floating_point() and not torch.allclose(
                 a.double(), e.double(), rtol=rtol, atol=floor
             ):
@@ -113,14 +113,6 @@ def validate(
             + ", ".join(outside[:4])
         )
     return report
-
-
-def _scale(expected: torch.Tensor) -> float:
-    """max |eager| over the finite values, at least 1."""
-    if not expected.is_floating_point() or expected.numel() == 0:
-        return 1.0
-    finite = expected.detach().abs().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
-    return max(1.0, float(finite.max()))
 
 
 def _percentile(values: list[float], q: float) -> float:

@@ -22,7 +22,6 @@ per shape). Schedules free each value after its last reader, as the Python plan 
 
 from __future__ import annotations
 
-import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ from cuvil.backends.cpu.native_calls import KeptCall, OpCall, Result
 from cuvil.backends.cpu.plan_loop import load, reason
 from cuvil.runtime.plan import ExecutionPlan, Step, view_as_reshape
 from cuvil.runtime.shape_cache import ShapeCache
+from cuvil.verify import compare_output
 
 # shapes with native schedules kept per model: a generation model's decode graph meets every
 # row count up to its slots, at the thread count it serves with and the one it was timed at.
@@ -392,12 +392,8 @@ def _same(expected: torch.Tensor, got: Any, half: bool = False) -> bool:
         return False
     if not expected.is_floating_point():
         return torch.equal(got, expected)
-    if half and expected.numel():
-        a, e = got.float(), expected.float()
-        alike = (a == e) | (a.isnan() & e.isnan())  # the same inf, or NaN in both
-        gap = torch.where(alike, 0.0, (a - e).abs()).nan_to_num(nan=math.inf).max()
-        scale = e.abs().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).max()
-        return bool(gap <= HALF_PRECISION_RELATIVE * scale)
+    if half:
+        return compare_output("output", got, expected).relative_to_scale <= HALF_PRECISION_RELATIVE
     return torch.allclose(got, expected, rtol=1e-4, atol=1e-5, equal_nan=True)
 
 
