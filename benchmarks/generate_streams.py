@@ -10,7 +10,7 @@ saved as a transformers checkpoint in a temporary folder and served by a sidecar
 (``CUVIL_MODEL`` = that folder: ``EagerDecoderEngine``, one slot per stream), or with
 ``--engine compiled`` compiled by ``cuvil.jit(..., task="text-generation")`` into an artifact
 folder with one slot per stream, which the sidecar serves through its compiled prefill/decode
-(``--precision bf16``: bf16 GEMM weights, an fp32 KV cache; greedy tokens may then leave the
+(``--precision bf16``: bf16 GEMM weights and KV cache; greedy tokens may then leave the
 fp32 static batch's after some steps, so ``matching_streams`` counts fewer;
 ``--static-precision bf16`` runs the static batches' model in bf16 too, the like-for-like
 comparison on a CPU with bf16 instructions).

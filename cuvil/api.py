@@ -54,7 +54,8 @@ def jit(
     ``max_seq`` positions, returned as a ``GenerationModel`` with ``generate``; the tokenizer
     files of ``tokenizer_dir`` (default: the directory the model was loaded from) go with it.
     ``precision="bf16"`` gives its GEMMs bf16 weights (half the bytes a decode step reads) and
-    keeps the KV cache, attention and norms in fp32.
+    a bf16 KV cache (half the bytes its attention reads, twice the positions in a budget), and
+    keeps attention's arithmetic and the norms in fp32.
     ``memory`` (``cuvil.MemoryPolicy``) chooses the memory planner, whether kernels may write
     in place over dead inputs, and a budget the plan must fit at the largest admitted shapes
     (``MemoryBudgetError`` at compile time, with the numbers, where it does not).

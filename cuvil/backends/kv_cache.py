@@ -13,14 +13,17 @@ views of the slot's prefix (``cache[slot, :, :length]``), so the work follows ea
 length, not ``max_seq``, and nothing is gathered; a decode step over consecutive slots is one
 call over a view of those slots up to the longest row, each row masked to its own length (slots
 in another order, as a continuous-batching scheduler's, are gathered for that one call).
-Grouped-query attention (fewer KV heads than query heads) is ATen's ``enable_gqa``. The CPU's
+Grouped-query attention (fewer KV heads than query heads) is ATen's ``enable_gqa``. A cache may
+hold a lower precision than the queries (a bf16 model's cache under fp32 attention): the write
+rounds to it and the attention reads it widened to the queries' dtype. The CPU's
 native form runs a decode step (one token per row, fp32) as its own loop over rows and heads,
 reading each slot's prefix in place in any slot order. Rows that share a slot (a packed
 prefill's tokens) attend in runs of consecutive positions, each as one chunk (the native form:
 runs of 16 rows or more, the rest through its decode loop).
 
 The CPU and CUDA backends both take these factories (``KV_CACHE_KERNELS``; the CPU adds native
-forms, the same computation in C++ for its native plan loop: cpu/native/kernel_ops.cc); the
+forms, the same computation in C++ for its native plan loop: cpu/native/kernel_ops.cc and
+cached_attention.cc); the
 frontend's tracing ops (cuvil/frontend/kv_cache_ops.py) call the same functions for eager runs. The
 attention reads each row's slot and length on the host (``tolist``), so on a GPU a step with
 these ops synchronises once per layer and is not captured in a CUDA graph.
@@ -38,7 +41,9 @@ from cuvil.runtime.kernels import FusedCall, KernelFactory, PreparedKernel
 def write(
     cache: torch.Tensor, new: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor
 ) -> torch.Tensor:
-    """Write ``new`` into ``cache`` at each row's slot and positions; returns ``cache``."""
+    """Write ``new`` into ``cache`` at each row's slot and positions, rounded to the cache's
+    dtype (a bf16 cache of fp32 keys); returns ``cache``."""
+    new = new.to(cache.dtype)
     by_position = cache.transpose(1, 2)  # a view: [slots, max_seq, kv_heads, head_dim]
     tokens = new.shape[2]
     if tokens == 1:
@@ -71,11 +76,11 @@ def attend(
         # one token per row: one call over the rows' slots up to the longest, each row masked to
         # its own length; consecutive slots (generate's batches) are a view, others a gather
         if rows == list(range(first, first + len(rows))):
-            keys = key_cache[first : first + len(rows), :, :longest]
-            values = value_cache[first : first + len(rows), :, :longest]
+            keys = key_cache[first : first + len(rows), :, :longest].to(query.dtype)
+            values = value_cache[first : first + len(rows), :, :longest].to(query.dtype)
         else:
-            keys = key_cache[:, :, :longest].index_select(0, slots)
-            values = value_cache[:, :, :longest].index_select(0, slots)
+            keys = key_cache[:, :, :longest].index_select(0, slots).to(query.dtype)
+            values = value_cache[:, :, :longest].index_select(0, slots).to(query.dtype)
         seen = torch.arange(longest, device=query.device)[None, :] <= positions[:, None]
         return F.scaled_dot_product_attention(
             query, keys, values, attn_mask=seen[:, None, None, :], scale=scale, enable_gqa=gqa
@@ -83,8 +88,8 @@ def attend(
     out = []
     for row, (slot, start) in enumerate(zip(rows, starts, strict=True)):
         length = start + tokens
-        keys = key_cache[slot : slot + 1, :, :length]
-        values = value_cache[slot : slot + 1, :, :length]
+        keys = key_cache[slot : slot + 1, :, :length].to(query.dtype)
+        values = value_cache[slot : slot + 1, :, :length].to(query.dtype)
         mask: torch.Tensor | None = None
         if tokens > 1 and start > 0:  # bottom-right causal: token t sees up to start + t
             seen = torch.arange(length, device=query.device)

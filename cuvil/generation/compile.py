@@ -13,8 +13,10 @@ linears, epilogues) and the op allowlist; the KV cache ops are Cuvil ops from th
 (``cuvil.kv_cache_write`` and ``cuvil.cached_attention``, GQA inside). The two graphs share
 one weights file: a weight a pass derived in both (a packed SwiGLU or QKV weight) is stored
 once. With ``precision="bf16"`` the lowering's precision pass gives the GEMMs bf16 weights, as
-in a forward compile; the KV cache keeps the model's dtype (fp32), so the cache adds no
-rounding of its own.
+in a forward compile, and the KV cache holds bf16 keys and values (``CACHE_DTYPES``), as
+transformers' own cache does for a bf16 model: the attention of a decode step reads every
+cached position of every row, and at 16 rows of 150 positions a 100M Llama's fp32 cache was
+4.9 MB a layer, read from memory each step; the attention widens them to fp32 as it reads.
 
 Verification runs the compiled steps the way ``generate`` does — the example prompt as a
 prefill, then decode steps on the model's greedy tokens — against the model's own full forward
@@ -51,6 +53,7 @@ from cuvil.pipeline import CompileOptions, VerificationError, _Run, check_option
 from cuvil.runtime.generation import PER_ROW, PER_TOKEN, STEP_INPUTS, GenerationModel, KVCacheLayout
 
 VERIFY_DECODE_STEPS = 4
+CACHE_DTYPES = {"bf16": torch.bfloat16}  # precision -> the KV cache's dtype (else the model's)
 TOKENIZER_CONFIG, CHAT_TEMPLATE_FILE = "tokenizer_config.json", "chat_template.jinja"
 
 
@@ -77,6 +80,8 @@ def compile_generation(
     model = model.eval()
     run = _Run(options)
     layout = probe_layout(model, max_batch, max_seq)
+    if options.precision in CACHE_DTYPES and layout.dtype == torch.float32:
+        layout = replace(layout, dtype=CACHE_DTYPES[options.precision])
     name = options.name or type(model).__name__
     with run.stage("export"):
         decode_ep = _export(DecoderStep(model), layout, rows=max_batch, tokens=1)

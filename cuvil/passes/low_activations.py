@@ -16,7 +16,7 @@ select values, so bf16 loses nothing more there; and ``cuvil.layer_norm``, whose
 computes in fp32 for a bf16 input). ``cuvil.attention`` always runs in bf16 (ATen's CPU kernel
 keeps its softmax and accumulators in fp32). Every other op gets fp32 operands, graph outputs
 are fp32, and a value that several ops need converted is converted once. A graph without bf16
-weights is left as it is.
+weights is left as it is, and so are a generation graph's KV cache operands (``CACHE_OPERANDS``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,15 @@ from dataclasses import replace
 
 import torch
 
-from cuvil.fused_ops import ATTENTION, CONV2D, LAYER_NORM, LINEAR, SWIGLU
+from cuvil.fused_ops import (
+    ATTENTION,
+    CACHED_ATTENTION,
+    CONV2D,
+    KV_CACHE_WRITE,
+    LAYER_NORM,
+    LINEAR,
+    SWIGLU,
+)
 from cuvil.ir import Enum, Node, TensorType, Value, iter_values, map_values
 from cuvil.passes.program import NameSource, Program
 
@@ -58,6 +66,9 @@ FOLLOWERS = {
 }
 # fused ops that take bf16 data arguments and answer in bf16 (cast in where they are fp32)
 LOW_DATA = {ATTENTION: ("query", "key", "value", "mask")}
+# a generation graph's KV cache operands, taken in the cache's own dtype (a bf16 model's cache
+# is bf16, written and read in place: a cast would be a copy that the write never reaches)
+CACHE_OPERANDS = {KV_CACHE_WRITE: ("cache",), CACHED_ATTENTION: ("key_cache", "value_cache")}
 
 
 def _to(name: str, source: Value, source_type: TensorType, dtype: str) -> Node:
@@ -163,6 +174,9 @@ def _wanted(
         return {v: LOW for v in data if isinstance(v, Value) and not _is_const(v, program)}, LOW
     if node.op in FOLLOWERS and node.inputs and is_low(node.inputs[0]):
         return {}, LOW
+    if node.op in CACHE_OPERANDS:
+        kept = {node.arg(key) for key in CACHE_OPERANDS[node.op]}
+        return {v: FULL for v in node.inputs if is_low(v) and v not in kept}, FULL
     if node.op == "const":
         return {}, FULL
     return {v: FULL for v in node.inputs if is_low(v)}, FULL

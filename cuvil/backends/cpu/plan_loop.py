@@ -1,5 +1,6 @@
 """The native plan loop's library (native/plan_loop.cc, with Cuvil's kernels as dispatcher ops
-from native/kernel_ops.cc, packed_gemm.cc, block_attention.cc and bf16_weights.cc): built on
+from native/kernel_ops.cc, packed_gemm.cc, block_attention.cc, cached_attention.cc and
+bf16_weights.cc): built on
 first use, loaded into torch.
 
 It is C++ against torch's own headers and libraries (a TorchScript custom class and op, no
@@ -44,11 +45,13 @@ SOURCES = tuple(
         "kernel_ops.cc",
         "packed_gemm.cc",
         "block_attention.cc",
+        "cached_attention.cc",
         "bf16_weights.cc",
     )
 )
 HEADERS = (
     NATIVE / "vector_math.h",
+    NATIVE / "eight_lanes.h",
     NATIVE / "block_attention.h",
 )  # included by the sources: part of the build's digest
 FLAGS = ("-O2", "-std=c++17", "-fPIC", "-shared", "-w")

@@ -1,4 +1,4 @@
-"""Generation compiled with ``precision="bf16"``: bf16 weights for the GEMMs, an fp32 KV cache,
+"""Generation compiled with ``precision="bf16"``: bf16 weights for the GEMMs, a bf16 KV cache,
 logits within bf16's error budget of the fp32 model's at every step, seeded sampling the same
 run to run. Greedy tokens are not compared with fp32 eager: bf16's rounding may flip a close
 argmax after a few steps, and from there the sequences differ by design."""
@@ -40,13 +40,16 @@ def _relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual - expected).abs().max() / expected.abs().max())
 
 
-def test_the_gemm_weights_are_bf16_and_the_cache_fp32(generation: GenerationModel) -> None:
+def test_the_gemm_weights_and_the_cache_are_bf16(generation: GenerationModel) -> None:
     assert generation.config["precision"] == "bf16"
     assert generation.config["report"]["fusions"].get("bf16_weights", 0) > 0
     dtypes = {tensor.dtype for tensor in generation.contents.weights.values()}
     assert torch.bfloat16 in dtypes
-    assert {cache.dtype for cache in generation.caches} == {torch.float32}
-    assert generation.config["generation"]["kv_cache"]["dtype"] == "f32"
+    assert {cache.dtype for cache in generation.caches} == {torch.bfloat16}
+    assert generation.config["generation"]["kv_cache"]["dtype"] == "bf16"
+    layout = generation.layout
+    keys_and_values = 2 * layout.layers * layout.kv_heads * layout.head_dim
+    assert generation.config["generation"]["kv_bytes_per_token"] == keys_and_values * 2
 
 
 def test_logits_stay_within_the_bf16_budget_step_by_step(

@@ -60,6 +60,18 @@ def test_the_write_goes_in_place_at_each_rows_slot_and_positions(
 
 
 @pytest.mark.parametrize("form", sorted(WRITES))
+def test_a_bf16_cache_holds_the_written_rows_rounded_to_bf16(form: str) -> None:
+    """fp32 keys into a bf16 model's cache: rounded as ``Tensor.to`` rounds them, in place."""
+    cache = _cache().bfloat16()
+    pointer = cache.data_ptr()
+    new = torch.randn(2, KV_HEADS, 3, HEAD)
+    result = WRITES[form](cache, new, torch.tensor([0, 2]), torch.tensor([1, 5]))
+    assert result is cache and cache.data_ptr() == pointer
+    assert torch.equal(cache[0, :, 1:4], new[0].bfloat16())
+    assert torch.equal(cache[2, :, 5:8], new[1].bfloat16())
+
+
+@pytest.mark.parametrize("form", sorted(WRITES))
 def test_the_write_of_rows_sharing_a_slot_and_of_a_wrapped_slot(form: str) -> None:
     """A packed prefill's rows (one token each, one slot, consecutive positions) and a
     negative slot, which ATen's indexing wraps: both forms write as ``index_put_`` does."""
@@ -114,10 +126,13 @@ def _reference_attention(
     ],
 )
 @pytest.mark.parametrize("form", ["aten", "native"])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 def test_cached_attention_equals_attention_over_the_gathered_prefix(
-    tokens: int, starts: list[int], slots: list[int], form: str
+    tokens: int, starts: list[int], slots: list[int], form: str, cache_dtype: torch.dtype
 ) -> None:
-    keys, values = _cache(), _cache().flip(0)
+    """A bf16 cache (a bf16 model's) is read widened to fp32: the same attention as over an
+    fp32 copy of it."""
+    keys, values = _cache().to(cache_dtype), _cache().flip(0).to(cache_dtype)
     query = torch.randn(len(slots), 2 * KV_HEADS, tokens, HEAD)  # 2 query heads per KV head
     rows, positions = torch.tensor(slots), torch.tensor(starts)
     if form == "native":  # the CPU native plan's op (cpu/native/kernel_ops.cc)
@@ -127,7 +142,7 @@ def test_cached_attention_equals_attention_over_the_gathered_prefix(
                      positions, 0.3)  # fmt: skip
     else:
         got = kv_cache.attend(query, keys, values, rows, positions, 0.3)
-    expected = _reference_attention(query, keys, values, slots, starts, 0.3)
+    expected = _reference_attention(query, keys.float(), values.float(), slots, starts, 0.3)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -160,18 +175,20 @@ def test_native_decode_attention_over_long_prefixes_splits_across_threads() -> N
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dim", [4, 20, 40, 64, 96, 128])
-def test_native_decode_attention_takes_any_head_dim(dim: int) -> None:
+def test_native_decode_attention_takes_any_head_dim(dim: int, cache_dtype: torch.dtype) -> None:
     """Eight lanes at a time, the rest one by one: head dims below, across and at a multiple of
-    eight, and value columns summed 64, 32 and 8 at a time."""
+    eight, and value columns summed 64, 32 and 8 at a time, from fp32 or bf16 caches."""
     assert plan_loop.load(), plan_loop.reason()
     generator = torch.Generator().manual_seed(2)
-    keys = torch.randn(4, 2, 40, dim, generator=generator)
-    values = torch.randn(4, 2, 40, dim, generator=generator)
+    keys = torch.randn(4, 2, 40, dim, generator=generator).to(cache_dtype).float()
+    values = torch.randn(4, 2, 40, dim, generator=generator).to(cache_dtype).float()
     query = torch.randn(3, 6, 1, dim, generator=generator)
     slots, starts = [3, 1, 2], [39, 0, 21]
     attend = torch.ops.cuvil_native.cached_attention.default
-    got = attend(query, keys, values, torch.tensor(slots), torch.tensor(starts), None)
+    cached = keys.to(cache_dtype), values.to(cache_dtype)
+    got = attend(query, *cached, torch.tensor(slots), torch.tensor(starts), None)
     expected = _reference_attention(query, keys, values, slots, starts, dim**-0.5)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
