@@ -175,6 +175,8 @@ __attribute__((always_inline)) inline void attend_group_of(
   }
 }
 
+// one clone set per cache element type, each a plain function around the inlined template, so
+// that every clone compiles the whole body for its own ISA
 CUVIL_CLONES void attend_group(const float *q, int64_t group, const float *keys,
                                int64_t key_stride, const float *values, int64_t value_stride,
                                int64_t length, int64_t dim, float factor, float *scores,
