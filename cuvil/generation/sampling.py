@@ -223,8 +223,7 @@ def _inverse_cdf(
     weights = (cdf.gather(1, found) - below).flatten().tolist()
     picked = (found if tokens is None else tokens.gather(1, found)).flatten().tolist()
     drawn: list[int | Exception] = []
-    columns, row_totals = found.flatten().tolist(), totals.flatten().tolist()
-    for row, (column, total) in enumerate(zip(columns, row_totals, strict=True)):
+    for row, total in enumerate(totals.flatten().tolist()):
         if not (math.isfinite(total) and total > 0):
             error = "the probability distribution has no finite weight to draw from"
             drawn.append(RuntimeError(error))
