@@ -13,7 +13,10 @@ folder with one slot per stream, which the sidecar serves through its compiled p
 (``--precision bf16``: bf16 GEMM weights and KV cache; greedy tokens may then leave the
 fp32 static batch's after some steps, so ``matching_streams`` counts fewer;
 ``--static-precision bf16`` runs the static batches' model in bf16 too, the like-for-like
-comparison on a CPU with bf16 instructions).
+comparison on a CPU with bf16 instructions; ``--precision int8``: int8 linear weights, one
+scale per output row, bf16 otherwise; ``--static-precision int8``: transformers' bf16 model with
+its linears' weights rounded to the same int8 values, so that ``matching_streams`` compares
+like with like — its speed is bf16's).
 Every request is greedy with ``ignore_eos`` (so each generates exactly its ``max_tokens``),
 prompts of ``--prompt-min``..``--prompt-max`` tokens (after ``--shared-prefix`` tokens every
 prompt starts with, as a system prompt: the sidecar's prefix reuse, ``--prefix-reuse``, then
@@ -76,7 +79,27 @@ MODELS: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 
-STATIC_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# the static batches' model dtype; int8: bf16 with every linear's weight rounded as Cuvil's
+# int8 precision rounds it (the same values, computed by transformers in bf16)
+STATIC_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.bfloat16}
+
+
+def static_model(path: Path, precision: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    from cuvil.passes.precision import quantize_rows
+
+    model = AutoModelForCausalLM.from_pretrained(
+        path, local_files_only=True, dtype=STATIC_DTYPES[precision]
+    ).eval()
+    if precision == "int8":
+        with torch.no_grad():
+            for module in model.modules():
+                if isinstance(module, torch.nn.Linear):
+                    quantized, scale = quantize_rows(module.weight.float())
+                    rounded = (quantized.float() * scale[:, None]).to(module.weight.dtype)
+                    module.weight = torch.nn.Parameter(rounded, requires_grad=False)
+    return model
 
 
 def checkpoint(name: str, folder: Path) -> Path:
@@ -303,10 +326,11 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--engine", choices=("eager", "compiled"), default="eager")
     parser.add_argument(
-        "--precision", choices=("fp32", "bf16"), default="fp32", help="the compiled engine's"
+        "--precision", choices=("fp32", "bf16", "int8"), default="fp32",
+        help="the compiled engine's",
     )
     parser.add_argument(
-        "--static-precision", choices=("fp32", "bf16"), default="fp32",
+        "--static-precision", choices=("fp32", "bf16", "int8"), default="fp32",
         help="the dtype of transformers' model in the static batches",
     )  # fmt: skip
     parser.add_argument(
@@ -314,7 +338,6 @@ def main() -> None:
         help="timed rounds per side, interleaved, after one untimed round each",
     )  # fmt: skip
     args = parser.parse_args()
-    from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
@@ -322,15 +345,13 @@ def main() -> None:
         path = checkpoint(args.model, Path(folder))
         requests = requests_for(args, int(MODELS[args.model]["vocab_size"]))
         served = path if args.engine == "eager" else compiled_artifact(path, args)
-        static_model = AutoModelForCausalLM.from_pretrained(
-            path, local_files_only=True, dtype=STATIC_DTYPES[args.static_precision]
-        ).eval()
+        peer = static_model(path, args.static_precision)
         process, ports = start_sidecar(served, args, Path(folder) / "log")
         try:
             sidecar_rounds, static_rounds = interleaved(
                 args.rounds,
                 lambda: through_sidecar(ports, args.protocol, path.name, requests),
-                lambda: static_batches(static_model, requests, args.static_batch, args.sample),
+                lambda: static_batches(peer, requests, args.static_batch, args.sample),
             )
         finally:
             process.terminate()

@@ -13,7 +13,7 @@ plain value of one of the listed kinds, or one of its ``choices``.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import sympy
 
@@ -114,13 +114,21 @@ FUSED_OPS: dict[str, FusedOp] = {
                 tensor("bias", optional=True),
                 literal("activation", str, choices=ACTIVATIONS),
                 tensor("residual", optional=True),
+                tensor("weight_scale", optional=True),
             ),
-            "activation(input @ weight.T + bias), or input @ weight.T + bias + residual",
+            "activation(input @ weight.T + bias), or input @ weight.T + bias + residual; "
+            "an int8 weight stands for weight * weight_scale[:, None]",
         ),
         FusedOp(
             SWIGLU,
-            (tensor("input"), tensor("gate_up_weight"), literal("hidden", int)),
-            "silu(input @ gate.T) * (input @ up.T), gate and up packed in one weight",
+            (
+                tensor("input"),
+                tensor("gate_up_weight"),
+                literal("hidden", int),
+                tensor("weight_scale", optional=True),
+            ),
+            "silu(input @ gate.T) * (input @ up.T), gate and up packed in one weight (int8 with "
+            "weight_scale per output row, or float)",
         ),
         FusedOp(
             RMS_NORM,
@@ -203,6 +211,19 @@ def fused_node(
     if problems:
         raise FusedOpError(f"%{name}: " + "; ".join(problems))
     return node
+
+
+def with_absent_optionals(node: Node) -> Node:
+    """A ``cuvil.*`` node written before the table gave its op trailing optional arguments
+    (``weight_scale``), with those arguments as None; any other node as it is."""
+    spec = FUSED_OPS.get(node.op)
+    if spec is None or len(node.args) >= len(spec.params):
+        return node
+    names = tuple(name for name, _ in node.args)
+    missing = spec.params[len(names) :]
+    if names != spec.arg_names[: len(names)] or not all(param.optional for param in missing):
+        return node
+    return replace(node, args=(*node.args, *((param.name, None) for param in missing)))
 
 
 def fused_op_problems(node: Node) -> Iterator[str]:

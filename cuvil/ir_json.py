@@ -12,6 +12,7 @@ from typing import Any
 
 import sympy
 
+from cuvil.fused_ops import with_absent_optionals
 from cuvil.ir import Arg, Enum, Graph, Node, Symbol, TensorType, Value, make_symbol
 from cuvil.shape_expr import parse_shape_expr
 
@@ -99,12 +100,14 @@ def graph_from_json(data: dict[str, Any]) -> Graph:
         )
         scope = {s.name: make_symbol(s.name) for s in symbols}
         nodes = tuple(
-            Node(
-                name=str(n["name"]),
-                op=str(n["op"]),
-                args=tuple((str(key), decode_arg(arg, scope)) for key, arg in n["args"]),
-                types=tuple(_decode_type(t, scope) for t in n["types"]),
-                origin=str(n.get("origin", "")),
+            with_absent_optionals(
+                Node(
+                    name=str(n["name"]),
+                    op=str(n["op"]),
+                    args=tuple((str(key), decode_arg(arg, scope)) for key, arg in n["args"]),
+                    types=tuple(_decode_type(t, scope) for t in n["types"]),
+                    origin=str(n.get("origin", "")),
+                )
             )
             for n in data["nodes"]
         )

@@ -52,7 +52,7 @@ from cuvil.passes.fusion import (
 )
 from cuvil.passes.layout import to_channels_last
 from cuvil.passes.low_activations import keep_low_activations
-from cuvil.passes.precision import LOW_DTYPES, low_precision_pass
+from cuvil.passes.precision import LOW_PRECISIONS, low_precision_pass
 from cuvil.passes.program import Program
 from cuvil.passes.rewrite import Rule, apply_rules
 from cuvil.passes.sibling_linears import fuse_sibling_linears
@@ -151,9 +151,9 @@ def lowering_passes(lowering: Lowering, precision: str) -> tuple[tuple[str, Pass
         passes.append(("sibling_linears", fuse_sibling_linears))
     if lowering.channels_last:
         passes.append(("layout", to_channels_last))
-    if precision in LOW_DTYPES:
+    if precision in LOW_PRECISIONS:
         passes.append(("precision", low_precision_pass(precision)))
-    if precision == "bf16" and lowering.low_activations:
+    if precision in ("bf16", "int8") and lowering.low_activations:
         passes.append(("low_activations", keep_low_activations))
     return tuple(passes)
 
@@ -358,7 +358,7 @@ def _precision_notes(options: CompileOptions, program: Program) -> list[str]:
     """Say so when a low precision was asked for but nothing could run in it (no GEMM-like
     op)."""
     low = options.precision
-    if low not in LOW_DTYPES or program.hits.get(f"{low}_weights"):
+    if low not in LOW_PRECISIONS or program.hits.get(f"{low}_weights"):
         return []
     return [
         f"precision {low} requested, but the model has no linear, convolution or SwiGLU to run "

@@ -17,6 +17,8 @@ in a forward compile, and the KV cache holds bf16 keys and values (``CACHE_DTYPE
 transformers' own cache does for a bf16 model: the attention of a decode step reads every
 cached position of every row, and at 16 rows of 150 positions a 100M Llama's fp32 cache was
 4.9 MB a layer, read from memory each step; the attention widens them to fp32 as it reads.
+``precision="int8"`` is bf16 with the linears' weights int8 (one scale per output row): the
+same bf16 cache, half the weight bytes a decode step reads.
 
 Verification runs the compiled steps the way ``generate`` does — the example prompt as a
 prefill, then decode steps on the model's greedy tokens — against the model's own full forward
@@ -53,7 +55,8 @@ from cuvil.pipeline import CompileOptions, VerificationError, _Run, check_option
 from cuvil.runtime.generation import PER_ROW, PER_TOKEN, STEP_INPUTS, GenerationModel, KVCacheLayout
 
 VERIFY_DECODE_STEPS = 4
-CACHE_DTYPES = {"bf16": torch.bfloat16}  # precision -> the KV cache's dtype (else the model's)
+# precision -> the KV cache's dtype (else the model's)
+CACHE_DTYPES = {"bf16": torch.bfloat16, "int8": torch.bfloat16}
 TOKENIZER_CONFIG, CHAT_TEMPLATE_FILE = "tokenizer_config.json", "chat_template.jinja"
 
 

@@ -1,7 +1,7 @@
 """Low activations: bf16 values between the GEMM-like ops, fp32 only where an op needs it.
 
-After the precision pass the convolutions and linears have bf16 weights; this pass lets them
-also take and produce bf16, so a chain of them passes bf16 from one to the next instead of
+After the precision pass the convolutions and linears have bf16 (or int8) weights; this pass lets
+them also take and produce bf16, so a chain of them passes bf16 from one to the next instead of
 each casting its input in and its result out:
 
     # linear(x: f32, W: bf16) -> linear(to_bf16(x), W) : bf16     (casts where values enter)
@@ -43,6 +43,7 @@ FULL = "f32"
 # GEMM-like op -> its weight argument; it takes its input in bf16 when that weight is bf16
 GEMMS = {CONV2D, LINEAR, SWIGLU}
 WEIGHTS = {CONV2D: "weight", LINEAR: "weight", SWIGLU: "gate_up_weight"}
+LOW_WEIGHTS = (torch.bfloat16, torch.int8)  # weights whose GEMM takes bf16 (int8: bf16 compute)
 FULL_RESULT = {SWIGLU}  # its gate (silu(gate) * up) is an fp32 kernel: it answers in fp32
 # ops whose result has their first operand's dtype and loses nothing more in bf16
 FOLLOWERS = {
@@ -132,7 +133,7 @@ def _is_low_gemm(node: Node, program: Program) -> bool:
         return False
     weight = node.arg(WEIGHTS[node.op])
     tensor = program.const_tensor(weight) if isinstance(weight, Value) else None
-    return tensor is not None and tensor.dtype == torch.bfloat16
+    return tensor is not None and tensor.dtype in LOW_WEIGHTS
 
 
 def _readers_take_low(program: Program) -> set[Value]:

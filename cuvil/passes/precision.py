@@ -2,6 +2,7 @@
 
     # cuvil.linear / cuvil.conv2d / cuvil.swiglu with fp32 weights -> the same op with bf16
     # (or fp16) weights
+    # int8: cuvil.linear / cuvil.swiglu -> int8 weights and weight_scale (one per output row)
 
 The GEMM-like fused ops carry nearly all the FLOPs; their weights become the low precision and
 the backend computes them in it (with fp32 accumulation) and fp32 at their borders. bf16 keeps
@@ -34,22 +35,56 @@ WEIGHT_ARGUMENTS = {
 
 
 LOW_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# the low precisions the pass makes: bf16 and fp16 weights, or int8 (per-row scaled) linears
+LOW_PRECISIONS = (*LOW_DTYPES, "int8")
+INT8_OPS = {LINEAR, SWIGLU}  # the ops an int8 precision quantizes (convolutions get bf16)
 
 
 def low_precision_pass(precision: str) -> Callable[[Program], Program]:
     """The pass that gives the GEMM-like ops' weights the dtype of ``precision``."""
+    if precision == "int8":
+        return to_int8
     return partial(to_low_precision, dtype=LOW_DTYPES[precision], suffix=precision)
 
 
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` [out, ...] as int8 in [-127, 127] and one fp32 scale per output row
+    (symmetric: the row's largest magnitude maps to 127; an all-zero row gets scale 1)."""
+    rows = weight.float().reshape(weight.shape[0], -1)
+    peak = rows.abs().amax(dim=1)
+    scale = torch.where(peak > 0, peak / 127, torch.ones_like(peak))
+    quantized = torch.round(rows / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return quantized.reshape(weight.shape), scale
+
+
+def to_int8(program: Program) -> Program:
+    """int8 weights with per-row scales (``weight_scale``) for the linears and SwiGLUs, bf16
+    weights for the convolutions."""
+    program = _convert(program, INT8_OPS, quantize_rows, "int8")
+    return to_low_precision(program, torch.bfloat16, "bf16")
+
+
 def to_low_precision(program: Program, dtype: torch.dtype, suffix: str) -> Program:
+    return _convert(program, set(WEIGHT_ARGUMENTS), lambda w: (w.to(dtype), None), suffix)
+
+
+def _convert(
+    program: Program,
+    ops: set[str],
+    convert: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]],
+    suffix: str,
+) -> Program:
+    """Each fp32 weight of ``ops`` replaced by ``convert(weight)``: a new weight and, where it
+    gives one, its scale as the op's ``weight_scale`` (a weight several ops share is converted
+    once)."""
     graph = program.graph
     names = NameSource(graph, program.weights)
     weights = dict(program.weights)
-    converted: dict[str, Value] = {}  # fp32 const node -> its low-precision twin
+    converted: dict[str, tuple[Value, Value | None]] = {}  # fp32 const node -> its twin(s)
     nodes: list[Node] = []
     count = 0
     for node in graph.nodes:
-        key = WEIGHT_ARGUMENTS.get(node.op)
+        key = WEIGHT_ARGUMENTS.get(node.op) if node.op in ops else None
         source = node.arg(key) if key else None
         tensor = program.const_tensor(source) if isinstance(source, Value) else None
         if key is None or tensor is None or tensor.dtype != torch.float32:
@@ -57,13 +92,21 @@ def to_low_precision(program: Program, dtype: torch.dtype, suffix: str) -> Progr
             continue
         assert isinstance(source, Value)
         if source.node not in converted:
-            low = tensor.to(dtype)
-            weight_key = names.fresh(f"{source.node}_{suffix}")
-            weights[weight_key] = low
-            twin = const_node(names.fresh(weight_key), weight_key, low, node.origin)
-            nodes.append(twin)
-            converted[source.node] = twin.value()
-        args = tuple((k, converted[source.node] if k == key else a) for k, a in node.args)
+            low, scale = convert(tensor)
+            twins: list[Value | None] = []
+            for part, label in ((low, suffix), (scale, "scale")):
+                if part is None:
+                    twins.append(None)
+                    continue
+                weight_key = names.fresh(f"{source.node}_{label}")
+                weights[weight_key] = part
+                twin = const_node(names.fresh(weight_key), weight_key, part, node.origin)
+                nodes.append(twin)
+                twins.append(twin.value())
+            converted[source.node] = (twins[0], twins[1])  # type: ignore[assignment]
+        low_value, scale_value = converted[source.node]
+        replaced = {key: low_value, "weight_scale": scale_value}
+        args = tuple((k, replaced.get(k, a)) for k, a in node.args)
         nodes.append(replace(node, args=args))
         count += 1
     if not count:

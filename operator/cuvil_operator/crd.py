@@ -27,7 +27,7 @@ CRD_NAME = f"{PLURAL}.{GROUP}"
 API_VERSION = f"{GROUP}/{VERSION}"
 
 TARGETS = list(KNOWN_TARGETS)
-PRECISIONS = ["fp32", "bf16", "fp16", "tf32"]
+PRECISIONS = ["fp32", "bf16", "fp16", "tf32", "int8"]
 DTYPES = ["float32", "float16", "bfloat16", "int64", "int32", "bool"]
 BUILTIN_MODELS = ["mlp", "resnet18", "resnet50", "minilm", "tiny_llama"]
 PHASES = ["Pending", "Compiling", "Validating", "Pushing", "Succeeded", "Failed"]

@@ -96,6 +96,10 @@ def check_targets(spec: Mapping[str, Any]) -> list[SpecProblem]:
         problems.append(
             SpecProblem("spec.precision", f"{precision} is for cuda targets; use bf16 on cpu")
         )
+    if precision == "int8" and any(str(t).startswith("cuda") for t in targets):
+        problems.append(
+            SpecProblem("spec.precision", "int8 is for cpu targets; use bf16 or fp16 on cuda")
+        )
     return problems
 
 

@@ -19,6 +19,7 @@ import torch
 from cuvil.backends.base import Lowering
 from cuvil.backends.cpu import kernel_choices, linear_kernels
 from cuvil.backends.cpu.dnnl import describe as describe_dnnl
+from cuvil.backends.cpu.int8_weights import describe_int8
 from cuvil.backends.cpu.kernels import CPU_KERNELS
 from cuvil.backends.cpu.linear_kernels import compute_precision
 from cuvil.backends.cpu.native import describe as describe_native
@@ -40,7 +41,7 @@ LOWERING = Lowering(
     linear_epilogues=frozenset({"act", "add", "plain"}),
     channels_last=True,  # oneDNN's convolutions run NHWC
     sibling_linears=True,  # one wider GEMM beats several narrow ones on a few cores
-    precisions=("fp32", "bf16"),
+    precisions=("fp32", "bf16", "int8"),
     low_activations=True,  # oneDNN's bf16 convolutions and inner products read and write bf16
 )
 # a CPU without bf16 GEMMs widens bf16 weights once at load: bf16 values between its fp32
@@ -107,17 +108,19 @@ class CpuBackend:
         return kernel_choices.choose_at_compile(model, inputs, self.prepare)
 
     def describe(self, model: CompiledModel) -> dict[str, Any]:
-        """The precision the GEMMs compute in (a bf16 artifact runs fp32 GEMMs on a CPU without
-        bf16 instructions) and the one values pass between them in (``activations``), the path
-        each kernel with a choice took, which oneDNN the convolutions and linears call, and
-        whether Cuvil's native kernels are offered; which of the choices came from the artifact
-        (made at compile time on this CPU family)."""
+        """The weights' precision and the one the GEMMs compute in (a bf16 or int8 artifact
+        runs fp32 GEMMs on a CPU without bf16 instructions), where int8 weights are read as
+        int8, the precision values pass between the GEMMs in (``activations``), the path each
+        kernel with a choice took, which oneDNN the convolutions and linears call, and whether
+        Cuvil's native kernels are offered; which of the choices came from the artifact (made
+        at compile time on this CPU family)."""
         dtypes = {tensor.dtype for tensor in model.contents.weights.values()}
-        has_bf16 = torch.bfloat16 in dtypes
+        weights = "int8" if torch.int8 in dtypes else "bf16" if torch.bfloat16 in dtypes else "fp32"
         return {
             "backend": "cpu",
-            "weights": "bf16" if has_bf16 else "fp32",
-            "gemm_compute": compute_precision(torch.bfloat16) if has_bf16 else "fp32",
+            "weights": weights,
+            "gemm_compute": compute_precision(torch.bfloat16) if weights != "fp32" else "fp32",
+            "int8_gemm": describe_int8() if weights == "int8" else None,
             "activations": _activations(model.graph),
             "tactics": model.plan.kernel_choices(),
             "cpu_family": kernel_choices.cpu_family(),

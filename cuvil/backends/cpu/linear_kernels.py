@@ -9,6 +9,9 @@
             (MKL runs a one-row GEMM on one thread; see backends/cpu/split_gemm.py)
     bf16_weights  a bf16 weight on a CPU without bf16 GEMMs: kept in bf16 and widened as it
             is read, for steps bounded by reading the weight (backends/cpu/bf16_weights.py)
+    int8    an int8 weight (``weight_scale`` per output row): calls of up to 16 rows on AMX
+            tiles reading the int8 weight, others (and other CPUs) on the paths above over
+            its bf16 values (backends/cpu/int8_weights.py)
 
 None wins everywhere (see cuvil/backends/cpu/tactics.py for why), so each linear
 times them, in place, over its first calls in a new row-count bucket and keeps the fastest.
@@ -39,6 +42,7 @@ from cuvil.backends.cpu.activations import INPLACE_ACTIVATIONS, ONEDNN_ACTIVATIO
 from cuvil.backends.cpu.bf16_weights import bf16_weight_candidates
 from cuvil.backends.cpu.direct_linear import DirectLinear
 from cuvil.backends.cpu.dnnl import load as load_dnnl
+from cuvil.backends.cpu.int8_weights import by_rows, dequantized, int8_kernel
 from cuvil.backends.cpu.kept_primitives import KeptWithFallback
 from cuvil.backends.cpu.kernel_choices import cpuinfo
 from cuvil.backends.cpu.native_calls import (
@@ -129,6 +133,20 @@ def linear_kernel(call: FusedCall) -> PreparedKernel:
         raise ValueError("cuvil.linear fuses an activation or a residual add, not both")
     weight: torch.Tensor = call.arg("weight")
     low_out = call.output_dtype == "bf16"
+    if weight.dtype == torch.int8:
+        scale: torch.Tensor = call.arg("weight_scale")
+        few = int8_kernel(weight, scale, call.arg("bias"), activation, low_out)
+        many = functools.partial(
+            _linear_on, call, dequantized(weight, scale), activation, residual, low_out
+        )
+        return many() if few is None else by_rows(few, many)
+    return _linear_on(call, weight, activation, residual, low_out)
+
+
+def _linear_on(
+    call: FusedCall, weight: torch.Tensor, activation: str, residual: bool, low_out: bool
+) -> PreparedKernel:
+    """The linear's kernel on ``weight`` (fp32 or bf16)."""
     if compute_precision(weight.dtype) == "bf16":
         bias = call.arg("bias")
         dnnl = load_dnnl()
@@ -353,6 +371,24 @@ def swiglu_kernel(call: FusedCall) -> PreparedKernel:
     call.check_runtime(("input",))
     hidden = int(call.arg("hidden"))
     weight: torch.Tensor = call.arg("gate_up_weight")
+    if weight.dtype == torch.int8:
+        scale: torch.Tensor = call.arg("weight_scale")
+        few = int8_kernel(weight, scale, None, "none", low_out=False)
+        many = functools.partial(_swiglu_gemm, call, dequantized(weight, scale))
+        gemm = many() if few is None else by_rows(few, many)
+    else:
+        gemm = _swiglu_gemm(call, weight)
+    project = gemm.run
+
+    def swiglu(x: torch.Tensor) -> torch.Tensor:
+        gate, up = project(x).split(hidden, dim=-1)
+        return F.silu(gate).mul_(up)
+
+    return PreparedKernel(swiglu, gemm.choices, gated_form(gemm.native, hidden))
+
+
+def _swiglu_gemm(call: FusedCall, weight: torch.Tensor) -> PreparedKernel:
+    """The SwiGLU's packed GEMM on ``weight`` (fp32 or bf16), its result fp32."""
     if compute_precision(weight.dtype) == "bf16":
         dnnl = load_dnnl()
         if dnnl is not None and takes_low_input(call):  # bf16 in, the gate's fp32 out
@@ -370,10 +406,4 @@ def swiglu_kernel(call: FusedCall) -> PreparedKernel:
         gemm = _tactic_linear(candidates, wide.shape[-1], mkl_form=mkl_form)
         if "bf16" in call.dtypes.values():  # bf16 values on a CPU without bf16 GEMMs
             gemm = widened(gemm, low_out=False)
-    project = gemm.run
-
-    def swiglu(x: torch.Tensor) -> torch.Tensor:
-        gate, up = project(x).split(hidden, dim=-1)
-        return F.silu(gate).mul_(up)
-
-    return PreparedKernel(swiglu, gemm.choices, gated_form(gemm.native, hidden))
+    return gemm

@@ -1,6 +1,6 @@
 """The native plan loop's library (native/plan_loop.cc, with Cuvil's kernels as dispatcher ops
-from native/kernel_ops.cc, packed_gemm.cc, block_attention.cc, cached_attention.cc and
-bf16_weights.cc): built on
+from native/kernel_ops.cc, packed_gemm.cc, block_attention.cc, cached_attention.cc,
+bf16_weights.cc and int8_weights.cc): built on
 first use, loaded into torch.
 
 It is C++ against torch's own headers and libraries (a TorchScript custom class and op, no
@@ -47,6 +47,7 @@ SOURCES = tuple(
         "block_attention.cc",
         "cached_attention.cc",
         "bf16_weights.cc",
+        "int8_weights.cc",
     )
 )
 HEADERS = (
