@@ -63,10 +63,15 @@ def test_schema_errors_name_their_field() -> None:
     assert "spec" in _fields(spec)  # the missing field is reported on its parent
 
 
-def test_fp16_on_cpu_and_pvc_escape() -> None:
+def test_fp16_on_cpu_int8_on_cuda_and_pvc_escape() -> None:
     spec = _spec()
     spec["precision"] = "fp16"
     assert _fields(spec) == ["spec.precision"]
+    spec["precision"] = "int8"
+    assert _fields(spec) == []  # a cpu target: int8 weights
+    spec["targets"] = ["cpu-x86_64", "cuda-sm_90"]
+    (problem,) = check_spec(spec)
+    assert (problem.field, "int8 is for cpu targets" in problem.message) == ("spec.precision", True)
     spec = copy.deepcopy(_spec())
     spec["source"] = {"pvc": {"claimName": "models", "path": "../etc"}}
     assert _fields(spec) == ["spec.source.pvc.path"]

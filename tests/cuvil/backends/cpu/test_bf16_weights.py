@@ -5,8 +5,6 @@ fp32 ones do not."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,10 +12,9 @@ import torch.nn.functional as F
 from cuvil.backends.cpu import bf16_weights, linear_kernels
 from cuvil.backends.cpu.bf16_weights import Bf16WeightLinear, pack
 from cuvil.backends.cpu.linear_kernels import fp32_weight, linear_kernel
-from cuvil.backends.cpu.native_calls import OpCall, Result
 from cuvil.backends.cpu.tactics import Tactics
 from cuvil.backends.cpu.weight_copies import copies_held
-from tests.cuvil.backends.cpu.calls import prepare
+from tests.cuvil.backends.cpu.calls import prepare, run_native
 from tests.cuvil.backends.cpu.test_linear_kernels import REFERENCE
 
 pytestmark = pytest.mark.skipif(
@@ -31,16 +28,6 @@ def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
         return
     scale = max(float(expected.abs().max()), 1.0)
     assert float((actual - expected).abs().max()) <= 2e-6 * scale * expected.shape[-1] ** 0.5
-
-
-def _run(calls: list[Any]) -> torch.Tensor:
-    """Native calls run one by one in Python, ``Result(i)`` standing for the i-th's result."""
-    results: list[Any] = []
-    for call in calls:
-        assert isinstance(call, OpCall)
-        args = [results[a.index] if isinstance(a, Result) else a for a in call.args]
-        results.append(call.op(*args, **call.kwargs))
-    return results[-1]
 
 
 # the ISA levels this CPU runs: AVX2's code (tiles of up to 2 rows) runs on AVX-512 CPUs too
@@ -83,11 +70,11 @@ def test_the_activation_runs_after_the_gemm_natively_too(activation: str) -> Non
     x = torch.randn(6, 32)
     expected = REFERENCE[activation](F.linear(x, weight.float(), bias))
     _close(path(x), expected)
-    _close(_run(path.native_calls(x, None, 6, 0)), expected)
+    _close(run_native(path.native_calls(x, None, 6, 0)), expected)
     residual = torch.randn(6, 48)
     plain = Bf16WeightLinear(weight, bias, "none")
     calls = plain.native_calls(x, residual, 6, 0)
-    _close(_run(calls), F.linear(x, weight.float(), bias) + residual)
+    _close(run_native(calls), F.linear(x, weight.float(), bias) + residual)
 
 
 def test_the_packing_pairs_each_blocks_columns() -> None:
@@ -119,7 +106,7 @@ def test_bf16_linears_offer_the_path_where_bf16_gemms_widen(
             _close(kernel.run(x), F.linear(x, weight.bfloat16().float(), bias))
             calls = kernel.native((x,))
             assert calls is not None
-            _close(_run(list(calls)), F.linear(x, weight.bfloat16().float(), bias))
+            _close(run_native(list(calls)), F.linear(x, weight.bfloat16().float(), bias))
 
 
 def test_kernels_on_one_bf16_weight_share_its_widened_and_packed_copies(
