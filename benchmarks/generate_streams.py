@@ -328,7 +328,7 @@ def main() -> None:
     parser.add_argument(
         "--precision", choices=("fp32", "bf16", "int8"), default="fp32",
         help="the compiled engine's",
-    )
+    )  # fmt: skip
     parser.add_argument(
         "--static-precision", choices=("fp32", "bf16", "int8"), default="fp32",
         help="the dtype of transformers' model in the static batches",

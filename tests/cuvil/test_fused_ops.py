@@ -60,6 +60,6 @@ def test_the_verifier_refuses_unknown_and_misplaced_fused_ops() -> None:
     swapped = replace(node, args=(node.args[1], node.args[0], *node.args[2:]))
     with pytest.raises(IRVerificationError, match="the table says"):
         verify_graph(_graph(swapped))
-    literal = replace(node, args=(*node.args[:3], ("activation", Value("x")), node.args[4]))
+    literal = replace(node, args=(*node.args[:3], ("activation", Value("x")), *node.args[4:]))
     with pytest.raises(IRVerificationError, match="must be a literal"):
         verify_graph(_graph(literal))
