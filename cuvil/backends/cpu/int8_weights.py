@@ -1,11 +1,12 @@
 """The GEMM of int8 weights (``precision="int8"``): each linear's weight int8 with one fp32 scale
 per output column (``cuvil.linear``'s and ``cuvil.swiglu``'s ``weight_scale``).
 
-On CPUs with AMX-BF16 the weight stays int8 in memory and ``native/int8_weights.cc`` widens it
-to bf16 block by block as it multiplies: a decode step reads half the bytes of a bf16 weight.
-Elsewhere (``offered()`` is false) it is dequantized to a bf16 weight once at load and runs on
-the bf16 paths (linear_kernels.py): the same values, without the saving in bytes.
-``CUVIL_INT8_WEIGHTS=off`` withdraws the native path.
+On CPUs with AMX-INT8 the weight stays int8 in memory and ``native/int8_weights.cc`` multiplies
+it as it is stored, the rows written as two int8 digits each (finer than bf16 rows): a decode
+step reads half the bytes of a bf16 weight. It runs calls of up to FEW_ROWS rows, where it
+measured faster than oneDNN's bf16 GEMM; longer calls (prompts) run the bf16 paths over the
+weight's bf16 values, made on first need. Elsewhere (``offered()`` is false) every call runs
+those. ``CUVIL_INT8_WEIGHTS=off`` withdraws the native path.
 """
 
 from __future__ import annotations
@@ -25,14 +26,14 @@ from cuvil.runtime.kernels import PreparedKernel
 aten = torch.ops.aten
 
 COLUMNS = 16  # output columns of a packed block
-DEPTH = 32  # the in features are padded to a multiple of this
-GROUP = 4  # blocks the kernel multiplies together
-FEW_ROWS = 16  # the most rows a call runs on the int8 weight itself (one AMX tile of rows)
+DEPTH = 64  # the in features are padded to a multiple of this
+GROUP = 2  # blocks the kernel multiplies together
+FEW_ROWS = 64  # the most rows a call runs on the int8 weight itself (past it oneDNN bf16 wins)
 
 
 @functools.cache
 def offered() -> bool:
-    """Whether the native int8 GEMM runs here (AMX-BF16 and the native library)."""
+    """Whether the native int8 GEMM runs here (AMX-INT8 and the native library)."""
     if os.environ.get("CUVIL_INT8_WEIGHTS", "on") == "off":
         return False
     from cuvil.backends.cpu import plan_loop
@@ -43,8 +44,8 @@ def offered() -> bool:
 def describe_int8() -> str:
     """Where an int8 weight is read as int8, in words."""
     if offered():
-        return f"AMX tiles for calls of up to {FEW_ROWS} rows; bf16 values for longer ones"
-    return "bf16 values made at load (no AMX-BF16 here, or CUVIL_INT8_WEIGHTS=off)"
+        return f"AMX int8 tiles for calls of up to {FEW_ROWS} rows; bf16 values for longer ones"
+    return "bf16 values made at load (no AMX-INT8 here, or CUVIL_INT8_WEIGHTS=off)"
 
 
 def dequantized(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -55,18 +56,18 @@ def dequantized(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` [out, in] (int8) in the kernel's order: blocks of 16 outputs, grouped by
-    four (the last group may be shorter); within a group, for each 32 in features, each block's
-    tile of [16 pairs of in features][16 outputs][2] (AMX's bf16 layout for the second operand),
-    so a group's weight is read as one stream. Zeros pad the last block and the in features to
-    a multiple of 32."""
+    two (the last group may be shorter); within a group, for each 64 in features, each block's
+    tile of [16 quads of in features][16 outputs][4] (AMX's int8 layout for the second
+    operand), so a group's weight is read as one stream. Zeros pad the last block and the in
+    features to a multiple of 64."""
     out_features, in_features = (int(size) for size in weight.shape)
     blocks = -(-out_features // COLUMNS)
     depth = -(-in_features // DEPTH) * DEPTH
     padded = weight.new_zeros(blocks * COLUMNS, depth)
     padded[:out_features, :in_features] = weight
-    # [block, k step, pair, column, 2]
-    tiles = padded.view(blocks, COLUMNS, depth // DEPTH, DEPTH // 2, 2).permute(0, 2, 3, 1, 4)
-    tiles = tiles.reshape(blocks, depth // DEPTH, DEPTH // 2 * COLUMNS * 2)
+    # [block, k step, quad, column, 4]
+    tiles = padded.view(blocks, COLUMNS, depth // DEPTH, DEPTH // 4, 4).permute(0, 2, 3, 1, 4)
+    tiles = tiles.reshape(blocks, depth // DEPTH, DEPTH * COLUMNS)
     parts = [
         tiles[first : first + GROUP].transpose(0, 1).reshape(-1)
         for first in range(0, blocks, GROUP)
