@@ -60,7 +60,7 @@ def test_the_packing_groups_two_blocks_of_in_feature_quads() -> None:
     assert packed.numel() == blocks * 16 * depth
     group = packed[: 2 * 16 * depth].view(depth // 64, 2, 16, 16, 4)  # [step, block, quad, col, 4]
     # block 1, in features 64 + 4q + i, column c: weight row 16 + c
-    assert group[1, 1, 1, 5].tolist() == weight[21, 68:70].tolist() + [0, 0]
+    assert group[1, 1, 1, 5].tolist() == [*weight[21, 68:70].tolist(), 0, 0]
     assert group[0, 0, 3, 2].tolist() == weight[2, 12:16].tolist()
     last = packed[2 * 16 * depth :].view(depth // 64, 1, 16, 16, 4)  # the third block alone
     assert last[0, 0, 1, 3].tolist() == weight[35, 4:8].tolist()
