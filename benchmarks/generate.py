@@ -16,7 +16,9 @@ transformers' streamer protocol (``put`` per step), the peers interleaved run by
   argmax), so ``same_tokens_as_eager`` is expected false for it;
 - ``transformers_eager_bf16`` (with ``--bf16-peers``): ``model.generate`` on a bf16 copy of the
   model, the like-for-like peer of ``cuvil_bf16`` on a CPU with bf16 instructions (elsewhere
-  ATen emulates bf16 and it is slow); ``cuvil_bf16`` gets its ratios to it too.
+  ATen emulates bf16 and it is slow); ``cuvil_bf16`` gets its ratios to it too;
+- ``cuvil_int8`` (with ``--peers …,cuvil_int8``): compiled with ``precision="int8"`` (int8
+  linear weights with row scales, bf16 otherwise), with its ratios to the bf16 peer as well.
 
 Per peer: time to first token (prefill), inter-token p50/p99 (decode steps), decode tokens/s
 (1 / mean inter-token time), end-to-end tokens/s; ratios against transformers eager.
@@ -195,6 +197,7 @@ PEERS: dict[str, Callable[[Case], Callable[[TokenClock], torch.Tensor]]] = {
     "transformers_compiled": transformers_compiled,
     "cuvil": cuvil_generate,
     "cuvil_bf16": partial(cuvil_generate, precision="bf16"),
+    "cuvil_int8": partial(cuvil_generate, precision="int8"),
     "transformers_eager_bf16": transformers_eager_bf16,
 }
 DEFAULT_PEERS = ("transformers_eager", "transformers_compiled", "cuvil", "cuvil_bf16")
@@ -248,7 +251,7 @@ def batch_one(case: Case, runs: int, peers: list[str]) -> dict[str, Any]:
             outputs[name], reference
         )
     _speedups(results, prepared, "transformers_eager", "eager")
-    bf16_peers = [name for name in prepared if "bf16" in name]
+    bf16_peers = [name for name in prepared if "bf16" in name or "int8" in name]
     _speedups(results, bf16_peers, "transformers_eager_bf16", "eager_bf16")
     return results
 
