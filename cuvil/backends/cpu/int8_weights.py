@@ -28,7 +28,7 @@ aten = torch.ops.aten
 COLUMNS = 16  # output columns of a packed block
 DEPTH = 64  # the in features are padded to a multiple of this
 GROUP = 2  # blocks the kernel multiplies together
-FEW_ROWS = 64  # the most rows a call runs on the int8 weight itself (past it oneDNN bf16 wins)
+FEW_ROWS = 128  # the most rows a call runs on the int8 weight itself (past it oneDNN bf16 wins)
 
 
 @functools.cache
