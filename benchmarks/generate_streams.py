@@ -87,19 +87,12 @@ STATIC_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.bf
 def static_model(path: Path, precision: str) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    from cuvil.passes.precision import quantize_rows
+    from cuvil.passes.precision import with_int8_linears
 
     model = AutoModelForCausalLM.from_pretrained(
         path, local_files_only=True, dtype=STATIC_DTYPES[precision]
     ).eval()
-    if precision == "int8":
-        with torch.no_grad():
-            for module in model.modules():
-                if isinstance(module, torch.nn.Linear):
-                    quantized, scale = quantize_rows(module.weight.float())
-                    rounded = (quantized.float() * scale[:, None]).to(module.weight.dtype)
-                    module.weight = torch.nn.Parameter(rounded, requires_grad=False)
-    return model
+    return with_int8_linears(model) if precision == "int8" else model
 
 
 def checkpoint(name: str, folder: Path) -> Path:

@@ -7,13 +7,11 @@ there the sequences differ by design."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
 import cuvil
-from cuvil.passes.precision import quantize_rows
+from cuvil.passes.precision import with_int8_linears
 from cuvil.precisions import precision
 from cuvil.runtime.generation import GenerationModel
 from tests.cuvil.generation.families import VOCAB, build
@@ -36,17 +34,6 @@ def generation(model: torch.nn.Module, request: pytest.FixtureRequest) -> Genera
     )  # fmt: skip
     assert isinstance(compiled, GenerationModel)
     return compiled
-
-
-def _rounded(model: torch.nn.Module) -> torch.nn.Module:
-    """``model`` with its linears' weights rounded to the values int8 precision gives them."""
-    rounded = copy.deepcopy(model)
-    with torch.no_grad():
-        for module in rounded.modules():
-            if isinstance(module, torch.nn.Linear):
-                quantized, scale = quantize_rows(module.weight)
-                module.weight = torch.nn.Parameter(quantized.float() * scale[:, None])
-    return rounded
 
 
 def _ids(length: int, seed: int) -> torch.Tensor:
@@ -80,7 +67,7 @@ def test_logits_stay_within_the_budget_step_by_step(
     low = generation.config["precision"]
     references = [(model, precision(low).budget)]
     if low == "int8":
-        references.append((_rounded(model), precision("bf16").budget))
+        references.append((with_int8_linears(model), precision("bf16").budget))
     sequence = _ids(9, seed=1)
     errors: list[list[float]] = [[] for _ in references]
     with torch.no_grad():

@@ -16,22 +16,9 @@ from cuvil.fused_ops import LINEAR, SWIGLU, FusedOpError, fused_node, with_absen
 from cuvil.ir import TensorType, Value
 from cuvil.ir_json import graph_from_json, graph_to_json
 from cuvil.models import mlp, tiny_llama
-from cuvil.passes.precision import quantize_rows
+from cuvil.passes.precision import with_int8_linears
 from cuvil.precisions import PRECISIONS
 from tests.cuvil.passes.rule_cases import ConvBlock
-
-
-def _rounded_copy(model: torch.nn.Module) -> torch.nn.Module:
-    """``model`` with every linear's weight replaced by its int8 values times their scales."""
-    import copy
-
-    rounded = copy.deepcopy(model)
-    with torch.no_grad():
-        for module in rounded.modules():
-            if isinstance(module, torch.nn.Linear):
-                quantized, scale = quantize_rows(module.weight)
-                module.weight.copy_(quantized.float() * scale[:, None])
-    return rounded
 
 
 def _relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -70,7 +57,7 @@ def test_int8_quantizes_the_gemm_weights_and_stays_within_budget(  # type: ignor
         if k.startswith("input.")
     }
     with torch.no_grad():
-        eager = _rounded_copy(spec.model)(**inputs)
+        eager = with_int8_linears(spec.model)(**inputs)
     eager = eager if isinstance(eager, torch.Tensor) else eager[0]
     result = next(iter(compiled.run(inputs).values()))
     assert _relative(result, eager) <= PRECISIONS["bf16"].budget

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from cuvil.backends.cpu import int8_weights
 from cuvil.backends.cpu.int8_weights import FEW_ROWS, Int8WeightLinear, pack
 from cuvil.backends.cpu.linear_kernels import linear_kernel, swiglu_kernel
-from cuvil.passes.precision import quantize_rows
+from cuvil.passes.precision import quantize_rows, with_int8_linears
 from tests.cuvil.backends.cpu.calls import prepare, run_native
 from tests.cuvil.backends.cpu.test_linear_kernels import REFERENCE
 
@@ -51,6 +51,13 @@ def test_rows_are_quantized_symmetrically_per_output_row() -> None:
     wide = torch.randn(64, 200)
     q, s = quantize_rows(wide)
     assert float(((q.float() * s[:, None]) - wide).abs().max()) <= float(s.max()) / 2 + 1e-7
+    model = torch.nn.Sequential(torch.nn.Linear(200, 64), torch.nn.LayerNorm(64))
+    with torch.no_grad():
+        model[0].weight.copy_(wide)
+    rounded = with_int8_linears(model)
+    assert torch.equal(rounded[0].weight, q.float() * s[:, None])
+    assert torch.equal(model[0].weight, wide)  # a copy: the model keeps its weights
+    assert torch.equal(rounded[1].weight, model[1].weight)  # only linears are rounded
 
 
 def test_the_packing_groups_two_blocks_of_in_feature_quads() -> None:
