@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
@@ -108,17 +108,9 @@ def _convert(
         assert isinstance(source, Value)
         if source.node not in converted:
             low, scale = convert(tensor)
-            twins: list[Value | None] = []
-            for part, label in ((low, suffix), (scale, "scale")):
-                if part is None:
-                    twins.append(None)
-                    continue
-                weight_key = names.fresh(f"{source.node}_{label}")
-                weights[weight_key] = part
-                twin = const_node(names.fresh(weight_key), weight_key, part, node.origin)
-                nodes.append(twin)
-                twins.append(twin.value())
-            converted[source.node] = (twins[0], twins[1])  # type: ignore[assignment]
+            made = _Constants(names, weights, nodes, source.node, node.origin)
+            twin = made.add(low, suffix)
+            converted[source.node] = (twin, made.add(scale, "scale") if scale is not None else None)
         low_value, scale_value = converted[source.node]
         replaced = {key: low_value, "weight_scale": scale_value}
         args = tuple((k, replaced.get(k, a)) for k, a in node.args)
@@ -130,3 +122,21 @@ def _convert(
     live = {str(n.arg("key")) for n in new_graph.nodes if n.op == "const"}
     kept = {k: v for k, v in weights.items() if k in live}
     return replace(program, graph=new_graph, weights=kept).with_hits({f"{suffix}_weights": count})
+
+
+@dataclass(frozen=True)
+class _Constants:
+    """Adds a converted weight's parts as weights and const nodes named after ``source``."""
+
+    names: NameSource
+    weights: dict[str, torch.Tensor]
+    nodes: list[Node]
+    source: str
+    origin: str
+
+    def add(self, part: torch.Tensor, label: str) -> Value:
+        key = self.names.fresh(f"{self.source}_{label}")
+        self.weights[key] = part
+        twin = const_node(self.names.fresh(key), key, part, self.origin)
+        self.nodes.append(twin)
+        return twin.value()

@@ -9,9 +9,9 @@
             (MKL runs a one-row GEMM on one thread; see backends/cpu/split_gemm.py)
     bf16_weights  a bf16 weight on a CPU without bf16 GEMMs: kept in bf16 and widened as it
             is read, for steps bounded by reading the weight (backends/cpu/bf16_weights.py)
-    int8    an int8 weight (``weight_scale`` per output row): calls of up to 16 rows on AMX
-            tiles reading the int8 weight, others (and other CPUs) on the paths above over
-            its bf16 values (backends/cpu/int8_weights.py)
+    int8    an int8 weight (``weight_scale`` per output row): calls of up to FEW_ROWS rows on
+            AMX int8 tiles reading the int8 weight, others (and other CPUs) on the paths
+            above over its bf16 values (backends/cpu/int8_weights.py)
 
 None wins everywhere (see cuvil/backends/cpu/tactics.py for why), so each linear
 times them, in place, over its first calls in a new row-count bucket and keeps the fastest.

@@ -19,6 +19,7 @@ from cuvil.models import mlp, tiny_llama
 from cuvil.passes.precision import with_int8_linears
 from cuvil.precisions import PRECISIONS
 from tests.cuvil.passes.rule_cases import ConvBlock
+from tests.cuvil.passes.test_precision import assert_loaded_runs_alike, golden_inputs
 
 
 def _relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -51,11 +52,7 @@ def test_int8_quantizes_the_gemm_weights_and_stays_within_budget(  # type: ignor
         assert weight.dtype == torch.int8 and scale.shape == (weight.shape[0],)
     assert compiled.execution()["weights"] == "int8"
     # against the fp32 model holding the same int8 values: only bf16's rounding remains
-    inputs = {
-        k.removeprefix("input."): v
-        for k, v in compiled.contents.golden.items()
-        if k.startswith("input.")
-    }
+    inputs = golden_inputs(compiled)
     with torch.no_grad():
         eager = with_int8_linears(spec.model)(**inputs)
     eager = eager if isinstance(eager, torch.Tensor) else eager[0]
@@ -63,10 +60,7 @@ def test_int8_quantizes_the_gemm_weights_and_stays_within_budget(  # type: ignor
     assert _relative(result, eager) <= PRECISIONS["bf16"].budget
     loaded = cuvil.load(compiled.save(tmp_path / "m.cuvil"))
     assert {t.dtype for t in loaded.contents.weights.values()} >= {torch.int8}
-    compiled.prepare(inputs)
-    loaded.preset_tactics(compiled.execution()["tactics"])
-    for name, value in loaded.run(inputs).items():
-        torch.testing.assert_close(value, compiled.run(inputs)[name])
+    assert_loaded_runs_alike(compiled, loaded, inputs)
 
 
 def test_int8_leaves_convolutions_in_bf16() -> None:

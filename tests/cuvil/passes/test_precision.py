@@ -12,6 +12,7 @@ import cuvil
 from cuvil.backends.cpu.linear_kernels import has_onednn_bf16
 from cuvil.models import mlp, tiny_llama
 from cuvil.precisions import PRECISIONS
+from cuvil.runtime.model import CompiledModel
 from tests.cuvil.passes.rule_cases import ConvBlock
 
 
@@ -41,17 +42,28 @@ def test_bf16_stays_within_budget_and_halves_gemm_weights(factory, tmp_path: Pat
     assert execution["gemm_compute"] == ("bf16" if has_onednn_bf16() else "fp32")
     assert fp32.execution()["gemm_compute"] == "fp32"
     loaded = cuvil.load(bf16.save(tmp_path / "m.cuvil"))
-    inputs = {
+    assert_loaded_runs_alike(bf16, loaded, golden_inputs(bf16))
+
+
+def golden_inputs(compiled: CompiledModel) -> dict[str, torch.Tensor]:
+    """The example inputs the artifact keeps with its golden outputs, by input name."""
+    return {
         k.removeprefix("input."): v
-        for k, v in bf16.contents.golden.items()
+        for k, v in compiled.contents.golden.items()
         if k.startswith("input.")
     }
-    # the same kernels both sides: on a CPU without bf16 GEMMs an fp32 path's last-bit
-    # differences from another path move some bf16 roundings downstream by an ulp
-    bf16.prepare(inputs)
-    loaded.preset_tactics(bf16.execution()["tactics"])
+
+
+def assert_loaded_runs_alike(
+    compiled: CompiledModel, loaded: CompiledModel, inputs: dict[str, torch.Tensor]
+) -> None:
+    """The saved-and-loaded model gives the compiled one's outputs on ``inputs``, with the same
+    kernels both sides: on a CPU without bf16 GEMMs an fp32 path's last-bit differences from
+    another path move some bf16 roundings downstream by an ulp."""
+    compiled.prepare(inputs)
+    loaded.preset_tactics(compiled.execution()["tactics"])
     for name, value in loaded.run(inputs).items():
-        torch.testing.assert_close(value, bf16.run(inputs)[name])
+        torch.testing.assert_close(value, compiled.run(inputs)[name])
 
 
 def test_bf16_convolutions_match_within_budget() -> None:
